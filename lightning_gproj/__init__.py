@@ -1,0 +1,1 @@
+"""lightning-gproj: numerically safe BF16 attention training for PyTorch Lightning (see README.md)."""

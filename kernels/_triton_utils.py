@@ -1,0 +1,115 @@
+"""Shared helpers of the Triton attention kernels (no Triton import at module level beyond what the
+kernels themselves need).
+
+The kernels run in two worlds: compiled on a CUDA GPU (autotuned over block sizes, warps and stages),
+and under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for CI, where one small fixed
+configuration keeps the run short. ``triton.jit`` decides between the two when a kernel module is
+*imported*, so the environment variable must be set before the first import of the kernel modules.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+LOG2E = math.log2(math.e)
+
+#: Head dimensions the kernels are built and tested for (DESIGN / issue 3). Others in (16, 256] that
+#: are multiples of 8 also run (padded to the next power of two with masked loads), untested.
+TESTED_HEAD_DIMS = (32, 64, 96, 128, 256)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def padded_head_dim(d: int) -> int:
+    """Power of two ≥ max(d, 16): ``tl.arange`` needs powers of two and ``tl.dot`` needs ≥ 16."""
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Whether the Triton kernels can serve these inputs.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
+
+    Returns:
+        None if the Triton path serves the input, else a short human-readable reason (for the op's
+        dispatch warning). Never raises.
+    """
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the install
+        return f"triton is not importable ({exc.__class__.__name__})"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "expected 4-D (batch, seqlen, nheads, headdim) tensors"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype} (the Triton kernels take bf16 / fp16)"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return "q, k, v dtypes differ"
+    if not (q.device == k.device == v.device):
+        return "q, k, v on different devices"
+    if q.device.type == "cuda":
+        if torch.cuda.get_device_capability(q.device) < (8, 0):
+            return "GPU older than sm_80"
+    elif not (q.device.type == "cpu" and interpreting()):
+        return f"device {q.device.type} (CUDA, or CPU under TRITON_INTERPRET=1)"
+    b, nq, h, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        return "batch sizes differ"
+    if k.shape != v.shape:
+        return "k and v shapes differ (different value head dim is not supported)"
+    if k.shape[-1] != d:
+        return "q and k head dims differ"
+    hk = k.shape[2]
+    if hk == 0 or h % hk != 0:
+        return f"nheads {h} not a multiple of nheads_k {hk}"
+    if d > 256 or d < 8 or d % 8 != 0:
+        return f"head dim {d} (supported: multiples of 8 up to 256)"
+    if nq == 0 or k.shape[1] == 0:
+        return "empty sequence"
+    return None
+
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+#: Passed to the kernels as a constexpr. Triton 3.9's interpreter multiplies bf16 tiles as their raw
+#: uint16 bit patterns in ``tl.dot`` (create_dot calls np.matmul on the storage view), so under the
+#: interpreter the operands are widened to fp32 first. That is numerically the same product: a product
+#: of two 16-bit floats is exact in fp32 and the tensor core accumulates in fp32 too.
+INTERPRET = interpreting()
+
+
+@triton.jit
+def mma(a, b, acc, INTERP: tl.constexpr):
+    """acc + a @ b with 16-bit operands and an fp32 accumulator (see INTERPRET for the interpreter)."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def to16(x, dtype: tl.constexpr, INTERP: tl.constexpr):
+    """Round fp32 ``x`` to ``dtype`` to nearest-even, as the GPU's conversion does.
+
+    Triton 3.9's interpreter converts fp32 -> bf16 by truncation (``_convert_float`` with no rounding
+    mode), which would make CI test a different rounding point than the GPU runs; under the
+    interpreter the bf16 rounding is therefore done on the bits (round half to even; inf stays inf,
+    finite values past the bf16 range round to inf as the hardware does). fp16 conversions go
+    through NumPy's astype, which already rounds to nearest-even.
+    """
+    if INTERP:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True).to(dtype)
+        else:
+            return x.to(dtype)
+    else:
+        return x.to(dtype)

@@ -1,0 +1,491 @@
+"""Triton attention backward with the GProj corrections, implementing the kernel contract of
+docs/architecture.md:
+
+    backward(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats) -> (dq, dk, dv, extras)
+
+Three launches (DESIGN.md §3, §4, §4.1):
+
+1. preprocess: D_i = Σ_d do_id·o_id in fp32 from the *stored* 16-bit o and do.
+2. dQ pass, one program per (query block, batch·head), looping over key blocks:
+   P = exp2((s − m)·τ·log2e − log2l) (the forward's FMA-safe exponent, same fp32 s and m), dP = dO·Vᵀ,
+   dS = P∘(dP − D) in fp32, dS̃ = dS rounded to the input dtype (the rounding point that breaks the
+   zero-sum law C1), dQ += dS̃·K, r_i += Σ_j dS̃_ij (fp32, from the very rounded values the GEMM
+   consumed), and — for fix="gproj" or want_stats — PK += P̃·K with P̃ the rounded P.
+   fix="gproj": dQ = τ (dQ − r∘PK). r is written out (B·H·Nq fp32) for pass 3.
+3. dK/dV pass, one program per (key block, batch·kv-head), looping over the query heads of its GQA
+   group and over query blocks: dV += P̃ᵀ·dO, dK += dS̃ᵀ·Q. For fix="gproj" the P-weighted dK term
+   −P̃ᵀ(r∘Q) is either
+   * "gemm" (default): its own GEMM, P̃ᵀ·bf16(−r∘Q) (the reference keeps r∘Q in fp32; rounding that
+     operand changes the *correction* by a relative 2^-9 only), or
+   * "fold": folded into dS before its rounding, dS' = P∘(dP − (D + r)) — zero extra GEMMs
+     (``dk_fold=True``; DESIGN.md §4.1 table: slightly less accurate dK).
+   The choice of default is recorded in benchmarks/NOTES.md with the measurements behind it.
+
+fix="gproj_uniform" (the orthogonal projection) runs passes 2-3 without corrections, with fp32 dq/dk
+outputs, and applies the rank-one corrections in PyTorch (O(N·d): prefix means / suffix sums when
+causal), then rounds once.
+
+Extra memory: D and r (B·H·Nq fp32 each); with want_stats also abs_dS (B·H·Nq) and the leak
+(B·H·Nq·d fp32). Never N×N.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_gproj.kernels._triton_utils import INTERPRET, LOG2E, interpreting, mma, padded_head_dim, supports, to16
+
+__all__ = ["backward", "supports", "FIXES", "DEFAULT_DK_FOLD"]
+
+FIXES = ("none", "gproj", "gproj_uniform")
+
+#: Default schedule of the P-weighted dK term (False: its own GEMM; True: folded into dS before its
+#: rounding). Chosen by the measurements in benchmarks/NOTES.md (fidelity bar of DESIGN.md §6 first).
+DEFAULT_DK_FOLD = False
+
+_DK_NONE, _DK_FOLD, _DK_GEMM = 0, 1, 2
+
+
+def _cfgs(entries, interp_entry):
+    if interpreting():
+        bm, bn = interp_entry
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in entries]
+
+
+def _prune(configs, named_args, **kwargs):
+    d = named_args["HEAD_DIM"] if "HEAD_DIM" in named_args else kwargs["HEAD_DIM"]
+    out = [c for c in configs if not (d > 128 and (c.kwargs["BLOCK_M"] > 64 or c.kwargs["BLOCK_N"] > 64))]
+    return out or configs[-1:]
+
+
+# dQ pass: query block BLOCK_M stays resident, key blocks BLOCK_N stream.
+_DQ_CONFIGS = _cfgs(
+    [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 2), (64, 128, 8, 2), (64, 32, 4, 2)],
+    (16, 16),
+)
+# dK/dV pass: key block BLOCK_N stays resident, query blocks BLOCK_M stream.
+_DKDV_CONFIGS = _cfgs(
+    [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2), (32, 64, 4, 2)],
+    (16, 16),
+)
+
+
+@triton.jit
+def _preprocess_kernel(
+    O, DO, DELTA,
+    stride_ob, stride_on, stride_oh, stride_od,
+    stride_dob, stride_don, stride_doh, stride_dod,
+    H, N_Q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """D[b, h, i] = Σ_d do·o in fp32 (products of 16-bit values are exact in fp32)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
+                + offs_d[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + offs_m[:, None] * stride_don
+                 + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + pid_bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
+
+
+@triton.jit
+def _dq_inner(
+    dq, pk, r, a, q, do, m, l2, Di, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
+    lo, hi, c, N_K, CAUSAL_OFF,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr, NEED_R: tl.constexpr, NEED_PK: tl.constexpr, STATS: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = q.shape[0]
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k_ptrs = K + cols[:, None] * stride_kn + offs_dk[None, :]
+        v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :]
+        if MASKED:
+            kv_mask = cols[:, None] < N_K
+            if not EVEN_D:
+                kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
+        # The forward's exponent: (s − m) exact 0 at the row max, then scale, then normalize.
+        p = tl.math.exp2((s - m[:, None]) * c - l2[:, None])
+        if MASKED:
+            valid = cols[None, :] < N_K
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= offs_m[:, None] + CAUSAL_OFF)
+            p = tl.where(valid, p, 0.0)
+        dp = mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
+        ds = p * (dp - Di[:, None])
+        # Rounding point (DESIGN.md §3): dS becomes a 16-bit GEMM operand; r must come from these values.
+        ds16 = to16(ds, k.dtype, INTERP)
+        dq = mma(ds16, k, dq, INTERP)
+        if NEED_R:
+            r += tl.sum(ds16.to(tl.float32), 1)
+        if STATS:
+            a += tl.sum(tl.abs(ds16.to(tl.float32)), 1)
+        if NEED_PK:
+            pk = mma(to16(p, k.dtype, INTERP), k, pk, INTERP)
+    return dq, pk, r, a
+
+
+@triton.autotune(configs=_DQ_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "GPROJ", "NEED_R", "STATS"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DO, M, LOG2L, DELTA, DQ, R, ABS, LEAK,
+    stride_qb, stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_dob, stride_don, stride_doh, stride_dod,
+    stride_dqb, stride_dqn, stride_dqh, stride_dqd,
+    c, tau, H, N_Q, N_K,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    GPROJ: tl.constexpr, NEED_R: tl.constexpr, STATS: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    NEED_PK: tl.constexpr = GPROJ or STATS
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    CAUSAL_OFF = N_K - N_Q
+    b64 = b.to(tl.int64)
+
+    row_mask = offs_m < N_Q
+    tile_mask = row_mask[:, None]
+    if not EVEN_D:
+        tile_mask = tile_mask & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=tile_mask, other=0.0)
+    do = tl.load(DO + b64 * stride_dob + h * stride_doh + offs_m[:, None] * stride_don
+                 + offs_d[None, :] * stride_dod, mask=tile_mask, other=0.0)
+    rows = pid_bh.to(tl.int64) * N_Q + offs_m
+    m = tl.load(M + rows, mask=row_mask, other=0.0)
+    # Rows past N_Q get log2l = +inf, hence P = 0 (their gradients are never stored).
+    l2 = tl.load(LOG2L + rows, mask=row_mask, other=float("inf"))
+    Di = tl.load(DELTA + rows, mask=row_mask, other=0.0)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    pk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    r = tl.zeros([BLOCK_M], tl.float32)
+    a = tl.zeros([BLOCK_M], tl.float32)
+
+    if CAUSAL:
+        hi = tl.minimum(N_K, tl.maximum(start_m + BLOCK_M + CAUSAL_OFF, 0))
+        full = tl.maximum(start_m + CAUSAL_OFF + 1, 0)
+        hi_full = tl.minimum(tl.minimum((full // BLOCK_N) * BLOCK_N, (N_K // BLOCK_N) * BLOCK_N), hi)
+    else:
+        hi = N_K
+        hi_full = (N_K // BLOCK_N) * BLOCK_N
+    Kb = K + b64 * stride_kb + hk * stride_kh
+    Vb = V + b64 * stride_vb + hk * stride_vh
+    offs_dk = offs_d * stride_kd
+    offs_dv = offs_d * stride_vd
+    dq, pk, r, a = _dq_inner(
+        dq, pk, r, a, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
+        0, hi_full, c, N_K, CAUSAL_OFF,
+        BLOCK_N, False, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, INTERP,
+    )
+    dq, pk, r, a = _dq_inner(
+        dq, pk, r, a, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
+        hi_full, hi, c, N_K, CAUSAL_OFF,
+        BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, INTERP,
+    )
+    if GPROJ:
+        # P-weighted projection (DESIGN.md §4): dQ_i = τ (Σ_j dS̃_ij k_j − r_i (P̃K)_i), all fp32.
+        dq = dq - r[:, None] * pk
+    dq = dq * tau
+    tl.store(DQ + b64 * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
+             to16(dq, DQ.dtype.element_ty, INTERP), mask=tile_mask)
+    if NEED_R:
+        tl.store(R + rows, r, mask=row_mask)
+    if STATS:
+        tl.store(ABS + rows, a, mask=row_mask)
+        leak = (tau * r)[:, None] * pk
+        tl.store(LEAK + rows[:, None] * HEAD_DIM + offs_d[None, :], leak, mask=tile_mask)
+
+
+@triton.jit
+def _dkdv_inner(
+    dk, dv, k, v, Qh, DOh, Mh, L2h, DELh, Rh, stride_qn, stride_don, offs_m, cols, offs_d, offs_dq, offs_ddo,
+    lo, hi, c, N_Q, CAUSAL_OFF,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr, DK_MODE: tl.constexpr, INTERP: tl.constexpr,
+):
+    BLOCK_N: tl.constexpr = k.shape[0]
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        q_ptrs = Qh + rows[:, None] * stride_qn + offs_dq[None, :]
+        do_ptrs = DOh + rows[:, None] * stride_don + offs_ddo[None, :]
+        if MASKED:
+            rmask = rows < N_Q
+            tmask = rmask[:, None]
+            if not EVEN_D:
+                tmask = tmask & (offs_d[None, :] < HEAD_DIM)
+            q = tl.load(q_ptrs, mask=tmask, other=0.0)
+            do = tl.load(do_ptrs, mask=tmask, other=0.0)
+            m = tl.load(Mh + rows, mask=rmask, other=0.0)
+            l2 = tl.load(L2h + rows, mask=rmask, other=float("inf"))  # P = 0 on rows past N_Q
+            Di = tl.load(DELh + rows, mask=rmask, other=0.0)
+            if DK_MODE != 0:
+                r = tl.load(Rh + rows, mask=rmask, other=0.0)
+        else:
+            if EVEN_D:
+                q = tl.load(q_ptrs)
+                do = tl.load(do_ptrs)
+            else:
+                q = tl.load(q_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+                do = tl.load(do_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            m = tl.load(Mh + rows)
+            l2 = tl.load(L2h + rows)
+            Di = tl.load(DELh + rows)
+            if DK_MODE != 0:
+                r = tl.load(Rh + rows)
+        sT = mma(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), INTERP)
+        pT = tl.math.exp2((sT - m[None, :]) * c - l2[None, :])
+        if MASKED:
+            if CAUSAL:
+                pT = tl.where(cols[:, None] <= rows[None, :] + CAUSAL_OFF, pT, 0.0)
+        p16 = to16(pT, k.dtype, INTERP)  # rounding point: P̃, the operand of P̃ᵀ·dO (and of the dK term)
+        dv = mma(p16, do, dv, INTERP)
+        dpT = mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), INTERP)
+        if DK_MODE == 1:
+            # Fold: dS' = P∘(dP − (D + r)) rounded once; its row sums vanish up to that rounding.
+            Di = Di + r
+        dsT = pT * (dpT - Di[None, :])
+        dk = mma(to16(dsT, k.dtype, INTERP), q, dk, INTERP)
+        if DK_MODE == 2:
+            # Own GEMM: −P̃ᵀ(r∘Q). r∘Q is rounded to the input dtype as the B operand.
+            rq = to16(q.to(tl.float32) * (-r)[:, None], k.dtype, INTERP)
+            dk = mma(p16, rq, dk, INTERP)
+    return dk, dv
+
+
+@triton.autotune(configs=_DKDV_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "DK_MODE"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DO, M, LOG2L, DELTA, R, DK, DV,
+    stride_qb, stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_dob, stride_don, stride_doh, stride_dod,
+    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    c, tau, H, HK, N_Q, N_K,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    DK_MODE: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HK
+    hk = pid_bh % HK
+    b64 = b.to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    CAUSAL_OFF = N_K - N_Q
+
+    kv_mask = cols[:, None] < N_K
+    if not EVEN_D:
+        kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(K + b64 * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=kv_mask, other=0.0)
+    v = tl.load(V + b64 * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+    # Query blocks: [lo, lo_full) cross the causal diagonal (masked), [lo_full, nq_full) see the whole
+    # key block (unmasked), [max(lo_full, nq_full), N_Q) is the ragged tail (masked).
+    nq_full = (N_Q // BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        first = tl.maximum(start_n - CAUSAL_OFF, 0)
+        lo = (first // BLOCK_M) * BLOCK_M
+        last = tl.maximum(start_n + BLOCK_N - 1 - CAUSAL_OFF, 0)
+        lo_full = tl.maximum(((last + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, lo)
+    else:
+        lo = 0
+        lo_full = 0
+    offs_dq = offs_d * stride_qd
+    offs_ddo = offs_d * stride_dod
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        Qh = Q + b64 * stride_qb + h * stride_qh
+        DOh = DO + b64 * stride_dob + h * stride_doh
+        row0 = (b64 * H + h) * N_Q
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
+            offs_m, cols, offs_d, offs_dq, offs_ddo, lo, tl.minimum(lo_full, N_Q), c, N_Q, CAUSAL_OFF,
+            BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, INTERP,
+        )
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
+            offs_m, cols, offs_d, offs_dq, offs_ddo, lo_full, nq_full, c, N_Q, CAUSAL_OFF,
+            BLOCK_M, False, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, INTERP,
+        )
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
+            offs_m, cols, offs_d, offs_dq, offs_ddo, tl.maximum(lo_full, nq_full), N_Q, c, N_Q, CAUSAL_OFF,
+            BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, INTERP,
+        )
+    dk = dk * tau
+    tl.store(DK + b64 * stride_dkb + hk * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+             to16(dk, DK.dtype.element_ty, INTERP), mask=kv_mask)
+    tl.store(DV + b64 * stride_dvb + hk * stride_dvh + cols[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+             to16(dv, DV.dtype.element_ty, INTERP), mask=kv_mask)
+
+
+def _uniform_corrections(q32, k32, r, causal):
+    """Orthogonal-projection corrections before the factor τ (DESIGN.md §4 "uniform"), O(N·d).
+
+    q32: (B, H, Nq, d) fp32, k32: (B, Hk, Nk, d) fp32, r: (B, H, Nq) fp32.
+    Returns dq_corr (B, H, Nq, d) = r_i k̄_i and dk_corr (B, Hk, Nk, d) = Σ_{i sees j} (r_i/n_i) q_i,
+    summed over the query heads of each kv head.
+    """
+    b, h, nq, d = q32.shape
+    hk, nk = k32.shape[1], k32.shape[2]
+    g = h // hk
+    if not causal:
+        kbar = k32.mean(dim=2, keepdim=True)  # (B, Hk, 1, d)
+        dq_corr = r[..., None] * kbar.repeat_interleave(g, dim=1)
+        w = ((r / nk)[..., None] * q32).sum(dim=2, keepdim=True)  # (B, H, 1, d)
+        dk_corr = w.view(b, hk, g, 1, d).sum(dim=2).expand(b, hk, nk, d)
+        return dq_corr, dk_corr
+    off = nk - nq
+    last = torch.arange(nq, device=q32.device) + off  # last key row i sees
+    n = (last + 1).clamp(min=0)
+    seen = n > 0
+    prefix = k32.cumsum(dim=2)  # (B, Hk, Nk, d)
+    kbar = torch.zeros(b, hk, nq, d, dtype=torch.float32, device=q32.device)
+    kbar[:, :, seen] = prefix[:, :, last[seen]] / n[seen, None].float()
+    dq_corr = r[..., None] * kbar.repeat_interleave(g, dim=1)
+    w = torch.zeros_like(q32)
+    w[:, :, seen] = (r[:, :, seen] / n[seen].float())[..., None] * q32[:, :, seen]
+    w = w.view(b, hk, g, nq, d).sum(dim=2)
+    # Key j is seen by rows i >= j − off: a suffix sum over i.
+    suffix = w.flip(2).cumsum(dim=2).flip(2)
+    suffix = torch.cat([suffix, torch.zeros_like(suffix[:, :, :1])], dim=2)
+    first = (torch.arange(nk, device=q32.device) - off).clamp(min=0, max=nq)
+    return dq_corr, suffix[:, :, first]
+
+
+def backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    m: torch.Tensor,
+    log2l: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    fix: str = "gproj",
+    want_stats: bool = False,
+    dk_fold: bool | None = None,
+):
+    """Attention backward with FA3-class rounding points and the GProj corrections.
+
+    Args:
+        do: (batch, seqlen_q, nheads, headdim), q's dtype, any strides.
+        q, k, v, o: as passed to / returned by :func:`lightning_gproj.kernels.attention_fwd.forward`.
+        m, log2l: (batch, nheads, seqlen_q) fp32 from the forward (contiguous).
+        softmax_scale: τ. causal: bottom-right aligned mask.
+        fix: "none" | "gproj" (P-weighted) | "gproj_uniform" (DESIGN.md §4).
+        want_stats: also return extras "r", "abs_dS" (batch, nheads, seqlen_q) fp32 and "leak"
+            (batch, nheads, seqlen_q, headdim) fp32 = τ r_i (P̃K)_i.
+        dk_fold: fix="gproj" only: True folds the dK term into dS before its rounding, False runs it
+            as its own GEMM; None takes :data:`DEFAULT_DK_FOLD`.
+
+    Returns:
+        (dq, dk, dv, extras): dq like q, dk/dv like k/v (GQA: summed over each kv head's query heads),
+        all contiguous; extras is {} unless want_stats.
+
+    Raises:
+        ValueError: unknown ``fix``, or an input the kernels cannot serve (:func:`supports`).
+    """
+    if fix not in FIXES:
+        raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
+    reason = supports(q, k, v)
+    if reason is not None:
+        raise ValueError(f"Triton attention backward cannot serve this input: {reason}")
+    if dk_fold is None:
+        dk_fold = DEFAULT_DK_FOLD
+    b, nq, h, d = q.shape
+    nk, hk = k.shape[1], k.shape[2]
+    dev = q.device
+    m = m.contiguous()
+    log2l = log2l.contiguous()
+    c = float(softmax_scale) * LOG2E
+    tau = float(softmax_scale)
+    bd = padded_head_dim(d)
+
+    delta = torch.empty((b, h, nq), dtype=torch.float32, device=dev)
+    pre_bm = 16 if interpreting() else 64
+    _preprocess_kernel[(triton.cdiv(nq, pre_bm), b * h)](
+        o, do, delta, *o.stride(), *do.stride(), h, nq, HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=pre_bm,
+    )
+
+    gproj = fix == "gproj"
+    uniform = fix == "gproj_uniform"
+    need_r = fix != "none" or want_stats
+    out32 = uniform  # uniform corrections are applied in fp32 before the single final rounding
+    dq = torch.empty((b, nq, h, d), dtype=torch.float32 if out32 else q.dtype, device=dev)
+    r = torch.empty((b, h, nq), dtype=torch.float32, device=dev) if need_r else delta
+    abs_ds = torch.empty((b, h, nq), dtype=torch.float32, device=dev) if want_stats else delta
+    leak = torch.empty((b, h, nq, d), dtype=torch.float32, device=dev) if want_stats else delta
+
+    _dq_kernel[lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * h)](
+        q, k, v, do, m, log2l, delta, dq, r, abs_ds, leak,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+        c, tau, h, nq, nk,
+        GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=bool(causal),
+        GPROJ=gproj, NEED_R=need_r, STATS=bool(want_stats), INTERP=INTERPRET,
+    )
+
+    dk_mode = (_DK_FOLD if dk_fold else _DK_GEMM) if gproj else _DK_NONE
+    dk = torch.empty((b, nk, hk, d), dtype=torch.float32 if out32 else k.dtype, device=dev)
+    dv = torch.empty((b, nk, hk, d), dtype=v.dtype, device=dev)
+    _dkdv_kernel[lambda meta: (triton.cdiv(nk, meta["BLOCK_N"]), b * hk)](
+        q, k, v, do, m, log2l, delta, r, dk, dv,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        c, tau, h, hk, nq, nk,
+        GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=bool(causal), DK_MODE=dk_mode, INTERP=INTERPRET,
+    )
+
+    if uniform:
+        dq_corr, dk_corr = _uniform_corrections(
+            q.transpose(1, 2).float(), k.transpose(1, 2).float(), r, bool(causal)
+        )
+        dq = (dq - tau * dq_corr.transpose(1, 2)).to(q.dtype)
+        dk = (dk - tau * dk_corr.transpose(1, 2)).to(k.dtype)
+
+    extras = {}
+    if want_stats:
+        extras = {"r": r, "abs_dS": abs_ds, "leak": leak}
+    return dq, dk, dv, extras

@@ -1,0 +1,214 @@
+"""Triton attention forward, FMA-safe (DESIGN.md §5), implementing the kernel contract of
+docs/architecture.md:
+
+    forward(q, k, v, softmax_scale, causal) -> (o, m, log2l)
+
+Online softmax over key blocks. Scores s = q·k are kept *raw* (unscaled) in fp32, the running max m
+is a max of those same fp32 numbers, and the exponent is ``exp2((s − m) · (τ·log2e))``: for the row's
+maximum the subtraction is exactly 0, so its weight is exactly 1 whatever the compiler does with the
+multiply (a product cannot be contracted with the subtraction that precedes it). The pattern of
+Triton's fused-attention tutorial, ``s·c − m·c`` (FMA-contractible across the max), is avoided. With
+q = k = v = constant every P element is exactly 1 and o is exactly the constant (133120 in bf16 and
+1000 included; DESIGN.md §5 and tests/test_triton_kernels.py).
+
+Rounding points (DESIGN.md §3, the same as kernels/reference.py): s fp32; P fp32, rounded to the input
+dtype as the A operand of P·V; l = Σ_j of the fp32 P; O = acc / l stored in the input dtype.
+
+Layout (batch, seqlen, nheads, headdim) with arbitrary strides (no copies); k, v may have fewer heads
+(GQA/MQA). Causal masks are bottom-right aligned (query i sees key j iff j ≤ i + Nk − Nq).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_gproj.kernels._triton_utils import INTERPRET, LOG2E, interpreting, mma, padded_head_dim, supports, to16
+
+__all__ = ["forward", "supports"]
+
+
+def _fwd_configs():
+    if interpreting():
+        # One small configuration: the interpreter runs every program serially in NumPy.
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    cfgs = []
+    for bm, bn, w, s in [
+        (128, 64, 8, 3),
+        (128, 128, 8, 2),
+        (128, 64, 4, 3),
+        (128, 128, 8, 3),
+        (64, 64, 4, 3),
+        (64, 32, 4, 2),
+    ]:
+        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
+    return cfgs
+
+
+def _prune_fwd(configs, named_args, **kwargs):
+    d = named_args["HEAD_DIM"] if "HEAD_DIM" in named_args else kwargs["HEAD_DIM"]
+    out = []
+    for c in configs:
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        # Keep the register/shared footprint inside an SM for the big head dims.
+        if d > 128 and (bm > 64 or bn > 64):
+            continue
+        out.append(c)
+    return out or configs[-1:]
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv, lo, hi, c, N_K,
+    CAUSAL_OFF,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr, INTERP: tl.constexpr,
+):
+    """Online-softmax steps over key blocks [lo, hi). MASKED: apply the causal and Nk-tail masks."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k_ptrs = K + cols[:, None] * stride_kn + offs_dk[None, :]
+        v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :]
+        if MASKED:
+            kv_mask = cols[:, None] < N_K
+            if not EVEN_D:
+                kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), INTERP)  # raw fp32, unscaled
+        if MASKED:
+            valid = cols[None, :] < N_K
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= offs_m[:, None] + CAUSAL_OFF)
+            s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; use 0 as its shift (its p are all 0 anyway).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # FMA-safe: (s − m) is exact 0 at the max; the scale multiplies the difference afterwards.
+        p = tl.math.exp2((s - m_use[:, None]) * c)
+        alpha = tl.math.exp2((m_i - m_use) * c)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        # Rounding point: P becomes a 16-bit GEMM operand (DESIGN.md §3).
+        acc = mma(to16(p, v.dtype, INTERP), v, acc, INTERP)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=_fwd_configs(), key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP"],
+                 prune_configs_by={"early_config_prune": _prune_fwd})
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, O, M, LOG2L,
+    stride_qb, stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_ob, stride_on, stride_oh, stride_od,
+    c, H, N_Q, N_K,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    INTERP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    CAUSAL_OFF = N_K - N_Q
+
+    Qb = Q + b.to(tl.int64) * stride_qb + h * stride_qh
+    Kb = K + b.to(tl.int64) * stride_kb + hk * stride_kh
+    Vb = V + b.to(tl.int64) * stride_vb + hk * stride_vh
+    # stride_*d is 1 in practice (Triton specializes an argument equal to 1, so this costs nothing).
+    offs_dq = offs_d * stride_qd
+    q_mask = offs_m[:, None] < N_Q
+    if not EVEN_D:
+        q_mask = q_mask & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Qb + offs_m[:, None] * stride_qn + offs_dq[None, :], mask=q_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Key range: [0, hi); blocks fully visible to every row of this q block need no mask.
+    if CAUSAL:
+        hi = tl.minimum(N_K, tl.maximum(start_m + BLOCK_M + CAUSAL_OFF, 0))
+        full = tl.maximum(start_m + CAUSAL_OFF + 1, 0)
+        hi_full = tl.minimum((full // BLOCK_N) * BLOCK_N, (N_K // BLOCK_N) * BLOCK_N)
+        hi_full = tl.minimum(hi_full, hi)
+    else:
+        hi = N_K
+        hi_full = (N_K // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_d * stride_kd, offs_d * stride_vd, 0, hi_full,
+        c,
+        N_K, CAUSAL_OFF, BLOCK_N, False, CAUSAL, HEAD_DIM, EVEN_D, INTERP,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_d * stride_kd, offs_d * stride_vd, hi_full, hi,
+        c,
+        N_K, CAUSAL_OFF, BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, INTERP,
+    )
+
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    # Contract (kernels/reference.py): a row with no visible key has m = 0, log2l = +inf, o = 0.
+    m_out = tl.where(empty, 0.0, m_i)
+    log2l = tl.where(empty, float("inf"), tl.math.log2(tl.where(empty, 1.0, l_i)))
+    Ob = O + b.to(tl.int64) * stride_ob + h * stride_oh
+    tl.store(Ob + offs_m[:, None] * stride_on + (offs_d * stride_od)[None, :], to16(o, O.dtype.element_ty, INTERP),
+             mask=q_mask)
+    row = pid_bh.to(tl.int64) * N_Q + offs_m
+    tl.store(M + row, m_out, mask=offs_m < N_Q)
+    tl.store(LOG2L + row, log2l, mask=offs_m < N_Q)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool):
+    """FMA-safe attention forward.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim) bf16/fp16, any strides.
+        k, v: (batch, seqlen_k, nheads_k, headdim), same dtype; nheads % nheads_k == 0.
+        softmax_scale: τ (float), multiplies q·k inside the softmax.
+        causal: bottom-right aligned causal mask.
+
+    Returns:
+        o: (batch, seqlen_q, nheads, headdim), q's dtype, contiguous.
+        m: (batch, nheads, seqlen_q) fp32, row max of the raw scores q·k (0 for a row with no key).
+        log2l: (batch, nheads, seqlen_q) fp32, log2 Σ_j exp2((s_ij − m_i)·τ·log2e) (+inf for a row
+        with no key).
+
+    Raises:
+        ValueError: the input is not served (see :func:`supports` for the reason).
+    """
+    reason = supports(q, k, v)
+    if reason is not None:
+        raise ValueError(f"Triton attention forward cannot serve this input: {reason}")
+    b, nq, h, d = q.shape
+    nk, hk = k.shape[1], k.shape[2]
+    o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
+    m = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+    log2l = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+    c = float(softmax_scale) * LOG2E
+
+    def grid(meta):
+        return (triton.cdiv(nq, meta["BLOCK_M"]), b * h)
+
+    _fwd_kernel[grid](
+        q, k, v, o, m, log2l,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        c, h, nq, nk,
+        GROUP=h // hk, HEAD_DIM=d, BLOCK_D=padded_head_dim(d), CAUSAL=bool(causal), INTERP=INTERPRET,
+    )
+    return o, m, log2l

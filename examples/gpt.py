@@ -373,7 +373,8 @@ class GPTCLI(LightningCLI):
                             help="run validation at step 0 before fit")
 
     def before_fit(self) -> None:
-        if self.config[self.subcommand].get("validate_first", True):
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config.get("validate_first", True):
             self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
 
     def after_fit(self) -> None:

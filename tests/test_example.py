@@ -1,0 +1,117 @@
+"""examples/gpt.py: the data module splits by file, the CLI builds and fits, the model learns."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_gpt():
+    if "gpt_example" in sys.modules:
+        return sys.modules["gpt_example"]
+    spec = importlib.util.spec_from_file_location("gpt_example", REPO / "examples" / "gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpt_example"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gpt = _load_gpt()
+
+TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
+        "--data.batch_size=8", "--data.max_bytes=200000", "--data.val_samples=16"]
+
+
+def test_datamodule_uses_stdlib_and_splits_by_file():
+    dm = gpt.ByteDataModule(block_size=32, batch_size=4, max_bytes=300_000, val_every=5)
+    dm.setup("fit")
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    files = dm.train_files + dm.val_files
+    assert dm.train_files and dm.val_files
+    assert all(f.suffix == ".py" and f.resolve().parent == stdlib for f in files)
+    assert not set(dm.train_files) & set(dm.val_files)
+    # deterministic: the first files of the sorted stdlib listing, every 5th one held out
+    listing = gpt.stdlib_source_files()
+    assert sorted(files) == listing[:len(files)]
+    assert dm.val_files == [f for i, f in enumerate(listing[:len(files)]) if i % 5 == 0]
+    # windows are block_size + 1 contiguous bytes of the right split, reproducible from the seed
+    batch = next(iter(dm.train_dataloader()))
+    assert batch.shape == (4, 33) and batch.dtype == torch.int64
+    assert bytes(batch[0].tolist()) in dm.train_set.data.numpy().tobytes()
+    val = dm.val_set.data.numpy().tobytes()
+    assert bytes(next(iter(dm.val_dataloader()))[0].tolist()) in val
+    dm2 = gpt.ByteDataModule(block_size=32, batch_size=4, max_bytes=300_000, val_every=5)
+    dm2.setup("fit")
+    assert torch.equal(next(iter(dm2.train_dataloader())), batch)
+
+
+def test_datamodule_takes_user_text(tmp_path):
+    for i in range(4):
+        (tmp_path / f"part{i}.txt").write_text(f"file {i} " * 100)
+    dm = gpt.ByteDataModule(path=str(tmp_path), block_size=16, batch_size=2, val_every=2)
+    dm.setup("fit")
+    assert [f.name for f in dm.val_files] == ["part0.txt", "part2.txt"]
+    assert [f.name for f in dm.train_files] == ["part1.txt", "part3.txt"]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_loss_finite_and_decreasing_on_a_repeated_batch(optimizer):
+    torch.manual_seed(0)
+    model = gpt.GPT(n_layer=2, n_head=2, n_embd=32, block_size=32, key_bias=True, optimizer=optimizer,
+                    warmup_steps=1)
+    model.trainer = type("T", (), {"estimated_stepping_batches": 20})()  # only read by the LR schedule
+    opt = model.configure_optimizers()["optimizer"]
+    if optimizer == "muon" and hasattr(torch.optim, "Muon"):
+        assert isinstance(opt, gpt.CombinedOptimizer)
+    batch = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(20):
+        opt.zero_grad()
+        loss = model.loss(batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_attention_calls_sdpa_causal_in_its_own_forward(monkeypatch):
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append(kwargs)
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    attn = gpt.CausalSelfAttention(32, 4)
+    attn(torch.randn(2, 8, 32))
+    assert calls == [{"is_causal": True}]
+
+
+def test_cli_short_fit_logs_val_loss(tmp_path):
+    cli = gpt.main(TINY + ["--trainer.accelerator=cpu", "--trainer.max_steps=4",
+                           "--trainer.val_check_interval=4", "--trainer.logger=false",
+                           "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
+                           "--trainer.enable_model_summary=false", f"--trainer.default_root_dir={tmp_path}"],
+                   run=False)
+    assert cli.model.hparams.block_size == cli.datamodule.hparams.block_size == 32
+    cli.before_fit()  # the validation at step 0 that `fit` runs first
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    steps = [s for s, _ in cli.model.val_history]
+    assert steps == [0, 4]
+    assert all(math.isfinite(v) for _, v in cli.model.val_history)
+
+
+def test_demo_config_parses():
+    cli = gpt.main(["--config", str(REPO / "examples" / "configs" / "gpt_demo.yaml"),
+                    "--trainer.logger=false"], run=False)
+    assert isinstance(cli.model, gpt.GPT)

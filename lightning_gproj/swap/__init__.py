@@ -1,0 +1,191 @@
+"""Swap a model's attention for :func:`lightning_gproj.ops.gproj_attn_func`, in place.
+
+One file per target: :mod:`.sdpa` (modules calling ``F.scaled_dot_product_attention``) and
+:mod:`.mha` (``nn.MultiheadAttention``). :func:`swap_attention` walks the model once, swaps what it
+can serve exactly, and returns a :class:`SwapReport` of what it did and what it left alone and why.
+Parameter names never change, so state_dicts and checkpoints stay interchangeable with the plain model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+from torch import nn
+
+from . import mha, sdpa
+from ._common import FIXES, GProjFallbackWarning, Site, SwapRow, check_fix, check_patterns, display_path, selection_reason
+
+__all__ = ["FIXES", "GProjFallbackWarning", "SwapReport", "SwapRow", "swap_attention", "unswap_attention"]
+
+Patterns = Union[None, str, Sequence[str]]
+
+
+@dataclass
+class SwapReport:
+    """What :func:`swap_attention` did: one :class:`SwapRow` ``(module_path, original,
+    replacement_or_None, reason)`` per attention module found (and per catch-all region).
+
+    ``sites`` maps module paths to their live :class:`Site` (calls served, fallbacks by reason).
+    """
+
+    fix: str
+    rows: list[SwapRow] = field(default_factory=list)
+    sites: dict[str, Site] = field(default_factory=dict)
+
+    @property
+    def swapped(self) -> list[SwapRow]:
+        """Rows whose module now runs the op."""
+        return [row for row in self.rows if row.replacement is not None]
+
+    @property
+    def left_alone(self) -> list[SwapRow]:
+        """Rows whose module keeps its original attention."""
+        return [row for row in self.rows if row.replacement is None]
+
+    def table(self) -> str:
+        """A plain-text table: module path | original | replacement (or "left alone") | note."""
+        header = ("module", "original", "replacement", "note")
+        lines = [(display_path(r.module_path), r.original, r.replacement or "left alone", r.reason) for r in self.rows]
+        if not lines:
+            lines = [("-", "no attention found", "-", "no SDPA-calling module, no nn.MultiheadAttention")]
+        widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(4)]
+        fmt = " | ".join(f"{{:<{w}}}" for w in widths)
+        out = [f"GProj attention swap (fix={self.fix!r}): {len(self.swapped)} swapped, {len(self.left_alone)} left alone"]
+        out.append(fmt.format(*header))
+        out.append("-+-".join("-" * w for w in widths))
+        out.extend(fmt.format(*row) for row in lines)
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def swap_attention(
+    model: nn.Module,
+    fix: str = "gproj",
+    include: Patterns = None,
+    exclude: Patterns = None,
+    catch_all: bool = False,
+) -> SwapReport:
+    """Route the attention of ``model`` to :func:`lightning_gproj.ops.gproj_attn_func`, in place.
+
+    Targets: every ``nn.MultiheadAttention`` (class swapped to
+    :class:`~lightning_gproj.swap.mha.GProjMultiheadAttention`, same parameters) and every module
+    whose class code names ``scaled_dot_product_attention`` (its ``forward`` wrapped in a
+    ``TorchFunctionMode``; see :mod:`.sdpa`). Calls the op cannot reproduce exactly run the original
+    code with one :class:`GProjFallbackWarning` per module.
+
+    Args:
+        model: the model; modified in place.
+        fix: ``"gproj"`` (P-weighted, default), ``"none"`` (the same kernel without correction, for
+            A/B runs) or ``"gproj_uniform"``; passed to every op call.
+        include: glob pattern(s) over module paths (``fnmatch``; e.g. ``"blocks.*"``); a pattern
+            matching a module also selects its descendants. None selects everything.
+        exclude: glob pattern(s); a matching module and its descendants are left alone.
+        catch_all: also wrap the forward of the topmost selected module(s) (the model itself when
+            nothing is excluded) so that SDPA calls made from helpers outside any detected module
+            (e.g. Hugging Face's attention interface) are served too. Costs a Python hop on every
+            torch call of the forward (about 7 µs on CPU) and, with activation checkpointing, the
+            recomputation must go through a module's ``forward`` inside the region.
+
+    Returns:
+        a :class:`SwapReport`. Idempotent: swapping a swapped model changes nothing but ``fix``
+        and reports "already swapped".
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or ``include``/``exclude`` are not None,
+            a string or a sequence of strings.
+        ValueError: ``fix`` is not one of :data:`FIXES`.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}")
+    fix = check_fix(fix)
+    include = check_patterns("include", include)
+    exclude = check_patterns("exclude", exclude)
+    if not isinstance(catch_all, bool):
+        raise TypeError(f"`catch_all` must be a bool, got {catch_all!r}")
+
+    report = SwapReport(fix=fix)
+    replacement = f"gproj_attn_func(fix={fix!r})"
+    modules = dict(model.named_modules(remove_duplicate=False))
+    not_selected = {path: selection_reason(path, include, exclude) for path in modules}
+
+    # Undo any earlier swap first (keeping its sites, so counts survive): swapping twice then yields
+    # exactly the structure of swapping once, whatever arguments either call had.
+    previous = {path: site for path, site in _sites(model).items()}
+    unswap_attention(model)
+
+    for path, module in modules.items():
+        reason = not_selected[path]
+        old = previous.get(path)
+        again = ["already swapped"] if old is not None and not old.keep else []
+        if isinstance(module, nn.MultiheadAttention):
+            original = "nn.MultiheadAttention"
+            reason = reason or mha.static_reason(module)
+            if reason is not None:
+                report.rows.append(SwapRow(path, original, None, reason))
+                continue
+            report.sites[path] = mha.swap_module(module, path, fix, site=old)
+            notes = again + ["original path (with a warning) for need_weights=True, key_padding_mask, non-causal masks"]
+            if module.dropout > 0:
+                notes.append(f"and while training (dropout={module.dropout})")
+            report.rows.append(SwapRow(path, original, f"GProjMultiheadAttention, {replacement}", "; ".join(notes)))
+        elif sdpa.calls_sdpa(module):
+            original = f"{type(module).__name__}: F.scaled_dot_product_attention"
+            if reason is not None:
+                report.rows.append(SwapRow(path, original, None, reason))
+                continue
+            report.sites[path] = sdpa.swap_module(module, path, fix, site=old)
+            report.rows.append(SwapRow(path, original, f"{replacement} via TorchFunctionMode", "; ".join(again)))
+
+    if catch_all:
+        _swap_catch_all(modules, not_selected, fix, report, previous)
+    return report
+
+
+def _parent(path: str) -> Optional[str]:
+    return None if path == "" else path.rpartition(".")[0]
+
+
+def _swap_catch_all(modules, not_selected, fix, report, previous) -> None:
+    """Wrap the topmost selected modules (catch-all) and the topmost unselected modules below them
+    (keep), so that SDPA calls from anywhere in the selected region reach the op."""
+    for path, module in modules.items():
+        parent = _parent(path)
+        parent_selected = parent is not None and not_selected[parent] is None
+        selected = not_selected[path] is None
+        if selected and not parent_selected and path not in report.sites:
+            old = previous.get(path)
+            report.sites[path] = sdpa.swap_module(module, path, fix, site=old)
+            again = "already swapped; " if old is not None and not old.keep else ""
+            report.rows.append(SwapRow(
+                path, f"{type(module).__name__}: any other SDPA call inside",
+                f"gproj_attn_func(fix={fix!r}) via TorchFunctionMode (catch-all)",
+                again + "calls are named after this module",
+            ))
+        elif not selected and parent_selected and not isinstance(module, mha.GProjMultiheadAttention):
+            if path not in report.sites:
+                sdpa.swap_module(module, path, fix, keep=True)
+            report.rows.append(SwapRow(path, type(module).__name__, None, f"{not_selected[path]}; SDPA calls inside keep the original"))
+        elif isinstance(module, nn.MultiheadAttention) and path not in report.sites:
+            # a left-alone MultiheadAttention calls SDPA internally: keep it on the original
+            sdpa.swap_module(module, path, fix, keep=True)
+
+
+def _sites(model: nn.Module) -> dict[str, Site]:
+    sites = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        site = sdpa.swapped_site(module) or getattr(module, "_gproj_site", None)
+        if site is not None:
+            sites[path] = site
+    return sites
+
+
+def unswap_attention(model: nn.Module) -> int:
+    """Undo :func:`swap_attention` in place; returns the number of modules restored."""
+    count = 0
+    for module in model.modules():
+        count += sdpa.unswap_module(module)
+        count += mha.unswap_module(module)
+    return count

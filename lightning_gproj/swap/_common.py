@@ -1,0 +1,167 @@
+"""Pieces shared by the swap targets: the op handle, module selection, fallback warnings.
+
+Nothing here knows about Lightning; :mod:`lightning_gproj.plugin` drives it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import warnings
+from typing import Iterable, NamedTuple, Optional, Sequence
+
+import torch
+
+#: Values accepted for ``fix`` (see DESIGN.md §4): P-weighted projection, none (A/B baseline), uniform.
+FIXES = ("gproj", "none", "gproj_uniform")
+
+
+class GProjFallbackWarning(UserWarning):
+    """A swapped attention module met a call it cannot serve exactly and ran the original code.
+
+    Raised at most once per module (the first fallback); the result of that call is the original's.
+    """
+
+
+class SwapRow(NamedTuple):
+    """One line of a :class:`SwapReport`: ``replacement`` is None when the module was left alone."""
+
+    module_path: str
+    original: str
+    replacement: Optional[str]
+    reason: str
+
+
+def check_fix(fix: object) -> str:
+    """Return ``fix`` if it is one of :data:`FIXES`, else raise ValueError naming the accepted values."""
+    if not isinstance(fix, str) or fix not in FIXES:
+        raise ValueError(f"`fix` must be one of {FIXES}, got {fix!r}")
+    return fix
+
+
+def check_patterns(name: str, patterns: object) -> Optional[tuple[str, ...]]:
+    """Normalize ``include``/``exclude``: None, one glob string, or a sequence of glob strings.
+
+    Raises:
+        TypeError: for anything else (naming the argument ``name``).
+    """
+    if patterns is None:
+        return None
+    if isinstance(patterns, str):
+        return (patterns,)
+    if isinstance(patterns, Iterable) and not isinstance(patterns, (bytes, dict)):
+        patterns = tuple(patterns)
+        if all(isinstance(p, str) for p in patterns):
+            return patterns
+    raise TypeError(
+        f"`{name}` must be None, a glob string or a sequence of glob strings over module paths "
+        f"(e.g. 'blocks.*.attn'), got {patterns!r}"
+    )
+
+
+def display_path(path: str) -> str:
+    """Module path as shown to users: the root module has the empty path and is shown as ``<root>``."""
+    return path or "<root>"
+
+
+def _self_and_ancestors(path: str) -> list[str]:
+    parts = path.split(".") if path else []
+    return [""] + [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _match(path: str, patterns: Sequence[str]) -> Optional[str]:
+    """The first pattern matching ``path`` or one of its ancestors (a pattern selects a subtree)."""
+    for prefix in _self_and_ancestors(path):
+        for pattern in patterns:
+            if fnmatch.fnmatchcase(prefix, pattern):
+                return pattern
+    return None
+
+
+def selection_reason(
+    path: str, include: Optional[Sequence[str]], exclude: Optional[Sequence[str]]
+) -> Optional[str]:
+    """None if the module at ``path`` is selected for swapping, else why not.
+
+    A pattern matches a module when it matches the module's path or the path of one of its
+    ancestors (``fnmatch`` rules, so ``*`` also matches dots), so ``exclude="decoder"`` leaves the
+    whole decoder alone.
+    """
+    if include is not None and _match(path, include) is None:
+        return f"not matched by include={list(include)}"
+    if exclude is not None:
+        pattern = _match(path, exclude)
+        if pattern is not None:
+            return f"excluded by pattern {pattern!r}"
+    return None
+
+
+class Guard:
+    """Re-entrancy depth: while positive, GProj modes let SDPA through untouched. Raised while a mode
+    serves a call (the op's internals, the fallback call itself) and while a swapped module runs its
+    original code, so an enclosing catch-all never reinterprets what a module chose to keep."""
+
+    depth = 0
+
+    def __enter__(self) -> "Guard":
+        Guard.depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        Guard.depth -= 1
+
+
+_OPS = None
+
+
+def gproj_attn_func():
+    """The op :func:`lightning_gproj.ops.gproj_attn_func`, imported on first use.
+
+    Looked up at call time (not import time) so that the swap modules import without the op's
+    dependencies and so that tests may monkeypatch ``lightning_gproj.ops.gproj_attn_func``.
+    """
+    global _OPS
+    if _OPS is None:
+        _OPS = importlib.import_module("lightning_gproj.ops")
+    return _OPS.gproj_attn_func
+
+
+class Site:
+    """State of one swapped module: its name (also the op's ``stats_name``), ``fix`` and fallbacks.
+
+    ``keep=True`` marks a module left alone inside a catch-all region: its SDPA calls run the
+    original.
+    ``fallbacks`` counts the calls that ran the original code, by reason; ``served`` counts the
+    calls that ran :func:`gproj_attn_func`.
+    """
+
+    def __init__(self, name: str, kind: str, fix: str, keep: bool = False) -> None:
+        self.name = name
+        self.kind = kind
+        self.fix = fix
+        self.keep = keep
+        self.served = 0
+        self.fallbacks: dict[str, int] = {}
+        self.warned = False
+
+    def fallback(self, reason: str) -> None:
+        """Record a fallback; warn (:class:`GProjFallbackWarning`) the first time for this module."""
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"GProj: {display_path(self.name)} ({self.kind}) runs its original attention for this "
+                f"call: {reason}. The result is the original's; further fallbacks of this module are "
+                f"counted, not reported.",
+                GProjFallbackWarning,
+                stacklevel=4,
+            )
+
+    def __repr__(self) -> str:
+        return f"Site({self.name!r}, fix={self.fix!r}, served={self.served}, fallbacks={self.fallbacks})"
+
+
+def causal_bool(n_q: int, n_k: int, device: torch.device) -> torch.Tensor:
+    """(n_q, n_k) bool, True where query i sees key j under the bottom-right causal rule
+    ``j <= i + n_k - n_q`` (equal to SDPA's top-left ``is_causal`` mask when n_q == n_k)."""
+    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril(diagonal=n_k - n_q)

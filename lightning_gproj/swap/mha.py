@@ -1,0 +1,161 @@
+"""Swap ``nn.MultiheadAttention`` for :class:`GProjMultiheadAttention`, keeping every parameter.
+
+The swap changes the instance's ``__class__`` only: parameters (``in_proj_weight``, ``in_proj_bias``,
+``out_proj.weight``, ``out_proj.bias``), buffers and state_dict keys stay as they are, so a
+checkpoint loads into a plain model with ``strict=True``. ``nn.MultiheadAttention`` has a fast path
+(``torch._native_multi_head_attention``) that never reaches SDPA's Python entry, hence a module swap
+rather than a ``TorchFunctionMode``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._common import Guard, Site, causal_bool, gproj_attn_func
+
+
+def static_reason(module: nn.Module) -> Optional[str]:
+    """Why ``module`` cannot be swapped at all (None if it can): properties fixed at construction."""
+    if type(module) is not nn.MultiheadAttention and not isinstance(module, GProjMultiheadAttention):
+        return f"subclass {type(module).__name__} of nn.MultiheadAttention (its forward may differ)"
+    if not module._qkv_same_embed_dim:
+        return f"kdim/vdim ({module.kdim}/{module.vdim}) differ from embed_dim {module.embed_dim}"
+    if module.bias_k is not None:
+        return "add_bias_kv=True"
+    if module.add_zero_attn:
+        return "add_zero_attn=True"
+    return None
+
+
+def _is_causal_mha_mask(mask: torch.Tensor, n_q: int, n_k: int) -> bool:
+    """True if an ``nn.MultiheadAttention`` ``attn_mask`` (bool: True = *masked*; float: added to the
+    scores) is exactly the (square) causal mask, 2-D (L, S) or 3-D (batch*heads, L, S)."""
+    if n_q != n_k or mask.dim() not in (2, 3) or tuple(mask.shape[-2:]) != (n_q, n_k):
+        return False
+    allowed = causal_bool(n_q, n_k, mask.device)
+    if mask.dtype == torch.bool:
+        return bool((mask == ~allowed).all())
+    if not mask.is_floating_point():
+        return False
+    masked = torch.full_like(allowed, float("-inf"), dtype=mask.dtype)
+    expected = torch.where(allowed, torch.zeros_like(masked), masked)
+    return bool((mask == expected).all())
+
+
+class GProjMultiheadAttention(nn.MultiheadAttention):
+    """``nn.MultiheadAttention`` whose attention runs :func:`lightning_gproj.ops.gproj_attn_func`.
+
+    Never constructed directly: :func:`swap_module` sets an existing module's ``__class__``. Shapes
+    as in ``nn.MultiheadAttention``: query (L, N, E), or (N, L, E) with ``batch_first``, or (L, E)
+    unbatched; key/value likewise with S for L. Returns ``(output, None)``.
+
+    Served: ``need_weights=False``, no ``key_padding_mask``, ``attn_mask`` None or the causal mask
+    (``is_causal=True`` with a mask, trusted as the original does on this path; or a mask whose
+    values are exactly causal), dropout inactive (eval mode or ``dropout=0``), causal only with L == S.
+    Any other call runs ``nn.MultiheadAttention.forward`` unchanged (one
+    :class:`GProjFallbackWarning` per module). Note ``need_weights`` defaults to True: such calls
+    keep the original path.
+    """
+
+    _gproj_site: Site
+
+    def _plan(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
+        if need_weights:
+            return "need_weights=True (the weights need the full attention matrix; pass need_weights=False)", False
+        if key_padding_mask is not None:
+            return "key_padding_mask is set", False
+        if self.training and self.dropout > 0.0:
+            return f"dropout={self.dropout} while training (the op has no dropout)", False
+        if query.dim() not in (2, 3) or query.dim() != key.dim() or key.dim() != value.dim():
+            return f"input dims query {query.dim()}, key {key.dim()}, value {value.dim()}", False
+        if not (query.dtype == key.dtype == value.dtype):
+            return "query/key/value differ in dtype", False
+        seq = 1 if (self.batch_first and query.dim() == 3) else 0
+        n_q, n_k = query.shape[seq], key.shape[seq]
+        if attn_mask is None:
+            if is_causal:
+                return "is_causal without attn_mask", False  # the original raises; let it
+            return None, False
+        if n_q != n_k:
+            return f"attn_mask with L={n_q} != S={n_k} (causal alignment differs)", False
+        if is_causal or _is_causal_mha_mask(attn_mask, n_q, n_k):
+            return None, True
+        return "attn_mask is not the causal mask", False
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: Optional[torch.Tensor] = None,
+        need_weights: bool = True,
+        attn_mask: Optional[torch.Tensor] = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        site = self._gproj_site
+        reason, causal = self._plan(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
+        if reason is not None:
+            site.fallback(reason)
+            with Guard():  # an enclosing catch-all must not serve the original's inner SDPA call
+                return nn.MultiheadAttention.forward(
+                    self, query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                    attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal,
+                )
+        site.served += 1
+        self_attention = query is key and key is value
+        unbatched = query.dim() == 2
+        if unbatched:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        if not self.batch_first or unbatched:  # (L, N, E) -> (N, L, E)
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        e, h = self.embed_dim, self.num_heads
+        w, bias = self.in_proj_weight, self.in_proj_bias
+        if self_attention:
+            q, k, v = F.linear(query, w, bias).chunk(3, dim=-1)
+        else:
+            b_q, b_k, b_v = bias.chunk(3) if bias is not None else (None, None, None)
+            w_q, w_k, w_v = w.chunk(3)
+            q, k, v = F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
+        n, n_q, n_k = q.shape[0], q.shape[1], k.shape[1]
+        o = gproj_attn_func()(
+            q.unflatten(-1, (h, e // h)),
+            k.unflatten(-1, (h, e // h)),
+            v.unflatten(-1, (h, e // h)),
+            causal=causal,
+            fix=site.fix,
+            stats_name=site.name or "attention",
+        )
+        out = F.linear(o.reshape(n, n_q, e), self.out_proj.weight, self.out_proj.bias)
+        if not self.batch_first or unbatched:
+            out = out.transpose(0, 1)
+        if unbatched:
+            out = out.squeeze(1)
+        return out, None
+
+
+def swap_module(module: nn.MultiheadAttention, name: str, fix: str, site: Optional[Site] = None) -> Site:
+    """Turn ``module`` into a :class:`GProjMultiheadAttention` in place (idempotent: a second call
+    only updates ``fix``); ``site`` reuses an earlier :class:`Site`. Call :func:`static_reason`
+    first: it must be None."""
+    if isinstance(module, GProjMultiheadAttention):
+        module._gproj_site.fix = fix
+        return module._gproj_site
+    site = site or Site(name, "nn.MultiheadAttention", fix)
+    site.fix, site.keep = fix, False
+    module._gproj_site = site
+    module.__class__ = GProjMultiheadAttention
+    return module._gproj_site
+
+
+def unswap_module(module: nn.Module) -> bool:
+    """Turn a :class:`GProjMultiheadAttention` back into ``nn.MultiheadAttention``."""
+    if not isinstance(module, GProjMultiheadAttention):
+        return False
+    module.__class__ = nn.MultiheadAttention
+    del module._gproj_site
+    return True

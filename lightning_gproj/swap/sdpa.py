@@ -1,0 +1,218 @@
+"""Route ``F.scaled_dot_product_attention`` calls made inside chosen modules to ``gproj_attn_func``.
+
+A module is a target when a function defined on its class (``forward`` or a helper method, nested
+functions included) names ``scaled_dot_product_attention``. Its instance ``forward`` is replaced by
+:class:`SDPAForward`, which runs the original forward inside :class:`SDPAMode`, a
+``TorchFunctionMode`` that intercepts SDPA and serves exactly the calls whose meaning it understands;
+every other call runs the original SDPA (one :class:`GProjFallbackWarning` per module). Because the
+wrapper sits on the module's ``forward``, activation checkpointing that recomputes the module runs
+the same code again. Parameters and buffers are untouched.
+
+Layouts: SDPA takes (batch, nheads, seqlen, headdim); the op takes (batch, seqlen, nheads, headdim).
+The mapping is a transpose (a strided view, no copy); the output is returned as the transposed view of
+the op's output, which is what SDPA's flash backend returns too.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ._common import Guard, Site, causal_bool, gproj_attn_func
+
+#: The original SDPA (the builtin that ``TorchFunctionMode`` hands to ``__torch_function__``).
+SDPA = F.scaled_dot_product_attention
+_NAME = "scaled_dot_product_attention"
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _functions_of(obj: Any):
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    if isinstance(obj, property):
+        for f in (obj.fget, obj.fset):
+            if f is not None:
+                yield from _functions_of(f)
+        return
+    obj = inspect.unwrap(obj) if callable(obj) else obj
+    if isinstance(obj, types.FunctionType):
+        yield obj
+
+
+def calls_sdpa(module: nn.Module) -> bool:
+    """True if a function defined on ``type(module)`` (below ``nn.Module``) names SDPA.
+
+    Reads code objects (``co_names`` of the functions and of the functions nested in them), not
+    source, so it works for classes defined anywhere. Calls through helpers defined elsewhere (e.g.
+    Hugging Face's attention interface) are not seen; ``swap_attention(catch_all=True)`` covers them.
+    """
+    for cls in type(module).__mro__:
+        if cls is nn.Module or cls is object or cls.__module__.startswith("torch.nn."):
+            continue
+        for value in vars(cls).values():
+            for fn in _functions_of(value):
+                if _NAME in _code_names(fn.__code__):
+                    return True
+    return False
+
+
+def _signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+def plan(args: tuple, kwargs: dict) -> tuple[Optional[str], bool]:
+    """Decide how to serve one SDPA call: ``(reason, causal)``; ``reason`` is None when the op can
+    reproduce SDPA exactly (up to rounding) with ``causal``, else it says why not.
+
+    Served: 4-D q, k, v of one dtype and device, equal batch, equal headdim for v, ``dropout_p == 0``,
+    ``attn_mask`` None (``is_causal`` only with Nq == Nk: SDPA's mask is top-left aligned, the op's
+    bottom-right) or a bool mask whose values are exactly all-True or the causal mask (Nq <= Nk),
+    ``scale``, GQA with ``enable_gqa=True``. Reading a mask's values synchronizes with the device.
+    """
+    try:
+        q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = _signature(*args, **kwargs)
+    except TypeError as err:
+        return f"unrecognized arguments ({err})", False
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "query/key/value are not all tensors", False
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        return f"inputs are not 4-D (query {tuple(q.shape)}, key {tuple(k.shape)})", False
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        return "query/key/value differ in dtype or device", False
+    if not isinstance(dropout_p, (int, float)) or dropout_p != 0.0:
+        return f"dropout_p={dropout_p} (the op has no dropout)", False
+    (b, h_q, n_q, d), (bk, h_k, n_k, dk) = q.shape, k.shape
+    if not (b == bk == v.shape[0]) or v.shape[1] != h_k or v.shape[2] != n_k or dk != d:
+        return f"shapes need broadcasting or differ (query {tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)})", False
+    if v.shape[3] != d:
+        return f"value headdim {v.shape[3]} differs from query headdim {d}", False
+    if h_k != h_q and not (enable_gqa and h_q % h_k == 0):
+        return f"key heads {h_k} != query heads {h_q} without enable_gqa", False
+    if scale is not None and not isinstance(scale, (int, float)):
+        return f"scale of type {type(scale).__name__}", False
+    if mask is None:
+        if is_causal and n_q != n_k:
+            return (
+                f"is_causal with Nq={n_q} != Nk={n_k} (SDPA aligns the causal mask top-left, the op "
+                f"bottom-right)"
+            ), False
+        return None, bool(is_causal)
+    if is_causal:
+        return "attn_mask together with is_causal", False
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        return f"attn_mask of dtype {getattr(mask, 'dtype', type(mask).__name__)} (only boolean causal masks are served)", False
+    if mask.dim() > 4 or tuple(mask.shape[-2:]) != (n_q, n_k) or any(
+        s not in (1, t) for s, t in zip(mask.shape[:-2][::-1], (h_q, b))
+    ):
+        return f"attn_mask of shape {tuple(mask.shape)}", False
+    if mask.device != q.device:
+        return "attn_mask on another device", False
+    if bool(mask.all()):
+        return None, False
+    if n_q <= n_k and bool((mask == causal_bool(n_q, n_k, mask.device)).all()):
+        return None, True
+    return "boolean attn_mask is not the causal mask", False
+
+
+def attend(site: Site, args: tuple, kwargs: dict) -> torch.Tensor:
+    """Serve one SDPA call with the op, or fall back to the original SDPA (warning once per site)."""
+    if site.keep:
+        return SDPA(*args, **kwargs)
+    reason, causal = plan(args, kwargs)
+    if reason is not None:
+        site.fallback(reason)
+        return SDPA(*args, **kwargs)
+    q, k, v, _, _, _, scale, _ = _signature(*args, **kwargs)
+    site.served += 1
+    o = gproj_attn_func()(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        softmax_scale=scale,
+        causal=causal,
+        fix=site.fix,
+        stats_name=site.name or "attention",
+    )
+    return o.transpose(1, 2)
+
+
+class SDPAMode(TorchFunctionMode):
+    """Intercepts ``F.scaled_dot_product_attention`` and hands it to :func:`attend` for ``site``."""
+
+    def __init__(self, site: Site) -> None:
+        super().__init__()
+        self.site = site
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is SDPA and Guard.depth == 0:
+            Guard.depth += 1
+            try:
+                return attend(self.site, args, kwargs)
+            finally:
+                Guard.depth -= 1
+        return func(*args, **kwargs)
+
+
+class SDPAForward:
+    """Instance ``forward`` of a swapped module: the original forward inside :class:`SDPAMode`.
+
+    ``original`` is the instance-level forward that was there before (None: the class's forward).
+    """
+
+    def __init__(self, module: nn.Module, site: Site, original: Optional[Any]) -> None:
+        self.module = module
+        self.site = site
+        self.original = original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with SDPAMode(self.site):
+            if self.original is not None:
+                return self.original(*args, **kwargs)
+            return type(self.module).forward(self.module, *args, **kwargs)
+
+
+def swapped_site(module: nn.Module) -> Optional[Site]:
+    """The :class:`Site` of a module swapped by :func:`swap_module`, else None."""
+    forward = module.__dict__.get("forward")
+    return forward.site if isinstance(forward, SDPAForward) else None
+
+
+def swap_module(
+    module: nn.Module, name: str, fix: str, keep: bool = False, site: Optional[Site] = None
+) -> Site:
+    """Wrap ``module.forward`` so its SDPA calls go to the op, or with ``keep=True`` stay on the
+    original SDPA even inside an enclosing catch-all (in place; idempotent: a second call only
+    updates ``fix`` and ``keep``). ``site`` reuses an earlier :class:`Site`. Returns the site."""
+    current = swapped_site(module)
+    site = current or site or Site(name, type(module).__name__, fix)
+    site.fix, site.keep = fix, keep
+    if current is not None:
+        return site
+    module.forward = SDPAForward(module, site, module.__dict__.get("forward"))
+    return site
+
+
+def unswap_module(module: nn.Module) -> bool:
+    """Undo :func:`swap_module`; returns whether the module was swapped."""
+    forward = module.__dict__.get("forward")
+    if not isinstance(forward, SDPAForward):
+        return False
+    if forward.original is None:
+        del module.forward
+    else:
+        module.forward = forward.original
+    return True

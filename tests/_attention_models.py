@@ -1,0 +1,160 @@
+"""Tiny attention models and an independent attention reference shared by test_swap/test_plugin."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lightning_gproj.swap._common as swap_common
+
+
+def reference_attn(q, k, v, softmax_scale=None, causal=False, fix="gproj", dropout_p=0.0, stats_name=None):
+    """Plain softmax attention, written out (no SDPA): (batch, seqlen, nheads, headdim) layout, GQA
+    by repeating k/v heads, causal bottom-right aligned (j <= i + Nk - Nq), rows with no visible
+    key give 0."""
+    if dropout_p > 0:
+        raise ValueError("dropout")
+    n_q, h, d = q.shape[1], q.shape[2], q.shape[3]
+    n_k, h_k = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(h // h_k, dim=2)
+    v = v.repeat_interleave(h // h_k, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * (d**-0.5 if softmax_scale is None else softmax_scale)
+    if causal:
+        visible = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
+        s = s.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+class OpSpy:
+    """Records the keyword arguments of every op call, then runs the op."""
+
+    def __init__(self, op):
+        self.op = op
+        self.calls: list[dict] = []
+
+    def __call__(self, q, k, v, **kwargs):
+        self.calls.append(dict(kwargs, q_shape=tuple(q.shape), k_shape=tuple(k.shape)))
+        return self.op(q, k, v, **kwargs)
+
+
+@pytest.fixture
+def op_spy(monkeypatch) -> OpSpy:
+    """Spy on ``lightning_gproj.ops.gproj_attn_func`` (the real op)."""
+    try:
+        import lightning_gproj.ops as ops
+    except ImportError:  # TEMP until ops.py lands
+        ops = types.ModuleType("lightning_gproj.ops")
+        ops.gproj_attn_func = reference_attn
+        monkeypatch.setitem(sys.modules, "lightning_gproj.ops", ops)
+    spy = OpSpy(ops.gproj_attn_func)
+    monkeypatch.setattr(ops, "gproj_attn_func", spy)
+    monkeypatch.setattr(swap_common, "_OPS", None)
+    return spy
+
+
+class Projections(nn.Module):
+    """q, k, v and output projections (no attention of its own)."""
+
+    def __init__(self, dim=16, heads=4, kv_heads=None, **sdpa_kwargs):
+        super().__init__()
+        self.heads, self.kv_heads = heads, kv_heads or heads
+        self.head_dim = dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * self.kv_heads * self.head_dim)
+        self.proj = nn.Linear(dim, dim)
+        self.sdpa_kwargs = sdpa_kwargs
+
+    def qkv(self, x, memory=None):
+        """(batch, nheads, seqlen, headdim) q, k, v."""
+        b, n, _ = x.shape
+        src = x if memory is None else memory
+        q = self.q(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(src).view(b, src.shape[1], 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return q, k, v
+
+
+class SDPAAttention(Projections):
+    """F.scaled_dot_product_attention with configurable arguments between the projections."""
+
+    def forward(self, x, memory=None):
+        b, n, _ = x.shape
+        src = x if memory is None else memory
+        q, k, v = self.qkv(x, memory)
+        kwargs = {key: (val(n, src.shape[1], x.device) if callable(val) else val) for key, val in self.sdpa_kwargs.items()}
+        y = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return self.proj(y.transpose(1, 2).reshape(b, n, -1))
+
+
+class HelperMethodAttention(Projections):
+    """Calls SDPA from a helper method of its class (found by the class scan)."""
+
+    def forward(self, x, memory=None):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x)
+        return self.proj(self._attend(q, k, v).transpose(1, 2).reshape(b, n, -1))
+
+    def _attend(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _external_attention(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class ExternalHelperAttention(Projections):
+    """Calls SDPA through a module-level function (as Hugging Face does): only a catch-all sees it."""
+
+    def forward(self, x, memory=None):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x)
+        return self.proj(_external_attention(q, k, v).transpose(1, 2).reshape(b, n, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, attn: nn.Module, dim=16):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = attn
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        a = self.norm(x)
+        if isinstance(self.attn, nn.MultiheadAttention):
+            n = x.shape[1]
+            mask = nn.Transformer.generate_square_subsequent_mask(n, device=x.device, dtype=x.dtype)
+            a = self.attn(a, a, a, need_weights=False, attn_mask=mask, is_causal=True)[0]
+        else:
+            a = self.attn(a)
+        x = x + a
+        return x + self.mlp(x)
+
+
+class TinyModel(nn.Module):
+    """Two blocks: one SDPA (causal), one nn.MultiheadAttention (causal, batch_first)."""
+
+    def __init__(self, dim=16, vocab=11):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([
+            Block(SDPAAttention(dim, is_causal=True), dim),
+            Block(nn.MultiheadAttention(dim, 4, batch_first=True), dim),
+        ])
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|."""
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))

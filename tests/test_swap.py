@@ -1,0 +1,408 @@
+"""swap_attention: swapped models match the originals; fallbacks warn once and keep the original.
+
+Tolerances. fp32: the swapped model computes the same attention as SDPA / nn.MultiheadAttention in
+fp32 with another summation order, and for fp32 inputs the GProj correction only removes the fp32
+rounding residual of each dS row (~1e-7 relative); with O(1) activations, headdim 4 and <= 10 keys
+these differences stay at a few ulp, so outputs and gradients agree to 2e-5 of their max-abs value.
+fp64: the same argument at double precision gives 1e-12. Fallbacks run the very original code with
+the same arguments, so their results are compared bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from _attention_models import (
+    Block,
+    ExternalHelperAttention,
+    HelperMethodAttention,
+    SDPAAttention,
+    TinyModel,
+    op_spy,  # noqa: F401 (fixture)
+    reference_attn,
+    rel_err,
+)
+from lightning_gproj.swap import GProjFallbackWarning, SwapReport, swap_attention, unswap_attention
+from lightning_gproj.swap.mha import GProjMultiheadAttention
+
+DTYPES = [pytest.param(torch.float32, 2e-5, id="fp32"), pytest.param(torch.float64, 1e-12, id="fp64")]
+
+
+def _tril(n_q, n_k, device):  # SDPA bool mask, True = attend; bottom-right aligned
+    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril(n_k - n_q)
+
+
+def _forward_backward(model, *inputs):
+    inputs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    for p in model.parameters():
+        p.grad = None
+    out = model(*inputs)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out))
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    grads.update({f"input{i}": x.grad.clone() for i, x in enumerate(inputs) if x.grad is not None})
+    return out.detach(), grads
+
+
+def _assert_close(model, swapped, inputs, tol):
+    out_ref, grads_ref = _forward_backward(model, *inputs)
+    out, grads = _forward_backward(swapped, *inputs)
+    assert rel_err(out, out_ref) <= tol, "output"
+    assert grads.keys() == grads_ref.keys()
+    for name in grads_ref:
+        assert rel_err(grads[name], grads_ref[name]) <= tol, name
+
+
+def _fallback_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, GProjFallbackWarning)]
+
+
+# ---------------------------------------------------------------------------------------------- SDPA
+
+
+SDPA_SERVED = {
+    "plain": (dict(), False),
+    "is_causal": (dict(is_causal=True), True),
+    "causal_bool_mask": (dict(attn_mask=_tril), True),
+    "all_true_mask": (dict(attn_mask=lambda n, m, d: torch.ones(1, 1, n, m, dtype=torch.bool, device=d)), False),
+    "scale": (dict(scale=0.3, is_causal=True), True),
+    "gqa": (dict(kv_heads=2, enable_gqa=True, is_causal=True), True),
+    "explicit_zero_dropout": (dict(dropout_p=0.0), False),
+}
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+@pytest.mark.parametrize("case", list(SDPA_SERVED))
+def test_sdpa_served_matches_original(case, dtype, tol, op_spy):
+    kwargs, causal = SDPA_SERVED[case]
+    torch.manual_seed(0)
+    model = Block(SDPAAttention(16, 4, **kwargs)).to(dtype)
+    swapped = copy.deepcopy(model)
+    report = swap_attention(swapped)
+    assert [(r.module_path, r.replacement is not None) for r in report.rows] == [("attn", True)]
+    x = torch.randn(2, 8, 16, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        _assert_close(model, swapped, [x], tol)
+    assert len(op_spy.calls) == 1
+    call = op_spy.calls[0]
+    assert call["causal"] is causal and call["fix"] == "gproj" and call["stats_name"] == "attn"
+    assert call["q_shape"] == (2, 8, 4, 4)  # (batch, seqlen, nheads, headdim)
+    assert call["softmax_scale"] == kwargs.get("scale")
+    assert report.sites["attn"].served == 1
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+def test_sdpa_cross_attention_bottom_right_mask(dtype, tol, op_spy):
+    # An explicit bool mask with Nq < Nk that is the bottom-right causal mask is served as causal=True;
+    # checked against the written-out reference too (independent of SDPA).
+    torch.manual_seed(0)
+    model = SDPAAttention(16, 4, attn_mask=_tril).to(dtype)
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    x, memory = torch.randn(2, 5, 16, dtype=dtype), torch.randn(2, 9, 16, dtype=dtype)
+    _assert_close(model, swapped, [x, memory], tol)
+    assert op_spy.calls[0]["causal"] is True and op_spy.calls[0]["k_shape"] == (2, 9, 4, 4)
+    q = model.q(x).view(2, 5, 4, 4)
+    k, v = model.kv(memory).view(2, 9, 2, 4, 4).unbind(2)
+    expected = model.proj(reference_attn(q, k, v, causal=True).reshape(2, 5, 16))
+    assert rel_err(swapped(x, memory), expected) <= tol
+
+
+def _float_causal(n, m, d):
+    return torch.zeros(n, m, device=d).masked_fill(~_tril(n, m, d), float("-inf"))
+
+
+def _random_bool(n, m, d):
+    g = torch.Generator().manual_seed(3)
+    mask = torch.rand(n, m, generator=g) > 0.5
+    mask[:, 0] = True
+    return mask.to(d)
+
+
+SDPA_FALLBACK = {
+    "float_mask": (dict(attn_mask=_float_causal), "attn_mask of dtype torch.float32"),
+    "arbitrary_bool_mask": (dict(attn_mask=_random_bool), "boolean attn_mask is not the causal mask"),
+    "dropout": (dict(dropout_p=0.5), "dropout_p=0.5"),
+    "is_causal_nq_ne_nk": (dict(is_causal=True), "is_causal with Nq=5 != Nk=9"),
+    "top_left_bool_mask_nq_ne_nk": (dict(attn_mask=lambda n, m, d: torch.ones(n, m, dtype=torch.bool).tril()), "not the causal mask"),
+}
+
+
+@pytest.mark.parametrize("case", list(SDPA_FALLBACK))
+def test_sdpa_fallback_warns_once_and_matches_original(case, op_spy):
+    kwargs, reason = SDPA_FALLBACK[case]
+    torch.manual_seed(0)
+    model = SDPAAttention(16, 4, **kwargs)
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    x, memory = torch.randn(2, 5, 16), torch.randn(2, 9, 16)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            torch.manual_seed(1)  # same dropout pattern for both
+            out = swapped(x, memory)
+            torch.manual_seed(1)
+            assert torch.equal(out, model(x, memory))
+    messages = _fallback_warnings(record)
+    assert len(messages) == 1, messages
+    assert "<root> (SDPAAttention)" in messages[0] and reason in messages[0]
+    assert op_spy.calls == []
+
+
+def test_sdpa_fallback_on_3d_inputs(op_spy):
+    class ThreeD(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    model = nn.Sequential()
+    model.add_module("inner", ThreeD())
+    swap_attention(model)
+    q, k, v = torch.randn(3, 3, 5, 4).unbind(0)
+    with pytest.warns(GProjFallbackWarning, match=r"inner \(ThreeD\).*not 4-D"):
+        assert torch.equal(model.inner(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    assert op_spy.calls == []
+
+
+def test_sdpa_helper_method_is_detected(op_spy):
+    torch.manual_seed(0)
+    model = Block(HelperMethodAttention(16, 4))
+    swapped = copy.deepcopy(model)
+    report = swap_attention(swapped)
+    assert [r.module_path for r in report.swapped] == ["attn"]
+    _assert_close(model, swapped, [torch.randn(2, 6, 16)], 2e-5)
+    assert [c["causal"] for c in op_spy.calls] == [True]
+
+
+def test_catch_all_serves_external_helpers_and_respects_exclude(op_spy):
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(ExternalHelperAttention(16, 4)), Block(ExternalHelperAttention(16, 4)))
+    swapped = copy.deepcopy(model)
+    report = swap_attention(swapped)  # module-level helper: invisible without catch_all
+    assert report.rows == []
+    assert "no attention found" in report.table()
+    swapped(torch.randn(1, 4, 16))
+    assert op_spy.calls == []
+
+    report = swap_attention(swapped, catch_all=True, exclude="1")
+    assert [(r.module_path, r.replacement is not None) for r in report.rows] == [("", True), ("1", False)]
+    assert "excluded by pattern '1'" in report.rows[1].reason
+    x = torch.randn(2, 6, 16)
+    _assert_close(model, swapped, [x], 2e-5)
+    assert [c["stats_name"] for c in op_spy.calls] == ["attention"]  # block 0 only, named after the root
+
+
+def test_catch_all_keeps_left_alone_mha_and_mha_fallbacks_original(op_spy):
+    # nn.MultiheadAttention calls SDPA internally; a catch-all must not serve that call for an MHA that
+    # was left alone (add_bias_kv) or that fell back (key_padding_mask).
+    torch.manual_seed(0)
+    model = nn.ModuleDict({
+        "kept": nn.MultiheadAttention(16, 4, add_bias_kv=True, batch_first=True),
+        "swapped": nn.MultiheadAttention(16, 4, batch_first=True),
+    })
+    plain = copy.deepcopy(model)
+    swap_attention(model, catch_all=True)
+    assert not isinstance(model["kept"], GProjMultiheadAttention)
+    x = torch.randn(2, 5, 16)
+    kpm = torch.zeros(2, 5, dtype=torch.bool)
+    kpm[:, -1] = True
+    for name, kwargs in [("kept", {}), ("swapped", dict(key_padding_mask=kpm))]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GProjFallbackWarning)
+            out = model[name](x, x, x, need_weights=False, **kwargs)[0]
+        assert torch.equal(out, plain[name](x, x, x, need_weights=False, **kwargs)[0])
+    assert op_spy.calls == []
+
+
+# ----------------------------------------------------------------------------------------------- MHA
+
+
+def _causal_float(n):
+    return nn.Transformer.generate_square_subsequent_mask(n)
+
+
+MHA_SERVED = {
+    "plain": (dict(), False),
+    "causal_hint": (dict(attn_mask=lambda n: _causal_float(n), is_causal=True), True),
+    "causal_float_mask": (dict(attn_mask=lambda n: _causal_float(n)), True),
+    "causal_bool_mask": (dict(attn_mask=lambda n: torch.ones(n, n, dtype=torch.bool).triu(1)), True),
+}
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("case", list(MHA_SERVED))
+@pytest.mark.parametrize("inputs", ["self", "cross", "unbatched"])
+def test_mha_served_matches_original(case, batch_first, inputs, dtype, tol, op_spy):
+    kwargs, causal = MHA_SERVED[case]
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(16, 4, batch_first=batch_first, dropout=0.1).to(dtype).eval()
+    swapped = copy.deepcopy(model)
+    report = swap_attention(swapped)
+    assert isinstance(swapped, GProjMultiheadAttention)
+    assert report.rows[0].replacement.startswith("GProjMultiheadAttention")
+    n = 6
+    shape = (n, 16) if inputs == "unbatched" else ((2, n, 16) if batch_first else (n, 2, 16))
+    query = torch.randn(shape, dtype=dtype)
+    memory = torch.randn(shape, dtype=dtype) if inputs == "cross" else query
+    kwargs = {k: (v(n).to(dtype) if callable(v) and k == "attn_mask" and case != "causal_bool_mask" else v(n) if callable(v) else v) for k, v in kwargs.items()}
+
+    class Call(nn.Module):  # fixes the keyword arguments, passes the same tensor thrice for self-attention
+        def __init__(self, mha):
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, q, m):
+            m = q if inputs != "cross" else m
+            return self.mha(q, m, m, need_weights=False, **kwargs)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        _assert_close(Call(model), Call(swapped), [query, memory], tol)
+    assert len(op_spy.calls) == 1
+    assert op_spy.calls[0]["causal"] is causal and op_spy.calls[0]["stats_name"] == "attention"
+    assert op_spy.calls[0]["q_shape"] == (1 if inputs == "unbatched" else 2, n, 4, 4)
+
+
+MHA_FALLBACK = {
+    "need_weights_default": (dict(), "need_weights=True"),
+    "key_padding_mask": (dict(need_weights=False, key_padding_mask=torch.tensor([[False] * 5 + [True]] * 2)), "key_padding_mask"),
+    "non_causal_mask": (dict(need_weights=False, attn_mask=torch.eye(6, dtype=torch.bool)), "not the causal mask"),
+    "dropout_training": (dict(need_weights=False), "dropout=0.5 while training"),
+}
+
+
+@pytest.mark.parametrize("case", list(MHA_FALLBACK))
+def test_mha_fallback_warns_once_and_matches_original(case, op_spy):
+    kwargs, reason = MHA_FALLBACK[case]
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("mha", nn.MultiheadAttention(16, 4, batch_first=True, dropout=0.5 if "dropout" in case else 0.0))
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    x = torch.randn(2, 6, 16)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            torch.manual_seed(1)
+            out, weights = swapped.mha(x, x, x, **kwargs)
+            torch.manual_seed(1)
+            out_ref, weights_ref = model.mha(x, x, x, **kwargs)
+            assert torch.equal(out, out_ref)
+            assert (weights is None and weights_ref is None) or torch.equal(weights, weights_ref)
+    messages = _fallback_warnings(record)
+    assert len(messages) == 1 and "mha (nn.MultiheadAttention)" in messages[0] and reason in messages[0], messages
+    assert op_spy.calls == []
+    assert swapped.mha._gproj_site.fallbacks[next(iter(swapped.mha._gproj_site.fallbacks))] == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [(dict(add_bias_kv=True), "add_bias_kv=True"), (dict(add_zero_attn=True), "add_zero_attn=True"),
+     (dict(kdim=8, vdim=8), "kdim/vdim (8/8) differ from embed_dim 16")],
+)
+def test_mha_static_properties_are_left_alone(kwargs, reason):
+    model = nn.Sequential(nn.MultiheadAttention(16, 4, **kwargs))
+    report = swap_attention(model)
+    assert type(model[0]) is nn.MultiheadAttention
+    assert report.rows == [("0", "nn.MultiheadAttention", None, reason)]
+    assert f"0      | nn.MultiheadAttention | left alone  | {reason}" in report.table()
+
+
+# ------------------------------------------------------------------------ model-level contracts
+
+
+def test_report_state_dict_include_exclude(op_spy):
+    torch.manual_seed(0)
+    model = TinyModel()
+    keys = list(model.state_dict())
+    plain = copy.deepcopy(model)
+    report = swap_attention(model)
+    assert isinstance(report, SwapReport)
+    assert [(r.module_path, r.replacement is not None) for r in report.rows] == [("blocks.0.attn", True), ("blocks.1.attn", True)]
+    table = report.table()
+    assert "2 swapped, 0 left alone" in table
+    assert "blocks.0.attn | SDPAAttention: F.scaled_dot_product_attention | gproj_attn_func(fix='gproj') via TorchFunctionMode" in table
+    assert "blocks.1.attn | nn.MultiheadAttention" in table
+    assert list(model.state_dict()) == keys
+    plain.load_state_dict(model.state_dict(), strict=True)
+    model.load_state_dict(plain.state_dict(), strict=True)
+
+    report = swap_attention(model, include="blocks.1")
+    assert [(r.module_path, r.reason) for r in report.left_alone] == [("blocks.0.attn", "not matched by include=['blocks.1']")]
+    assert type(model.blocks[0].attn.__dict__.get("forward")) is type(None)
+    report = swap_attention(model, exclude=["blocks.1*"], fix="none")
+    assert [(r.module_path, r.reason) for r in report.left_alone] == [("blocks.1.attn", "excluded by pattern 'blocks.1*'")]
+    assert type(model.blocks[1].attn) is nn.MultiheadAttention
+    model(torch.randint(0, 11, (2, 5)))
+    assert [(c["stats_name"], c["fix"]) for c in op_spy.calls] == [("blocks.0.attn", "none")]
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+def test_idempotent_and_unswap(dtype, tol, op_spy):
+    torch.manual_seed(0)
+    model = TinyModel().to(dtype)
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    site = swapped.blocks[0].attn.forward.site
+    report = swap_attention(swapped, fix="gproj_uniform")
+    wrapper = swapped.blocks[0].attn.forward
+    assert wrapper.original is None and wrapper.site is site  # not wrapped twice
+    assert type(swapped.blocks[1].attn) is GProjMultiheadAttention
+    assert all(r.reason.startswith("already swapped") for r in report.rows)
+    tokens = torch.randint(0, 11, (2, 7))
+    out = swapped(tokens)
+    assert [c["fix"] for c in op_spy.calls] == ["gproj_uniform"] * 2
+    assert rel_err(out, model(tokens)) <= tol
+
+    assert unswap_attention(swapped) == 2
+    assert "forward" not in swapped.blocks[0].attn.__dict__ and type(swapped.blocks[1].attn) is nn.MultiheadAttention
+    assert torch.equal(swapped(tokens), model(tokens))
+    assert len(op_spy.calls) == 2
+
+
+def test_activation_checkpointing_recomputes_through_the_op(op_spy):
+    torch.manual_seed(0)
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Block(SDPAAttention(16, 4, is_causal=True))
+
+        def forward(self, x):
+            return checkpoint(self.block, x, use_reentrant=False)
+
+    model = Checkpointed()
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    _assert_close(model, swapped, [torch.randn(2, 8, 16)], 2e-5)
+    assert [c["stats_name"] for c in op_spy.calls] == ["block.attn", "block.attn"]  # forward + recompute
+
+
+def test_deepcopy_keeps_the_swap(op_spy):
+    model = Block(SDPAAttention(16, 4, is_causal=True))
+    swap_attention(model)
+    clone = copy.deepcopy(model)
+    assert clone.attn.forward.module is clone.attn
+    clone(torch.randn(1, 3, 16))
+    assert len(op_spy.calls) == 1
+
+
+def test_bad_arguments():
+    model = TinyModel()
+    with pytest.raises(ValueError, match=r"`fix` must be one of \('gproj', 'none', 'gproj_uniform'\), got 'pweighted'"):
+        swap_attention(model, fix="pweighted")
+    with pytest.raises(TypeError, match="`include` must be None, a glob string or a sequence"):
+        swap_attention(model, include=3)
+    with pytest.raises(TypeError, match="`exclude` must be None"):
+        swap_attention(model, exclude=["a", 1])
+    with pytest.raises(TypeError, match="`model` must be a torch.nn.Module"):
+        swap_attention(lambda x: x)
+    assert "forward" not in model.blocks[0].attn.__dict__

@@ -1,0 +1,251 @@
+"""PyTorch reference of FlashAttention-class numerics with the GProj corrections.
+
+This is the numerics model of DESIGN.md §3 written out step by step: for 16-bit inputs every rounding
+point of an FA3-class kernel is emulated in fp32 (P rounded to the input dtype as the operand of P·V
+and Pᵀ·dO, O stored in the input dtype, D built from the stored O, dS rounded to the input dtype as the
+operand of dS·K and dSᵀ·Q). On top of it, the GProj projections of DESIGN.md §4:
+
+* ``fix="none"``: what an FA3-class kernel computes (rows of the rounded dS do not sum to zero);
+* ``fix="gproj"``: the P-weighted (oblique) projection, dŜ_ij = dS̃_ij − r_i w_ij with w_ij = P̃_ij / p̃_i
+  and p̃_i = Σ_j P̃_ij (P̃ = the 16-bit P the GEMMs consume; its rows miss 1 by ~2⁻⁹, so they are
+  renormalized to make Σ_j w_ij = 1 to fp32 rounding), i.e. with ρ_i = r_i / p̃_i
+  dQ_i = τ (Σ_j dS̃_ij k_j − ρ_i (P̃ K)_i) and dK_j = τ (Σ_i dS̃_ij q_i − Σ_i P̃_ij ρ_i q_i);
+* ``fix="gproj_uniform"``: the orthogonal projection, dŜ_ij = dS̃_ij − r_i / n_i over Valid(i).
+
+For fp32 and fp64 inputs nothing is rounded: the same steps run in the input dtype (the corrections
+are then at that dtype's rounding level).
+
+It serves as the oracle of the Triton kernels (same signatures, see docs/architecture.md) and as the
+CPU / unsupported-GPU path of :func:`lightning_gproj.gproj_attn_func`. It is chunked over query blocks,
+so its memory is O(batch × heads × block_m × Nk), never N × N for long sequences.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["forward", "backward", "FIXES"]
+
+#: Accepted values of ``fix``.
+FIXES = ("none", "gproj", "gproj_uniform")
+
+_LOG2E = math.log2(math.e)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 accumulation for 16-bit inputs (the tensor-core model), else the input dtype."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _rounder(dtype: torch.dtype):
+    """Return the function that rounds a compute-dtype tensor to a GEMM operand of ``dtype``."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return lambda x: x.to(dtype).to(torch.float32)
+    return lambda x: x
+
+
+def _heads_first(x: Tensor, nheads: int, dtype: torch.dtype) -> Tensor:
+    """(batch, seqlen, nheads_x, d) -> (batch, nheads, seqlen, d) in ``dtype``; GQA heads repeated."""
+    x = x.transpose(1, 2).to(dtype)
+    if x.shape[1] != nheads:
+        x = x.repeat_interleave(nheads // x.shape[1], dim=1)
+    return x
+
+
+def _valid(i0: int, i1: int, nq: int, nk: int, causal: bool, device) -> Tensor | None:
+    """Boolean (i1 − i0, nk) mask of the keys each query row sees (bottom-right aligned causal)."""
+    if not causal:
+        return None
+    rows = torch.arange(i0, i1, device=device)[:, None]
+    cols = torch.arange(nk, device=device)[None, :]
+    return cols <= rows + (nk - nq)
+
+
+def forward(
+    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, block_m: int = 256
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention forward with FA3-class rounding points and an FMA-safe exponent.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), bf16 / fp16 / fp32 / fp64.
+        k, v: (batch, seqlen_k, nheads_k, headdim), same dtype; ``nheads % nheads_k == 0`` (GQA/MQA).
+        softmax_scale: τ, multiplies q·k before the softmax.
+        causal: bottom-right aligned mask (query i sees key j iff j ≤ i + seqlen_k − seqlen_q).
+        block_m: query rows per chunk (memory knob only; results do not depend on it).
+
+    Returns:
+        o: like q. m: (batch, nheads, seqlen_q) fp32 (fp64 for fp64 input), the row max of the unscaled
+        scores; 0 for a row with no visible key. log2l: same shape, log2 of Σ_j exp2((s_ij − m_i)·τ·log2e);
+        +inf for a row with no visible key (its P is then 0 and its output 0).
+
+    The exponent is ``(s − m)·(τ·log2e)`` with s and m the same fp32 numbers, so the row's maximum gets
+    exactly exp2(0) = 1 (DESIGN.md §5): no FMA can move it, and q = k = v = constant returns the
+    constant (no NaN even for 133120 in bf16).
+    """
+    dtype = q.dtype
+    cdt = _compute_dtype(dtype)
+    rnd = _rounder(dtype)
+    batch, nq, nheads, _ = q.shape
+    nk = k.shape[1]
+    qh, kh, vh = (_heads_first(x, nheads, cdt) for x in (q, k, v))
+    c = torch.tensor(softmax_scale * _LOG2E, dtype=cdt)
+
+    o = torch.empty(batch, nheads, nq, v.shape[-1], dtype=cdt, device=q.device)
+    m = torch.empty(batch, nheads, nq, dtype=cdt, device=q.device)
+    log2l = torch.empty_like(m)
+    for i0 in range(0, nq, block_m):
+        i1 = min(i0 + block_m, nq)
+        s = qh[:, :, i0:i1] @ kh.transpose(-1, -2)
+        valid = _valid(i0, i1, nq, nk, causal, q.device)
+        if valid is not None:
+            s = s.masked_fill(~valid, float("-inf"))
+        m_blk = s.amax(dim=-1)
+        m_blk = torch.where(torch.isinf(m_blk), torch.zeros_like(m_blk), m_blk)
+        p = torch.exp2((s - m_blk[..., None]) * c)
+        l_blk = p.sum(dim=-1)
+        # P is a 16-bit GEMM operand of P·V; the normalizer l stays fp32 (sum of the fp32 p).
+        acc = rnd(p) @ vh
+        empty = l_blk == 0
+        o[:, :, i0:i1] = torch.where(empty[..., None], torch.zeros_like(acc), acc / l_blk[..., None])
+        m[:, :, i0:i1] = m_blk
+        log2l[:, :, i0:i1] = torch.where(empty, torch.full_like(l_blk, float("inf")), torch.log2(l_blk))
+    return o.transpose(1, 2).to(dtype), m, log2l
+
+
+def backward(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    m: Tensor,
+    log2l: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    fix: str = "gproj",
+    want_stats: bool = False,
+    dk_fold: bool = False,
+    grad_dtype: torch.dtype | None = None,
+    block_m: int = 256,
+) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
+    """Attention backward with FA3-class rounding points and the GProj corrections.
+
+    Args:
+        do: (batch, seqlen_q, nheads, headdim), the incoming gradient, same dtype as q.
+        q, k, v, o, m, log2l: as in / as returned by :func:`forward`.
+        softmax_scale, causal: as in :func:`forward`.
+        fix: ``"none"`` | ``"gproj"`` | ``"gproj_uniform"`` (DESIGN.md §4).
+        want_stats: also return the health statistics (DESIGN.md §8) in ``extras``.
+        dk_fold: for ``fix="gproj"``, fold the dK term into dS before its rounding
+            (dS' = P ∘ (dP − D − r), rounded, then dK = τ dS'ᵀ Q: zero extra GEMMs, as a kernel that runs
+            its dQ pass first can do) instead of the separate product P̃ᵀ(ρ ∘ Q) (DESIGN.md §4.1).
+        grad_dtype: dtype dq, dk, dv are returned in (default: the input dtype, as a kernel stores them);
+            ``torch.float32`` returns the fp32 accumulators, where the conservation laws can be checked
+            to fp32 rounding.
+        block_m: query rows per chunk (memory knob only).
+
+    Returns:
+        dq like q; dk, dv like k, v (GQA: summed over the query heads of each kv head); extras with,
+        when ``want_stats``, fp32 tensors ``r`` and ``abs_dS`` (batch, nheads, seqlen_q): the row sums
+        Σ_j dS̃_ij and Σ_j |dS̃_ij| of the rounded dS before any projection, and ``leak``
+        (batch, nheads, seqlen_q, headdim): τ ρ_i (P̃ K)_i, the part of dQ̃ that GProj removes.
+
+    Raises:
+        ValueError: ``fix`` not one of :data:`FIXES`.
+    """
+    if fix not in FIXES:
+        raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
+    dtype = q.dtype
+    cdt = _compute_dtype(dtype)
+    rnd = _rounder(dtype)
+    batch, nq, nheads, d = q.shape
+    nk, nheads_k = k.shape[1], k.shape[2]
+    qh, kh, vh, oh, doh = (_heads_first(x, nheads, cdt) for x in (q, k, v, o, do))
+    c = torch.tensor(softmax_scale * _LOG2E, dtype=cdt)
+    m, log2l = m.to(cdt), log2l.to(cdt)
+
+    # D from the stored 16-bit O and dO (DESIGN.md §3): its error is one source of the residual r.
+    delta = (doh * oh).sum(dim=-1)
+    dq = torch.empty(batch, nheads, nq, d, dtype=cdt, device=q.device)
+    dk = torch.zeros(batch, nheads, nk, d, dtype=cdt, device=q.device)
+    dv = torch.zeros(batch, nheads, nk, v.shape[-1], dtype=cdt, device=q.device)
+    r = torch.empty(batch, nheads, nq, dtype=cdt, device=q.device)
+    abs_ds = torch.empty_like(r)
+    need_pk = fix == "gproj" or want_stats
+    pk = torch.empty_like(dq) if need_pk else None  # ρ_i (P̃ K)_i
+
+    for i0 in range(0, nq, block_m):
+        i1 = min(i0 + block_m, nq)
+        s = qh[:, :, i0:i1] @ kh.transpose(-1, -2)
+        valid = _valid(i0, i1, nq, nk, causal, q.device)
+        if valid is not None:
+            s = s.masked_fill(~valid, float("-inf"))
+        p = torch.exp2((s - m[:, :, i0:i1, None]) * c - log2l[:, :, i0:i1, None])
+        p16 = rnd(p)
+        dv += p16.transpose(-1, -2) @ doh[:, :, i0:i1]
+        dp = doh[:, :, i0:i1] @ vh.transpose(-1, -2)
+        ds = p * (dp - delta[:, :, i0:i1, None])
+        # The rounding that breaks the zero-sum law (C1): r is taken from the very values the GEMMs use.
+        ds16 = rnd(ds)
+        r_blk = ds16.sum(dim=-1)
+        rho_blk = r_blk / p16.sum(dim=-1).clamp(min=torch.finfo(cdt).tiny)
+        r[:, :, i0:i1] = r_blk
+        abs_ds[:, :, i0:i1] = ds16.abs().sum(dim=-1)
+        dq[:, :, i0:i1] = ds16 @ kh
+        if need_pk:
+            pk[:, :, i0:i1] = rho_blk[..., None] * (p16 @ kh)
+        if fix == "gproj" and dk_fold:
+            ds_dk = rnd(p * (dp - delta[:, :, i0:i1, None] - r_blk[..., None]))
+            dk += ds_dk.transpose(-1, -2) @ qh[:, :, i0:i1]
+        else:
+            dk += ds16.transpose(-1, -2) @ qh[:, :, i0:i1]
+            if fix == "gproj":
+                dk -= p16.transpose(-1, -2) @ (rho_blk[..., None] * qh[:, :, i0:i1])
+
+    extras: dict[str, Tensor] = {}
+    if want_stats:
+        extras = {"r": r.float(), "abs_dS": abs_ds.float(), "leak": (softmax_scale * pk).float()}
+    if fix == "gproj":
+        dq -= pk
+    elif fix == "gproj_uniform":
+        dq_corr, dk_corr = _uniform_corrections(qh, kh, r, causal)
+        dq -= dq_corr
+        dk -= dk_corr
+    dq *= softmax_scale
+    dk *= softmax_scale
+
+    if nheads_k != nheads:
+        group = nheads // nheads_k
+        dk = dk.view(batch, nheads_k, group, nk, d).sum(dim=2)
+        dv = dv.view(batch, nheads_k, group, nk, dv.shape[-1]).sum(dim=2)
+    out = grad_dtype or dtype
+    return dq.transpose(1, 2).to(out), dk.transpose(1, 2).to(out), dv.transpose(1, 2).to(out), extras
+
+
+def _uniform_corrections(qh: Tensor, kh: Tensor, r: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    """The orthogonal projection's corrections (before the factor τ), DESIGN.md §4 "uniform".
+
+    dq_i: r_i k̄_i with k̄_i the mean of the keys row i sees. dk_j: Σ_{i sees j} (r_i / n_i) q_i.
+    Causal rows see a prefix of the keys, so k̄ is a prefix mean and the dk sum a suffix sum:
+    O(N·d), no N × N work.
+    """
+    nq, nk = qh.shape[2], kh.shape[2]
+    if not causal:
+        return r[..., None] * kh.mean(dim=2, keepdim=True), ((r / nk)[..., None] * qh).sum(dim=2, keepdim=True)
+    offset = nk - nq
+    last = torch.arange(nq, device=qh.device) + offset  # last key index row i sees
+    n = (last + 1).clamp(min=0)
+    seen = n > 0
+    prefix = kh.cumsum(dim=2)
+    kbar = torch.zeros_like(qh[..., : kh.shape[-1]])
+    kbar[:, :, seen] = prefix[:, :, last[seen]] / n[seen, None].to(kh.dtype)
+    w = torch.zeros_like(qh)
+    w[:, :, seen] = (r[:, :, seen] / n[seen].to(r.dtype))[..., None] * qh[:, :, seen]
+    # Key j is seen by rows i >= j − offset: a suffix sum over i starting there.
+    suffix = w.flip(2).cumsum(dim=2).flip(2)
+    suffix = torch.cat([suffix, torch.zeros_like(suffix[:, :, :1])], dim=2)
+    first = (torch.arange(nk, device=qh.device) - offset).clamp(min=0, max=nq)
+    return r[..., None] * kbar, suffix[:, :, first]

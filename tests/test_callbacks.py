@@ -1,0 +1,520 @@
+"""Tests of lightning_gproj.callbacks: ZeroSumMonitor and GradNormMonitor, fitted on CPU.
+
+Every logged value is read back from a CSVLogger's metrics.csv and compared with a computation the
+test does on its own (gradient norms from ``param.grad``, medians with numpy, recorded values kept by
+the model), never with a constant copied from a previous run.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import MixedPrecision
+from torch import nn
+
+from lightning_gproj import stats
+from lightning_gproj.callbacks import (
+    GradNormMonitor,
+    GradNormSpikeWarning,
+    MonitorDisabledWarning,
+    ZeroSumMonitor,
+    default_layer_of,
+    find_key_biases,
+)
+
+E, H, N, B = 8, 2, 5, 2  # embedding, heads, sequence length, batch
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def read_metrics(logger: CSVLogger) -> dict[str, dict[int, float]]:
+    """``{metric: {step: value}}`` from the logger's metrics.csv."""
+    out: dict[str, dict[int, float]] = {}
+    path = Path(logger.log_dir) / "metrics.csv"
+    if not path.exists():  # nothing was logged at all
+        return out
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            step = int(row["step"])
+            for key, value in row.items():
+                if key not in ("step", "epoch") and value not in ("", None):
+                    out.setdefault(key, {})[step] = float(value)
+    return out
+
+
+def fit(module: pl.LightningModule, callbacks: list, tmp_path: Path, max_steps: int, **kwargs):
+    logger = CSVLogger(tmp_path, name="logs")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=logger,
+        log_every_n_steps=1,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+    trainer.fit(module)
+    return trainer, read_metrics(logger)
+
+
+def loader(n_batches: int, shape: tuple[int, ...], seed: int = 0) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randn(n_batches, *shape, generator=g)
+    return torch.utils.data.DataLoader(list(data), batch_size=None)
+
+
+@pytest.fixture(autouse=True)
+def _recorder_off():
+    """Each test starts and ends with the global recorder off and empty."""
+    stats.RECORDER.enabled = False
+    stats.RECORDER.drain()
+    yield
+    stats.RECORDER.enabled = False
+    stats.RECORDER.drain()
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain causal softmax attention, (batch, seqlen, nheads, headdim)."""
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    visible = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril()
+    p = s.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+class RecordingAttention(nn.Module):
+    """Reference attention that writes into ``stats.RECORDER`` as the op does (docs/architecture.md).
+
+    Forward statistics are the contract's formulas computed from q and k; backward ones are distinct
+    per call (so mean and max over calls can be told apart). Every value written while the recorder
+    is enabled is also kept in :attr:`written` as (step, statistic, value), for the test to compare.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.calls = 0
+        self.step = 0
+        self.written: list[tuple[int, str, float]] = []
+        self.enabled_at: list[int] = []  # steps at which a forward saw the recorder enabled
+
+    def _record(self, **values: torch.Tensor) -> None:
+        stats.RECORDER.record(self.name, **values)
+        self.written += [(self.step, key, float(v)) for key, v in values.items()]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        o = causal_attention(q, k, v)
+        if stats.RECORDER.enabled:
+            self.enabled_at.append(self.step)
+            self.calls += 1
+            call = self.calls
+            self._record(
+                mean_key_norm=k.detach().mean(1).norm(dim=-1).mean(),  # mean over (b, h) of |mean_j k_j|
+                mean_query_norm=q.detach().mean(1).norm(dim=-1).mean(),
+            )
+
+            def backward_stats(grad: torch.Tensor) -> None:
+                self._record(
+                    violation_median=torch.tensor(1e-3 * call),
+                    violation_max=torch.tensor(1e-2 * call),
+                    leak_ratio=grad.detach().norm() * 1e-3,
+                )
+
+            o.register_hook(backward_stats)
+        return o
+
+
+class AttnModel(pl.LightningModule):
+    """One causal self-attention layer with a fused, biased qkv projection (GPT-2 style, no RoPE)."""
+
+    def __init__(self, n_batches: int = 64) -> None:
+        super().__init__()
+        self.n_batches = n_batches
+        self.attn = nn.Module()
+        self.attn.qkv = nn.Linear(E, 3 * E)
+        self.attn.proj = nn.Linear(E, E)
+        self.core = RecordingAttention("layer0")
+        self.bias_grads: dict[int, dict[str, float]] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.reshape(*x.shape[:2], H, E // H) for t in self.attn.qkv(x).split(E, dim=-1))
+        return self.attn.proj(self.core(q, k, v).reshape(x.shape))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.core.step = self.global_step
+        return self(batch).pow(2).mean()
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # Runs after the callbacks' hook, before the step: the same gradients the monitor read.
+        gb, gw = self.attn.qkv.bias.grad, self.attn.qkv.weight.grad
+        self.bias_grads[self.global_step] = {
+            "key_bias": float(gb[E : 2 * E].norm()),
+            "key_weight": float(gw[E : 2 * E].norm()),
+            "query_bias": float(gb[:E].norm()),
+            "query_weight": float(gw[:E].norm()),
+        }
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        return loader(self.n_batches, (B, N, E))
+
+
+class LayeredModel(pl.LightningModule):
+    """loss = Σ_i f_i(step) · sum(blocks[i](x)) + sum(head(x)): the gradient of block i is exactly
+    f_i(step) times a fixed tensor, so the test controls every layer's gradient norm step by step."""
+
+    def __init__(self, factors: list[list[float]], lr: float = 0.0) -> None:
+        super().__init__()
+        self.factors = factors
+        self.lr = lr
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in factors)
+        self.head = nn.Linear(4, 1)
+        self.norms: dict[int, dict[str, float]] = {}  # independent norms, read in on_before_optimizer_step
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        step = self.global_step
+        loss = self.head(batch).sum()
+        for f, block in zip(self.factors, self.blocks):
+            loss = loss + f[step] * block(batch).sum()
+        return loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        grads = {n: p.grad for n, p in self.named_parameters()}
+        layers = {f"blocks.{i}": [g for n, g in grads.items() if n.startswith(f"blocks.{i}.")] for i in range(len(self.blocks))}
+        layers["head"] = [grads["head.weight"], grads["head.bias"]]
+        self.norms[self.global_step] = {
+            "global": float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads.values()]))),
+            **{k: float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in v]))) for k, v in layers.items()},
+        }
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        x = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
+        return torch.utils.data.DataLoader([x] * 64, batch_size=None)
+
+
+# ----------------------------------------------------------------------------- ZeroSumMonitor
+
+
+def test_zero_sum_logs_recorder_values_on_sampled_steps(tmp_path):
+    model = AttnModel()
+    monitor = ZeroSumMonitor(every_n_steps=3, print_summary=False)
+    trainer, logged = fit(model, [monitor], tmp_path, max_steps=7, accumulate_grad_batches=2)
+
+    sampled = [0, 3, 6]
+    # Recording on for both micro-batches of the sampled steps only, and off again afterwards.
+    assert model.core.enabled_at == [s for s in sampled for _ in range(2)]
+    assert stats.RECORDER.enabled is False
+
+    reduce = {"violation_max": max}
+    for stat in ("violation_median", "violation_max", "leak_ratio", "mean_key_norm", "mean_query_norm"):
+        series = logged[f"gproj/layer0/{stat}"]
+        assert sorted(series) == sampled
+        for step in sampled:
+            written = [v for s, key, v in model.core.written if s == step and key == stat]
+            assert len(written) == 2  # one per micro-batch
+            expected = reduce.get(stat, lambda xs: sum(xs) / len(xs))(written)
+            assert series[step] == pytest.approx(expected, rel=1e-6), (stat, step)
+
+    # Key bias = middle third of attn.qkv.bias; its layer is the attention module "attn".
+    assert [(kb.layer, kb.bias_name) for kb in monitor.key_biases] == [("attn", "attn.qkv.bias")]
+    norm, ratio = logged["gproj/attn/key_bias_grad_norm"], logged["gproj/attn/key_bias_grad_ratio"]
+    assert sorted(norm) == sorted(ratio) == sampled
+    for step in sampled:
+        g = model.bias_grads[step]
+        assert norm[step] == pytest.approx(g["key_bias"], rel=1e-5)
+        assert ratio[step] == pytest.approx(g["key_bias"] / g["key_weight"], rel=1e-5)
+        # C2: a shared key offset gets no gradient. In fp32 what is left is rounding, far below the
+        # query bias's (real) gradient measured the same way.
+        assert ratio[step] < 1e-5 < 1e-3 < g["query_bias"] / g["query_weight"]
+
+    table = monitor.summary()
+    assert "layer0" in table and "attn" in table and "violation_max" in table
+    peak_max = max(v for _, key, v in model.core.written if key == "violation_max")
+    assert monitor.tracks["layer0"]["violation_max"].peak == pytest.approx(peak_max, rel=1e-6)
+
+
+class PlainModel(pl.LightningModule):
+    """An MLP: no attention, no recorder calls, no key bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(E, E), nn.ReLU(), nn.Linear(E, 1))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch).pow(2).mean()
+        self.log("loss", loss)  # so the CSV exists and shows the logger worked
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        return loader(16, (B, E))
+
+
+def test_zero_sum_logs_nothing_without_swapped_attention(tmp_path):
+    monitor = ZeroSumMonitor(every_n_steps=1)
+    trainer, logged = fit(PlainModel(), [monitor], tmp_path, max_steps=4)
+    assert trainer.global_step == 4
+    assert "loss" in logged and not [k for k in logged if k.startswith("gproj/")]
+    assert monitor.key_biases == [] and monitor.tracks == {}
+    assert "nothing was logged" in monitor.summary()
+    assert stats.RECORDER.enabled is False
+
+
+def test_zero_sum_restores_a_recorder_the_user_enabled(tmp_path):
+    stats.RECORDER.enabled = True
+    model = AttnModel()
+    fit(model, [ZeroSumMonitor(every_n_steps=2, print_summary=False)], tmp_path, max_steps=3)
+    assert stats.RECORDER.enabled is True
+
+
+def test_find_key_biases_layouts():
+    class Conv1D(nn.Module):  # GPT-2's transposed linear: weight (in, out)
+        def __init__(self, n_in: int, n_out: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(n_in, n_out))
+            self.bias = nn.Parameter(torch.zeros(n_out))
+
+    m = nn.Module()
+    m.gpt2 = nn.Module()
+    m.gpt2.c_attn = Conv1D(E, 3 * E)
+    m.llama = nn.Module()
+    m.llama.q_proj, m.llama.k_proj = nn.Linear(E, E), nn.Linear(E, E // 2)
+    m.mha = nn.MultiheadAttention(E, H, bias=True)
+    m.gqa = nn.Module()
+    m.gqa.qkv_proj = nn.Linear(E, E + 2 * (E // 2))  # fused GQA: unequal parts, must be skipped
+    m.neox = nn.Module()
+    m.neox.query_key_value = nn.Linear(E, 3 * E)  # per-head interleaved: not listed, skipped
+    m.direct = nn.Module()
+    m.direct.qkv = nn.Linear(E, 3 * E)
+    m.direct.key_bias = nn.Parameter(torch.zeros(E))  # added to k: preferred over qkv.bias
+
+    found = {kb.layer: kb for kb in find_key_biases(m)}
+    assert set(found) == {"gpt2", "llama", "mha", "direct"}
+    assert (found["gpt2"].bias_part, found["gpt2"].weight_part) == ((E, E), (1, E, E))
+    assert (found["llama"].bias_name, found["llama"].weight_part) == ("llama.k_proj.bias", None)
+    assert (found["mha"].bias_part, found["mha"].weight_part) == ((E, E), (0, E, E))
+    assert (found["direct"].bias_name, found["direct"].weight_name) == ("direct.key_bias", "direct.qkv.weight")
+    assert found["direct"].weight_part == (0, E, E)
+
+
+def test_key_bias_slice_of_multihead_attention_obeys_c2():
+    """The slice find_key_biases takes from nn.MultiheadAttention's in_proj_bias is the key part: in
+    float64 its gradient vanishes (C2) while the query part's does not."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, bias=True, batch_first=True).double()
+    x = torch.randn(B, N, E, dtype=torch.float64)
+    out, _ = mha(x, x, x, need_weights=False)
+    out.pow(2).sum().backward()
+    (kb,) = find_key_biases(mha)
+    bias_norm, weight_norm = kb.grad_norms()
+    assert float(bias_norm / weight_norm) < 1e-12
+    query_part = mha.in_proj_bias.grad[:E].norm() / mha.in_proj_weight.grad[:E].norm()
+    assert float(query_part) > 1e-3
+
+
+# ----------------------------------------------------------------------------- GradNormMonitor
+
+
+def wobble(n: int, amplitude: float, phase: float) -> list[float]:
+    return [1.0 + amplitude * math.sin(1.3 * s + phase) for s in range(n)]
+
+
+def test_grad_norm_logs_norms_and_baseline_matching_independent_computation(tmp_path):
+    steps, window = 14, 5
+    model = LayeredModel([wobble(steps, 0.3, 0.0), wobble(steps, 0.5, 1.0)])
+    monitor = GradNormMonitor(window=window, warn_ratio=1e6, warmup=2, ema_decay=0.8, print_summary=False)
+    trainer, logged = fit(model, [monitor], tmp_path, max_steps=steps)
+
+    norms = [model.norms[s]["global"] for s in range(steps)]
+    ema = None
+    for s in range(steps):
+        for layer in ("global", "layer/blocks.0", "layer/blocks.1", "layer/head"):
+            expected = model.norms[s][layer.removeprefix("layer/")]
+            assert logged[f"grad_norm/{layer}"][s] == pytest.approx(expected, rel=1e-6), (layer, s)
+        past = np.array(norms[max(0, s - window) : s])
+        if s == 0:
+            assert s not in logged["grad_norm/baseline_median"]
+        else:
+            median = float(np.median(past))
+            mad = float(np.median(np.abs(past - median)))
+            assert logged["grad_norm/baseline_median"][s] == pytest.approx(median, rel=1e-6)
+            assert logged["grad_norm/baseline_mad"][s] == pytest.approx(mad, rel=1e-5, abs=1e-9)
+            assert logged["grad_norm/ratio"][s] == pytest.approx(norms[s] / median, rel=1e-6)
+            assert logged["grad_norm/ema_ratio"][s] == pytest.approx(norms[s] / ema, rel=1e-6)
+            if mad > 0:
+                z = (norms[s] - median) / (1.4826 * mad)
+                assert logged["grad_norm/robust_z"][s] == pytest.approx(z, rel=1e-5)
+        ema = norms[s] if ema is None else 0.8 * ema + 0.2 * norms[s]
+        assert logged["grad_norm/warnings"][s] == 0
+    assert all(math.isfinite(v) for series in logged.values() for v in series.values())
+
+
+def test_grad_norm_warns_exactly_at_the_spike_and_names_the_layer(tmp_path):
+    steps, spikes = 22, {15: 200.0, 16: 150.0, 19: 300.0}  # 15-16: one episode; 19: a second one
+    blocks1 = [f * spikes.get(s, 1.0) for s, f in enumerate(wobble(steps, 0.2, 1.0))]
+    model = LayeredModel([wobble(steps, 0.2, 0.0), blocks1])
+    monitor = GradNormMonitor(window=8, warn_ratio=10.0, warmup=5, print_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, logged = fit(model, [monitor], tmp_path, max_steps=steps)
+    spike_warnings = [str(w.message) for w in caught if issubclass(w.category, GradNormSpikeWarning)]
+
+    # Independently: the steps whose norm exceeds 10x the median of the previous <= 8 norms.
+    norms = [model.norms[s]["global"] for s in range(steps)]
+    above = [s for s in range(5, steps) if norms[s] > 10.0 * np.median(norms[max(0, s - 8) : s])]
+    assert above == [15, 16, 19]
+    assert [a.measurement.step for a in monitor.alerts] == [15, 19]
+    assert len(spike_warnings) == 2
+    assert "at step 15 " in spike_warnings[0] and "at step 19 " in spike_warnings[1]
+    for msg, alert in zip(spike_warnings, monitor.alerts):
+        assert alert.drivers[0][0] == "blocks.1"
+        assert msg.index("blocks.1") < msg.index("Largest increases") + 40
+    assert [logged["grad_norm/warnings"][s] for s in (14, 15, 16, 18, 19, 21)] == [0, 1, 1, 1, 2, 2]
+    assert monitor._states[0].steps_above == 3
+    assert "warnings" in monitor.summary()
+
+
+class AmpLayeredModel(LayeredModel):
+    """Also records the gradients as the backward left them (scaled) and after clipping."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scaled: dict[int, tuple[float, float]] = {}
+        self.clipped: dict[int, float] = {}
+
+    def on_after_backward(self) -> None:
+        scale = float(self.trainer.precision_plugin.scaler.get_scale())
+        g = torch.cat([p.grad.flatten() for p in self.parameters()])
+        self.scaled[self.global_step] = (float(torch.linalg.vector_norm(g)), scale)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        # After optimizer.step; the next zero_grad is still to come: these are the clipped gradients.
+        g = torch.cat([p.grad.flatten() for p in self.parameters()])
+        self.clipped[self.global_step - 1] = float(torch.linalg.vector_norm(g))
+
+
+def test_grad_norm_sees_unscaled_gradients_before_clipping(tmp_path):
+    steps, clip = 4, 1e-2
+    model = AmpLayeredModel([wobble(steps, 0.3, 0.0)])
+    amp = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))
+    trainer, logged = fit(
+        model, [GradNormMonitor(print_summary=False)], tmp_path, max_steps=steps, plugins=[amp], gradient_clip_val=clip
+    )
+    for s in range(steps):
+        scaled_norm, scale = model.scaled[s]
+        assert scale > 1.0
+        assert logged["grad_norm/global"][s] == pytest.approx(scaled_norm / scale, rel=1e-4)
+        assert logged["grad_norm/global"][s] > 10 * clip  # so clipping changed the gradients ...
+        assert model.clipped[s] == pytest.approx(clip, rel=1e-3)  # ... after the monitor read them
+
+
+def test_default_layer_of():
+    assert default_layer_of("transformer.h.3.attn.c_attn.weight") == "transformer.h.3"
+    assert default_layer_of("model.layers.12.mlp.up_proj.weight") == "model.layers.12"
+    assert default_layer_of("transformer.wte.weight") == "transformer.wte"
+    assert default_layer_of("lm_head.weight") == "lm_head"
+    assert default_layer_of("pos") == "pos"
+
+
+# ----------------------------------------------------------------------------- both
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "argument"),
+    [
+        (ZeroSumMonitor, {"every_n_steps": 0}, "every_n_steps"),
+        (ZeroSumMonitor, {"every_n_steps": 2.5}, "every_n_steps"),
+        (ZeroSumMonitor, {"key_bias": 1}, "key_bias"),
+        (ZeroSumMonitor, {"sync_dist": "yes"}, "sync_dist"),
+        (ZeroSumMonitor, {"prefix": ""}, "prefix"),
+        (ZeroSumMonitor, {"recorder": object()}, "recorder"),
+        (GradNormMonitor, {"every_n_steps": -1}, "every_n_steps"),
+        (GradNormMonitor, {"window": 1}, "window"),
+        (GradNormMonitor, {"warn_ratio": 1.0}, "warn_ratio"),
+        (GradNormMonitor, {"warn_ratio": float("inf")}, "warn_ratio"),
+        (GradNormMonitor, {"window": 10, "warmup": 11}, "warmup"),
+        (GradNormMonitor, {"warmup": 0}, "warmup"),
+        (GradNormMonitor, {"ema_decay": 1.0}, "ema_decay"),
+        (GradNormMonitor, {"top_k": 0}, "top_k"),
+        (GradNormMonitor, {"layer_of": "blocks"}, "layer_of"),
+        (GradNormMonitor, {"prefix": "grad/"}, "prefix"),
+    ],
+)
+def test_constructor_rejects_bad_arguments(cls, kwargs, argument):
+    with pytest.raises(ValueError, match=f"`{argument}`"):
+        cls(**kwargs)
+
+
+def _break_zero_sum(monitor: ZeroSumMonitor, monkeypatch) -> None:
+    def drain():
+        raise RuntimeError("drain failed")
+
+    monkeypatch.setattr(monitor.recorder, "drain", drain)
+
+
+def _break_grad_norm(monitor: GradNormMonitor, monkeypatch) -> None:
+    def measure(*args):
+        raise RuntimeError("measure failed")
+
+    monkeypatch.setattr(monitor, "measure", measure)
+
+
+@pytest.mark.parametrize(
+    ("make", "model", "breaker"),
+    [
+        (lambda: ZeroSumMonitor(every_n_steps=1), AttnModel, _break_zero_sum),
+        (lambda: GradNormMonitor(), lambda: LayeredModel([wobble(8, 0.1, 0.0)]), _break_grad_norm),
+    ],
+    ids=["zero_sum", "grad_norm"],
+)
+def test_a_failing_monitor_disables_itself_and_training_continues(tmp_path, monkeypatch, make, model, breaker):
+    monitor = make()
+    breaker(monitor, monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, logged = fit(model(), [monitor], tmp_path, max_steps=5)
+    assert trainer.global_step == 5
+    assert monitor.disabled and "failed" in monitor.failure
+    disabled = [w for w in caught if issubclass(w.category, MonitorDisabledWarning)]
+    assert len(disabled) == 1 and type(monitor).__name__ in str(disabled[0].message)
+    assert stats.RECORDER.enabled is False
+    assert not [k for k in logged if k.startswith(("gproj/", "grad_norm/"))]
+
+
+def test_summaries_are_printed_at_the_end_of_fit(tmp_path):
+    handler_logger = logging.getLogger("lightning.pytorch")
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Collect(level=logging.INFO)
+    handler_logger.addHandler(handler)
+    try:
+        fit(AttnModel(), [ZeroSumMonitor(every_n_steps=2), GradNormMonitor()], tmp_path, max_steps=3)
+    finally:
+        handler_logger.removeHandler(handler)
+    zero_sum = [r for r in records if r.startswith("ZeroSumMonitor")]
+    grad_norm = [r for r in records if r.startswith("GradNormMonitor")]
+    assert len(zero_sum) == 1 and "layer0" in zero_sum[0] and "leak_ratio" in zero_sum[0]
+    assert len(grad_norm) == 1 and "peak" in grad_norm[0] and "warnings" in grad_norm[0]

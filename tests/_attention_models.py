@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,19 +36,15 @@ class OpSpy:
         self.calls: list[dict] = []
 
     def __call__(self, q, k, v, **kwargs):
-        self.calls.append(dict(kwargs, q_shape=tuple(q.shape), k_shape=tuple(k.shape)))
+        self.calls.append(dict(kwargs, q_shape=tuple(q.shape), k_shape=tuple(k.shape), q_dtype=q.dtype))
         return self.op(q, k, v, **kwargs)
 
 
 @pytest.fixture
 def op_spy(monkeypatch) -> OpSpy:
     """Spy on ``lightning_gproj.ops.gproj_attn_func`` (the real op)."""
-    try:
-        import lightning_gproj.ops as ops
-    except ImportError:  # TEMP until ops.py lands
-        ops = types.ModuleType("lightning_gproj.ops")
-        ops.gproj_attn_func = reference_attn
-        monkeypatch.setitem(sys.modules, "lightning_gproj.ops", ops)
+    import lightning_gproj.ops as ops
+
     spy = OpSpy(ops.gproj_attn_func)
     monkeypatch.setattr(ops, "gproj_attn_func", spy)
     monkeypatch.setattr(swap_common, "_OPS", None)
@@ -61,7 +54,7 @@ def op_spy(monkeypatch) -> OpSpy:
 class Projections(nn.Module):
     """q, k, v and output projections (no attention of its own)."""
 
-    def __init__(self, dim=16, heads=4, kv_heads=None, **sdpa_kwargs):
+    def __init__(self, dim=32, heads=4, kv_heads=None, **sdpa_kwargs):
         super().__init__()
         self.heads, self.kv_heads = heads, kv_heads or heads
         self.head_dim = dim // heads
@@ -117,7 +110,7 @@ class ExternalHelperAttention(Projections):
 
 
 class Block(nn.Module):
-    def __init__(self, attn: nn.Module, dim=16):
+    def __init__(self, attn: nn.Module, dim=32):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.attn = attn
@@ -138,7 +131,7 @@ class Block(nn.Module):
 class TinyModel(nn.Module):
     """Two blocks: one SDPA (causal), one nn.MultiheadAttention (causal, batch_first)."""
 
-    def __init__(self, dim=16, vocab=11):
+    def __init__(self, dim=32, vocab=11):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList([

@@ -83,18 +83,18 @@ SDPA_SERVED = {
 def test_sdpa_served_matches_original(case, dtype, tol, op_spy):
     kwargs, causal = SDPA_SERVED[case]
     torch.manual_seed(0)
-    model = Block(SDPAAttention(16, 4, **kwargs)).to(dtype)
+    model = Block(SDPAAttention(32, 4, **kwargs)).to(dtype)
     swapped = copy.deepcopy(model)
     report = swap_attention(swapped)
     assert [(r.module_path, r.replacement is not None) for r in report.rows] == [("attn", True)]
-    x = torch.randn(2, 8, 16, dtype=dtype)
+    x = torch.randn(2, 8, 32, dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("error", GProjFallbackWarning)
         _assert_close(model, swapped, [x], tol)
     assert len(op_spy.calls) == 1
     call = op_spy.calls[0]
     assert call["causal"] is causal and call["fix"] == "gproj" and call["stats_name"] == "attn"
-    assert call["q_shape"] == (2, 8, 4, 4)  # (batch, seqlen, nheads, headdim)
+    assert call["q_shape"] == (2, 8, 4, 8)  # (batch, seqlen, nheads, headdim)
     assert call["softmax_scale"] == kwargs.get("scale")
     assert report.sites["attn"].served == 1
 
@@ -104,15 +104,15 @@ def test_sdpa_cross_attention_bottom_right_mask(dtype, tol, op_spy):
     # An explicit bool mask with Nq < Nk that is the bottom-right causal mask is served as causal=True;
     # checked against the written-out reference too (independent of SDPA).
     torch.manual_seed(0)
-    model = SDPAAttention(16, 4, attn_mask=_tril).to(dtype)
+    model = SDPAAttention(32, 4, attn_mask=_tril).to(dtype)
     swapped = copy.deepcopy(model)
     swap_attention(swapped)
-    x, memory = torch.randn(2, 5, 16, dtype=dtype), torch.randn(2, 9, 16, dtype=dtype)
+    x, memory = torch.randn(2, 5, 32, dtype=dtype), torch.randn(2, 9, 32, dtype=dtype)
     _assert_close(model, swapped, [x, memory], tol)
-    assert op_spy.calls[0]["causal"] is True and op_spy.calls[0]["k_shape"] == (2, 9, 4, 4)
-    q = model.q(x).view(2, 5, 4, 4)
-    k, v = model.kv(memory).view(2, 9, 2, 4, 4).unbind(2)
-    expected = model.proj(reference_attn(q, k, v, causal=True).reshape(2, 5, 16))
+    assert op_spy.calls[0]["causal"] is True and op_spy.calls[0]["k_shape"] == (2, 9, 4, 8)
+    q = model.q(x).view(2, 5, 4, 8)
+    k, v = model.kv(memory).view(2, 9, 2, 4, 8).unbind(2)
+    expected = model.proj(reference_attn(q, k, v, causal=True).reshape(2, 5, 32))
     assert rel_err(swapped(x, memory), expected) <= tol
 
 
@@ -140,10 +140,10 @@ SDPA_FALLBACK = {
 def test_sdpa_fallback_warns_once_and_matches_original(case, op_spy):
     kwargs, reason = SDPA_FALLBACK[case]
     torch.manual_seed(0)
-    model = SDPAAttention(16, 4, **kwargs)
+    model = SDPAAttention(32, 4, **kwargs)
     swapped = copy.deepcopy(model)
     swap_attention(swapped)
-    x, memory = torch.randn(2, 5, 16), torch.randn(2, 9, 16)
+    x, memory = torch.randn(2, 5, 32), torch.randn(2, 9, 32)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -154,6 +154,20 @@ def test_sdpa_fallback_warns_once_and_matches_original(case, op_spy):
     messages = _fallback_warnings(record)
     assert len(messages) == 1, messages
     assert "<root> (SDPAAttention)" in messages[0] and reason in messages[0]
+    assert op_spy.calls == []
+
+
+def test_fallback_on_head_dims_the_op_does_not_take(op_spy):
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"sdpa": SDPAAttention(16, 4, is_causal=True), "mha": nn.MultiheadAttention(12, 3)})
+    plain = copy.deepcopy(model)
+    swap_attention(model)
+    x = torch.randn(2, 5, 16)
+    with pytest.warns(GProjFallbackWarning, match=r"sdpa \(SDPAAttention\).*headdim 4 \(the op takes multiples of 8"):
+        assert torch.equal(model["sdpa"](x), plain["sdpa"](x))
+    y = torch.randn(5, 2, 12)
+    with pytest.warns(GProjFallbackWarning, match=r"mha \(nn.MultiheadAttention\).*headdim 4"):
+        assert torch.equal(model["mha"](y, y, y, need_weights=False)[0], plain["mha"](y, y, y, need_weights=False)[0])
     assert op_spy.calls == []
 
 
@@ -173,28 +187,28 @@ def test_sdpa_fallback_on_3d_inputs(op_spy):
 
 def test_sdpa_helper_method_is_detected(op_spy):
     torch.manual_seed(0)
-    model = Block(HelperMethodAttention(16, 4))
+    model = Block(HelperMethodAttention(32, 4))
     swapped = copy.deepcopy(model)
     report = swap_attention(swapped)
     assert [r.module_path for r in report.swapped] == ["attn"]
-    _assert_close(model, swapped, [torch.randn(2, 6, 16)], 2e-5)
+    _assert_close(model, swapped, [torch.randn(2, 6, 32)], 2e-5)
     assert [c["causal"] for c in op_spy.calls] == [True]
 
 
 def test_catch_all_serves_external_helpers_and_respects_exclude(op_spy):
     torch.manual_seed(0)
-    model = nn.Sequential(Block(ExternalHelperAttention(16, 4)), Block(ExternalHelperAttention(16, 4)))
+    model = nn.Sequential(Block(ExternalHelperAttention(32, 4)), Block(ExternalHelperAttention(32, 4)))
     swapped = copy.deepcopy(model)
     report = swap_attention(swapped)  # module-level helper: invisible without catch_all
     assert report.rows == []
     assert "no attention found" in report.table()
-    swapped(torch.randn(1, 4, 16))
+    swapped(torch.randn(1, 4, 32))
     assert op_spy.calls == []
 
     report = swap_attention(swapped, catch_all=True, exclude="1")
     assert [(r.module_path, r.replacement is not None) for r in report.rows] == [("", True), ("1", False)]
     assert "excluded by pattern '1'" in report.rows[1].reason
-    x = torch.randn(2, 6, 16)
+    x = torch.randn(2, 6, 32)
     _assert_close(model, swapped, [x], 2e-5)
     assert [c["stats_name"] for c in op_spy.calls] == ["attention"]  # block 0 only, named after the root
 
@@ -204,13 +218,13 @@ def test_catch_all_keeps_left_alone_mha_and_mha_fallbacks_original(op_spy):
     # was left alone (add_bias_kv) or that fell back (key_padding_mask).
     torch.manual_seed(0)
     model = nn.ModuleDict({
-        "kept": nn.MultiheadAttention(16, 4, add_bias_kv=True, batch_first=True),
-        "swapped": nn.MultiheadAttention(16, 4, batch_first=True),
+        "kept": nn.MultiheadAttention(32, 4, add_bias_kv=True, batch_first=True),
+        "swapped": nn.MultiheadAttention(32, 4, batch_first=True),
     })
     plain = copy.deepcopy(model)
     swap_attention(model, catch_all=True)
     assert not isinstance(model["kept"], GProjMultiheadAttention)
-    x = torch.randn(2, 5, 16)
+    x = torch.randn(2, 5, 32)
     kpm = torch.zeros(2, 5, dtype=torch.bool)
     kpm[:, -1] = True
     for name, kwargs in [("kept", {}), ("swapped", dict(key_padding_mask=kpm))]:
@@ -243,13 +257,13 @@ MHA_SERVED = {
 def test_mha_served_matches_original(case, batch_first, inputs, dtype, tol, op_spy):
     kwargs, causal = MHA_SERVED[case]
     torch.manual_seed(0)
-    model = nn.MultiheadAttention(16, 4, batch_first=batch_first, dropout=0.1).to(dtype).eval()
+    model = nn.MultiheadAttention(32, 4, batch_first=batch_first, dropout=0.1).to(dtype).eval()
     swapped = copy.deepcopy(model)
     report = swap_attention(swapped)
     assert isinstance(swapped, GProjMultiheadAttention)
     assert report.rows[0].replacement.startswith("GProjMultiheadAttention")
     n = 6
-    shape = (n, 16) if inputs == "unbatched" else ((2, n, 16) if batch_first else (n, 2, 16))
+    shape = (n, 32) if inputs == "unbatched" else ((2, n, 32) if batch_first else (n, 2, 32))
     query = torch.randn(shape, dtype=dtype)
     memory = torch.randn(shape, dtype=dtype) if inputs == "cross" else query
     kwargs = {k: (v(n).to(dtype) if callable(v) and k == "attn_mask" and case != "causal_bool_mask" else v(n) if callable(v) else v) for k, v in kwargs.items()}
@@ -268,7 +282,7 @@ def test_mha_served_matches_original(case, batch_first, inputs, dtype, tol, op_s
         _assert_close(Call(model), Call(swapped), [query, memory], tol)
     assert len(op_spy.calls) == 1
     assert op_spy.calls[0]["causal"] is causal and op_spy.calls[0]["stats_name"] == "attention"
-    assert op_spy.calls[0]["q_shape"] == (1 if inputs == "unbatched" else 2, n, 4, 4)
+    assert op_spy.calls[0]["q_shape"] == (1 if inputs == "unbatched" else 2, n, 4, 8)
 
 
 MHA_FALLBACK = {
@@ -284,10 +298,10 @@ def test_mha_fallback_warns_once_and_matches_original(case, op_spy):
     kwargs, reason = MHA_FALLBACK[case]
     torch.manual_seed(0)
     model = nn.Sequential()
-    model.add_module("mha", nn.MultiheadAttention(16, 4, batch_first=True, dropout=0.5 if "dropout" in case else 0.0))
+    model.add_module("mha", nn.MultiheadAttention(32, 4, batch_first=True, dropout=0.5 if "dropout" in case else 0.0))
     swapped = copy.deepcopy(model)
     swap_attention(swapped)
-    x = torch.randn(2, 6, 16)
+    x = torch.randn(2, 6, 32)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -306,10 +320,10 @@ def test_mha_fallback_warns_once_and_matches_original(case, op_spy):
 @pytest.mark.parametrize(
     "kwargs, reason",
     [(dict(add_bias_kv=True), "add_bias_kv=True"), (dict(add_zero_attn=True), "add_zero_attn=True"),
-     (dict(kdim=8, vdim=8), "kdim/vdim (8/8) differ from embed_dim 16")],
+     (dict(kdim=8, vdim=8), "kdim/vdim (8/8) differ from embed_dim 32")],
 )
 def test_mha_static_properties_are_left_alone(kwargs, reason):
-    model = nn.Sequential(nn.MultiheadAttention(16, 4, **kwargs))
+    model = nn.Sequential(nn.MultiheadAttention(32, 4, **kwargs))
     report = swap_attention(model)
     assert type(model[0]) is nn.MultiheadAttention
     assert report.rows == [("0", "nn.MultiheadAttention", None, reason)]
@@ -374,7 +388,7 @@ def test_activation_checkpointing_recomputes_through_the_op(op_spy):
     class Checkpointed(nn.Module):
         def __init__(self):
             super().__init__()
-            self.block = Block(SDPAAttention(16, 4, is_causal=True))
+            self.block = Block(SDPAAttention(32, 4, is_causal=True))
 
         def forward(self, x):
             return checkpoint(self.block, x, use_reentrant=False)
@@ -382,16 +396,16 @@ def test_activation_checkpointing_recomputes_through_the_op(op_spy):
     model = Checkpointed()
     swapped = copy.deepcopy(model)
     swap_attention(swapped)
-    _assert_close(model, swapped, [torch.randn(2, 8, 16)], 2e-5)
+    _assert_close(model, swapped, [torch.randn(2, 8, 32)], 2e-5)
     assert [c["stats_name"] for c in op_spy.calls] == ["block.attn", "block.attn"]  # forward + recompute
 
 
 def test_deepcopy_keeps_the_swap(op_spy):
-    model = Block(SDPAAttention(16, 4, is_causal=True))
+    model = Block(SDPAAttention(32, 4, is_causal=True))
     swap_attention(model)
     clone = copy.deepcopy(model)
     assert clone.attn.forward.module is clone.attn
-    clone(torch.randn(1, 3, 16))
+    clone(torch.randn(1, 3, 32))
     assert len(op_spy.calls) == 1
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import math
 import warnings
 from typing import Iterable, NamedTuple, Optional, Sequence
 
@@ -114,16 +115,35 @@ class Guard:
 _OPS = None
 
 
+def op_reason(head_dim: int, numel_q: int, numel_k: int, scale: object = None) -> Optional[str]:
+    """None if the op takes this head dim, non-empty inputs and ``scale``, else why not (the op's own
+    limits: headdim a multiple of 8 in [8, MAX_HEAD_DIM], positive finite scale)."""
+    max_head_dim = getattr(_ops(), "MAX_HEAD_DIM", 256)
+    if head_dim % 8 != 0 or not 8 <= head_dim <= max_head_dim:
+        return f"headdim {head_dim} (the op takes multiples of 8 in [8, {max_head_dim}])"
+    if numel_q == 0 or numel_k == 0:
+        return "empty inputs"
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
+        math.isfinite(scale) and scale > 0
+    )):
+        return f"scale={scale!r} (the op takes a positive finite float)"
+    return None
+
+
+def _ops():
+    global _OPS
+    if _OPS is None:
+        _OPS = importlib.import_module("lightning_gproj.ops")
+    return _OPS
+
+
 def gproj_attn_func():
     """The op :func:`lightning_gproj.ops.gproj_attn_func`, imported on first use.
 
     Looked up at call time (not import time) so that the swap modules import without the op's
     dependencies and so that tests may monkeypatch ``lightning_gproj.ops.gproj_attn_func``.
     """
-    global _OPS
-    if _OPS is None:
-        _OPS = importlib.import_module("lightning_gproj.ops")
-    return _OPS.gproj_attn_func
+    return _ops().gproj_attn_func
 
 
 class Site:

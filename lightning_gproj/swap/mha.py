@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import Guard, Site, causal_bool, gproj_attn_func
+from ._common import Guard, Site, causal_bool, gproj_attn_func, op_reason
 
 
 def static_reason(module: nn.Module) -> Optional[str]:
@@ -55,7 +55,8 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
 
     Served: ``need_weights=False``, no ``key_padding_mask``, ``attn_mask`` None or the causal mask
     (``is_causal=True`` with a mask, trusted as the original does on this path; or a mask whose
-    values are exactly causal), dropout inactive (eval mode or ``dropout=0``), causal only with L == S.
+    values are exactly causal), dropout inactive (eval mode or ``dropout=0``), causal only with L == S,
+    head dim (embed_dim / num_heads) a multiple of 8 up to the op's ``MAX_HEAD_DIM``.
     Any other call runs ``nn.MultiheadAttention.forward`` unchanged (one
     :class:`GProjFallbackWarning` per module). Note ``need_weights`` defaults to True: such calls
     keep the original path.
@@ -74,6 +75,9 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
             return f"input dims query {query.dim()}, key {key.dim()}, value {value.dim()}", False
         if not (query.dtype == key.dtype == value.dtype):
             return "query/key/value differ in dtype", False
+        reason = op_reason(self.head_dim, query.numel(), key.numel())
+        if reason is not None:
+            return reason, False
         seq = 1 if (self.batch_first and query.dim() == 3) else 0
         n_q, n_k = query.shape[seq], key.shape[seq]
         if attn_mask is None:

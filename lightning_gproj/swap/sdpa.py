@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ._common import Guard, Site, causal_bool, gproj_attn_func
+from ._common import Guard, Site, causal_bool, gproj_attn_func, op_reason
 
 #: The original SDPA (the builtin that ``TorchFunctionMode`` hands to ``__torch_function__``).
 SDPA = F.scaled_dot_product_attention
@@ -77,7 +77,8 @@ def plan(args: tuple, kwargs: dict) -> tuple[Optional[str], bool]:
     """Decide how to serve one SDPA call: ``(reason, causal)``; ``reason`` is None when the op can
     reproduce SDPA exactly (up to rounding) with ``causal``, else it says why not.
 
-    Served: 4-D q, k, v of one dtype and device, equal batch, equal headdim for v, ``dropout_p == 0``,
+    Served: 4-D q, k, v of one dtype and device, equal batch, equal headdim for v (a multiple of 8
+    up to the op's ``MAX_HEAD_DIM``), ``dropout_p == 0``,
     ``attn_mask`` None (``is_causal`` only with Nq == Nk: SDPA's mask is top-left aligned, the op's
     bottom-right) or a bool mask whose values are exactly all-True or the causal mask (Nq <= Nk),
     ``scale``, GQA with ``enable_gqa=True``. Reading a mask's values synchronizes with the device.
@@ -101,8 +102,9 @@ def plan(args: tuple, kwargs: dict) -> tuple[Optional[str], bool]:
         return f"value headdim {v.shape[3]} differs from query headdim {d}", False
     if h_k != h_q and not (enable_gqa and h_q % h_k == 0):
         return f"key heads {h_k} != query heads {h_q} without enable_gqa", False
-    if scale is not None and not isinstance(scale, (int, float)):
-        return f"scale of type {type(scale).__name__}", False
+    reason = op_reason(d, q.numel(), k.numel(), scale)
+    if reason is not None:
+        return reason, False
     if mask is None:
         if is_causal and n_q != n_k:
             return (

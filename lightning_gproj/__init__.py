@@ -1,1 +1,27 @@
-"""lightning-gproj: numerically safe BF16 attention training for PyTorch Lightning (see README.md)."""
+"""lightning-gproj: numerically safe BF16 attention training for PyTorch Lightning.
+
+Public API::
+
+    from lightning_gproj import gproj_attn_func, GProjPlugin, ZeroSumMonitor, GradNormMonitor
+
+See README.md and docs/design.md.
+"""
+
+from lightning_gproj.callbacks import GradNormMonitor, ZeroSumMonitor
+from lightning_gproj.ops import FIXES, gproj_attn_func
+from lightning_gproj.plugin import GProjPlugin
+from lightning_gproj.stats import RECORDER, StatsRecorder
+from lightning_gproj.swap import SwapReport, swap_attention, unswap_attention
+
+__all__ = [
+    "FIXES",
+    "GProjPlugin",
+    "GradNormMonitor",
+    "RECORDER",
+    "StatsRecorder",
+    "SwapReport",
+    "ZeroSumMonitor",
+    "gproj_attn_func",
+    "swap_attention",
+    "unswap_attention",
+]

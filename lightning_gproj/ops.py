@@ -1,0 +1,257 @@
+"""``gproj_attn_func``: attention whose backward keeps the softmax zero-sum law (DESIGN.md §4).
+
+The op is two ``torch.library`` custom ops (forward and backward) joined by ``register_autograd``, so
+``torch.compile(fullgraph=True)`` sees attention as one opaque op instead of breaking the graph. Each
+dispatches at run time: the Triton kernels (:mod:`lightning_gproj.kernels.attention_fwd`,
+:mod:`~lightning_gproj.kernels.attention_bwd`) for 16-bit CUDA inputs they serve, else the PyTorch
+reference (:mod:`lightning_gproj.kernels.reference`), which follows the same rounding model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_gproj.kernels import reference
+from lightning_gproj.stats import RECORDER
+
+__all__ = ["gproj_attn_func", "FIXES", "MAX_HEAD_DIM"]
+
+#: Accepted values of ``fix``.
+FIXES = reference.FIXES
+#: Largest head dim accepted (as flash-attn); head dims must also be multiples of 8.
+MAX_HEAD_DIM = 256
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def _triton_reason(q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
+    """None if the Triton kernels serve these inputs, else why not.
+
+    Triton is imported only for CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (how CI runs
+    the kernels), so a CPU-only install never needs it.
+    """
+    interpret = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpret):
+        return f"{q.device.type} tensors"
+    try:
+        from lightning_gproj.kernels._triton_utils import supports
+    except Exception as exc:  # Triton missing or broken: the reference serves everything
+        return f"Triton unavailable ({exc.__class__.__name__}: {exc})"
+    return supports(q, k, v)
+
+
+def _use_triton(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    reason = _triton_reason(q, k, v)
+    if reason is None:
+        return True
+    if q.device.type == "cuda":
+        _warn_once(
+            f"gproj_attn_func: the Triton kernels do not serve this input ({reason}); using the PyTorch "
+            "reference, which has the same numerics but is slower and uses O(block × seqlen) memory."
+        )
+    return False
+
+
+@torch.library.custom_op("lightning_gproj::attn_fwd", mutates_args=())
+def _attn_fwd(
+    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, fix: str, stats_name: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    # ``fix`` does not change the forward; it is an input so that the backward formula can read it.
+    if RECORDER.enabled:
+        RECORDER.record(
+            stats_name,
+            mean_key_norm=k.float().mean(dim=1).norm(dim=-1).mean(),
+            mean_query_norm=q.float().mean(dim=1).norm(dim=-1).mean(),
+        )
+    if _use_triton(q, k, v):
+        from lightning_gproj.kernels import attention_fwd
+
+        return attention_fwd.forward(q, k, v, softmax_scale, causal)
+    o, m, log2l = reference.forward(q, k, v, softmax_scale, causal)
+    return o.contiguous(), m, log2l
+
+
+@_attn_fwd.register_fake
+def _(q, k, v, softmax_scale, causal, fix, stats_name):
+    batch, nq, nheads, _ = q.shape
+    stat_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    row = q.new_empty((batch, nheads, nq), dtype=stat_dtype)
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],)), row, torch.empty_like(row)
+
+
+@torch.library.custom_op("lightning_gproj::attn_bwd", mutates_args=())
+def _attn_bwd(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    m: Tensor,
+    log2l: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    fix: str,
+    stats_name: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    want_stats = RECORDER.enabled
+    if _use_triton(q, k, v):
+        from lightning_gproj.kernels import attention_bwd
+
+        dq, dk, dv, extras = attention_bwd.backward(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats)
+    else:
+        dq, dk, dv, extras = reference.backward(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats)
+    if want_stats:
+        _record_backward_stats(stats_name, fix, causal, k.shape[1], dq, extras)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_attn_bwd.register_fake
+def _(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, stats_name):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _record_backward_stats(
+    name: str, fix: str, causal: bool, nk: int, dq: Tensor, extras: dict[str, Tensor]
+) -> None:
+    """Zero-sum violation ρ_i = |r_i| / Σ_j |dS̃_ij| and leak ratio λ (DESIGN.md §8)."""
+    r, abs_ds, leak = extras["r"], extras["abs_dS"], extras["leak"]
+    # ρ_i is undefined where the rounded dS row is all zero (no visible key, underflow) and where the
+    # row sees a single key: there dS ≡ 0 in exact arithmetic, so any computed value gives ρ_i = 1.
+    nq = r.shape[-1]
+    n_keys = torch.arange(nq, device=r.device) + (nk - nq) + 1 if causal else torch.full((nq,), nk, device=r.device)
+    defined = (abs_ds > 0) & (n_keys > 1)
+    rho = torch.where(defined, r.abs() / abs_ds.clamp(min=torch.finfo(abs_ds.dtype).tiny), float("nan"))
+    values = {"violation_median": rho.nanmedian(), "violation_max": rho.nan_to_num(0.0).amax()}
+    if fix != "gproj_uniform":
+        # λ = ‖dQ̃ − dQ_gproj‖ / ‖dQ_gproj‖; dQ_gproj = dQ̃ − leak, and the op returned dQ̃ or dQ_gproj.
+        dq_gproj = dq.transpose(1, 2).float() - (leak if fix == "none" else 0.0)
+        values["leak_ratio"] = leak.norm() / dq_gproj.norm().clamp(min=torch.finfo(torch.float32).tiny)
+    RECORDER.record(name, **values)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, causal, fix, stats_name = inputs
+    o, m, log2l = output
+    ctx.save_for_backward(q, k, v, o, m, log2l)
+    ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name = softmax_scale, causal, fix, stats_name
+
+
+def _backward(ctx, do, _dm, _dlog2l):
+    # m and log2l are row statistics for the backward; nothing differentiates through them.
+    q, k, v, o, m, log2l = ctx.saved_tensors
+    dq, dk, dv = _attn_bwd(
+        do.contiguous(), q, k, v, o, m, log2l, ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_tensors(q: object, k: object, v: object) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor (bf16, fp16, fp32 or fp64), got {x.dtype}")
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seqlen, nheads, headdim), got shape {tuple(x.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    batch, nq, nheads, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (batch, seqlen_k, nheads_k, headdim), got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != batch:
+        raise ValueError(f"k and v must have q's batch size {batch}, got {k.shape[0]}")
+    if k.shape[-1] != d:
+        raise ValueError(f"k and v must have q's head dim {d}, got {k.shape[-1]}")
+    nheads_k = k.shape[2]
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k/v's nheads ({nheads_k}) (GQA/MQA)")
+    if d % 8 != 0 or not 8 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"headdim must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {d}")
+    if nq == 0 or k.shape[1] == 0 or batch == 0 or nheads == 0:
+        raise ValueError(f"q, k, v must be non-empty, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+
+
+def gproj_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    fix: str = "gproj",
+    dropout_p: float = 0.0,
+    stats_name: Optional[str] = None,
+) -> Tensor:
+    """Softmax attention whose backward restores the zero-sum law of dS (GProj, DESIGN.md §4).
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), the flash-attn layout; any strides.
+        k, v: (batch, seqlen_k, nheads_k, headdim), same dtype and device; ``nheads % nheads_k == 0``
+            (GQA/MQA). headdim a multiple of 8, at most 256.
+        softmax_scale: τ, multiplies q·kᵀ; default ``1 / sqrt(headdim)``.
+        causal: bottom-right aligned causal mask as in flash-attn ≥ 2.1: query i sees key j iff
+            ``j <= i + seqlen_k - seqlen_q`` (for seqlen_q == seqlen_k the usual lower triangle).
+            A query row that sees no key outputs 0.
+        fix: ``"gproj"`` (default): the P-weighted projection of the rounded dS back onto the
+            zero-sum subspace, which cut the dQ error on captured activations from 1–14% to ~0.1%
+            (DESIGN.md §4 table); ``"none"``: what an FA3-class BF16 kernel computes (A/B arm);
+            ``"gproj_uniform"``: the orthogonal projection (for A/B; it barely helps on real data).
+        dropout_p: must be 0.0 (no attention dropout: it would change the law being restored).
+        stats_name: label under which the health statistics are recorded while
+            ``lightning_gproj.stats.RECORDER`` is enabled (default ``"attention"``).
+
+    Returns:
+        o: (batch, seqlen_q, nheads, headdim), q's dtype.
+
+    Dtypes: bf16 / fp16 follow the FA3-class rounding model (DESIGN.md §3) — on CUDA through the Triton
+    kernels, elsewhere through the PyTorch reference. fp32 and fp64 run the reference in that dtype with
+    no rounding emulation (exact-arithmetic gradients up to the dtype's rounding; on CUDA with one
+    warning, since it is slow). Under autocast, fp32 inputs are first cast to the autocast dtype, as
+    ``F.scaled_dot_product_attention`` does.
+
+    Raises:
+        TypeError: q, k or v not a tensor, not floating point, or of different dtypes.
+        ValueError: wrong rank, mismatched batch / seqlen_k / heads / head dim, unsupported head dim,
+            different devices, empty inputs, ``dropout_p != 0``, unknown ``fix``, bad ``softmax_scale``.
+    """
+    _check_tensors(q, k, v)
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type) and torch.float32 in (q.dtype, k.dtype, v.dtype):
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    _check_inputs(q, k, v)
+    if fix not in FIXES:
+        raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p must be 0.0 (gproj_attn_func has no attention dropout), got {dropout_p!r}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (
+        math.isfinite(softmax_scale) and softmax_scale > 0
+    ):
+        raise ValueError(f"softmax_scale must be a positive finite float or None, got {softmax_scale!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    with torch.autocast(device_type, enabled=False):
+        o, _, _ = _attn_fwd(q, k, v, float(softmax_scale), causal, fix, stats_name or "attention")
+    return o

@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import lightning_gproj.swap._common as swap_common
 
 
 def reference_attn(q, k, v, softmax_scale=None, causal=False, fix="gproj", dropout_p=0.0, stats_name=None):
@@ -47,7 +46,6 @@ def op_spy(monkeypatch) -> OpSpy:
 
     spy = OpSpy(ops.gproj_attn_func)
     monkeypatch.setattr(ops, "gproj_attn_func", spy)
-    monkeypatch.setattr(swap_common, "_OPS", None)
     return spy
 
 

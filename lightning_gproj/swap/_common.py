@@ -6,12 +6,13 @@ Nothing here knows about Lightning; :mod:`lightning_gproj.plugin` drives it.
 from __future__ import annotations
 
 import fnmatch
-import importlib
 import math
 import warnings
 from typing import Iterable, NamedTuple, Optional, Sequence
 
 import torch
+
+from lightning_gproj import ops
 
 #: Values accepted for ``fix`` (see DESIGN.md §4): P-weighted projection, none (A/B baseline), uniform.
 FIXES = ("gproj", "none", "gproj_uniform")
@@ -112,13 +113,12 @@ class Guard:
         Guard.depth -= 1
 
 
-_OPS = None
 
 
 def op_reason(head_dim: int, numel_q: int, numel_k: int, scale: object = None) -> Optional[str]:
     """None if the op takes this head dim, non-empty inputs and ``scale``, else why not (the op's own
     limits: headdim a multiple of 8 in [8, MAX_HEAD_DIM], positive finite scale)."""
-    max_head_dim = getattr(_ops(), "MAX_HEAD_DIM", 256)
+    max_head_dim = getattr(ops, "MAX_HEAD_DIM", 256)
     if head_dim % 8 != 0 or not 8 <= head_dim <= max_head_dim:
         return f"headdim {head_dim} (the op takes multiples of 8 in [8, {max_head_dim}])"
     if numel_q == 0 or numel_k == 0:
@@ -130,20 +130,10 @@ def op_reason(head_dim: int, numel_q: int, numel_k: int, scale: object = None) -
     return None
 
 
-def _ops():
-    global _OPS
-    if _OPS is None:
-        _OPS = importlib.import_module("lightning_gproj.ops")
-    return _OPS
-
-
 def gproj_attn_func():
-    """The op :func:`lightning_gproj.ops.gproj_attn_func`, imported on first use.
-
-    Looked up at call time (not import time) so that the swap modules import without the op's
-    dependencies and so that tests may monkeypatch ``lightning_gproj.ops.gproj_attn_func``.
-    """
-    return _ops().gproj_attn_func
+    """The op :func:`lightning_gproj.ops.gproj_attn_func`, looked up at call time (so tests may
+    monkeypatch it)."""
+    return ops.gproj_attn_func
 
 
 class Site:

@@ -16,7 +16,7 @@ import pickle
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import DeepSpeedPrecision, FSDPPrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -140,6 +140,9 @@ def test_fsdp_strategy_accepts_a_plugin_built_on_fsdp_precision(op_spy):
     model = TinyModel()
     assert plugin.convert_module(model) is model
     assert isinstance(model.blocks[1].attn, GProjMultiheadAttention)
+
+    deepspeed = GProjPlugin("bf16-mixed", base=DeepSpeedPrecision)  # the strategy itself needs deepspeed
+    assert isinstance(deepspeed, DeepSpeedPrecision) and type(deepspeed).__name__ == "GProjDeepSpeedPrecision"
 
     wrapped = GProjPlugin.from_precision(FSDPPrecision("32-true"), fix="gproj_uniform")
     assert isinstance(wrapped, FSDPPrecision) and wrapped.precision == "32-true" and wrapped.fix == "gproj_uniform"

@@ -330,6 +330,31 @@ def test_mha_static_properties_are_left_alone(kwargs, reason):
     assert f"0      | nn.MultiheadAttention | left alone  | {reason}" in report.table()
 
 
+def test_transformer_encoder_causal_training_is_served(op_spy):
+    # nn.TransformerEncoderLayer calls its MultiheadAttention with need_weights=False (and, with
+    # is_causal=True, the causal hint): both layers must run the op, with the same results.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    swapped = copy.deepcopy(model)
+    report = swap_attention(swapped)
+    assert [r.module_path for r in report.swapped] == ["layers.0.self_attn", "layers.1.self_attn"]
+    mask = nn.Transformer.generate_square_subsequent_mask(7)
+
+    class Causal(nn.Module):
+        def __init__(self, encoder):
+            super().__init__()
+            self.encoder = encoder
+
+        def forward(self, x):
+            return self.encoder(x, mask=mask, is_causal=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        _assert_close(Causal(model), Causal(swapped), [torch.randn(2, 7, 32)], 2e-5)
+    assert [(c["stats_name"], c["causal"]) for c in op_spy.calls] == [("layers.0.self_attn", True), ("layers.1.self_attn", True)]
+
+
 # ------------------------------------------------------------------------ model-level contracts
 
 

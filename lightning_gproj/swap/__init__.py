@@ -54,7 +54,7 @@ class SwapReport:
         out = [f"GProj attention swap (fix={self.fix!r}): {len(self.swapped)} swapped, {len(self.left_alone)} left alone"]
         out.append(fmt.format(*header))
         out.append("-+-".join("-" * w for w in widths))
-        out.extend(fmt.format(*row) for row in lines)
+        out.extend(fmt.format(*row).rstrip() for row in lines)
         return "\n".join(out)
 
     def __str__(self) -> str:
@@ -127,9 +127,10 @@ def swap_attention(
                 report.rows.append(SwapRow(path, original, None, reason))
                 continue
             report.sites[path] = mha.swap_module(module, path, fix, site=old)
-            notes = again + ["original path (with a warning) for need_weights=True, key_padding_mask, non-causal masks"]
+            calls = "need_weights=True, key_padding_mask, non-causal masks"
             if module.dropout > 0:
-                notes.append(f"and while training (dropout={module.dropout})")
+                calls += f", training (dropout={module.dropout})"
+            notes = again + [f"calls with {calls} run the original (warns once)"]
             report.rows.append(SwapRow(path, original, f"GProjMultiheadAttention, {replacement}", "; ".join(notes)))
         elif sdpa.calls_sdpa(module):
             original = f"{type(module).__name__}: F.scaled_dot_product_attention"

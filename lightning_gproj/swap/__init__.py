@@ -90,8 +90,9 @@ def swap_attention(
             recomputation must go through a module's ``forward`` inside the region.
 
     Returns:
-        a :class:`SwapReport`. Idempotent: swapping a swapped model changes nothing but ``fix``
-        and reports "already swapped".
+        a :class:`SwapReport`. Idempotent: swapping a swapped model re-applies this call's
+        arguments (``fix``, ``include``, ...) without wrapping anything twice, keeps each module's
+        :class:`Site` (call counts) and reports "already swapped".
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or ``include``/``exclude`` are not None,
@@ -113,7 +114,7 @@ def swap_attention(
 
     # Undo any earlier swap first (keeping its sites, so counts survive): swapping twice then yields
     # exactly the structure of swapping once, whatever arguments either call had.
-    previous = {path: site for path, site in _sites(model).items()}
+    previous = _sites(model)
     unswap_attention(model)
 
     for path, module in modules.items():

@@ -47,7 +47,10 @@ def _functions_of(obj: Any):
             if f is not None:
                 yield from _functions_of(f)
         return
-    obj = inspect.unwrap(obj) if callable(obj) else obj
+    try:
+        obj = inspect.unwrap(obj) if callable(obj) else obj
+    except ValueError:  # a __wrapped__ loop: not a function of ours to read
+        return
     if isinstance(obj, types.FunctionType):
         yield obj
 

@@ -287,7 +287,9 @@ class ZeroSumMonitor(Monitor):
         self.print_summary = check_bool("print_summary", print_summary)
         if recorder is not None and not isinstance(recorder, _stats.StatsRecorder):
             raise ValueError(f"`recorder` must be a lightning_gproj.stats.StatsRecorder or None, got {recorder!r}")
-        self.recorder = _stats.RECORDER if recorder is None else recorder
+        # The default is looked up at use, not stored: under ddp_spawn the callback is pickled into each
+        # worker, where the op writes into that process's own lightning_gproj.stats.RECORDER.
+        self._recorder = recorder
         #: Key biases found at ``on_train_start`` (empty with ``key_bias=False``).
         self.key_biases: list[KeyBias] = []
         #: ``{layer: {statistic: _Track}}``: last and peak of every logged value.
@@ -297,6 +299,11 @@ class ZeroSumMonitor(Monitor):
         self._mismatch_warned = False
 
     # ------------------------------------------------------------------ recorder on / off
+
+    @property
+    def recorder(self) -> _stats.StatsRecorder:
+        """The recorder this monitor drives (``lightning_gproj.stats.RECORDER`` unless one was given)."""
+        return _stats.RECORDER if self._recorder is None else self._recorder
 
     def _start_recording(self, step: int) -> None:
         self._previous_enabled = self.recorder.enabled
@@ -423,7 +430,8 @@ class ZeroSumMonitor(Monitor):
 
     def _reduce(self, trainer: "pl.Trainer", flat: torch.Tensor, is_max: list[bool]) -> torch.Tensor:
         n = flat.numel()
-        counts = trainer.strategy.reduce(torch.tensor([n, -n], device=flat.device, dtype=torch.float32), reduce_op="max")
+        sizes = torch.tensor([n, -n], device=flat.device, dtype=torch.float32)
+        counts = trainer.strategy.reduce(sizes, reduce_op="max")  # (max n, -min n) in one collective
         if int(counts[0]) != n or int(-counts[1]) != n:
             if not self._mismatch_warned:
                 self._mismatch_warned = True

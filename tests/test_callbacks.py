@@ -54,11 +54,11 @@ def read_metrics(logger: CSVLogger) -> dict[str, dict[int, float]]:
     return out
 
 
-def fit(module: pl.LightningModule, callbacks: list, tmp_path: Path, max_steps: int, **kwargs):
-    logger = CSVLogger(tmp_path, name="logs")
+def fit(module: pl.LightningModule, callbacks: list, tmp_path: Path, max_steps: int, devices: int = 1, **kwargs):
+    logger = CSVLogger(tmp_path, name="logs", version=0)  # fixed: with ddp the workers create it
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=1,
+        devices=devices,
         max_steps=max_steps,
         logger=logger,
         log_every_n_steps=1,
@@ -196,7 +196,8 @@ class LayeredModel(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         grads = {n: p.grad for n, p in self.named_parameters()}
-        layers = {f"blocks.{i}": [g for n, g in grads.items() if n.startswith(f"blocks.{i}.")] for i in range(len(self.blocks))}
+        blocks = [f"blocks.{i}" for i in range(len(self.factors))]
+        layers = {b: [g for n, g in grads.items() if n.startswith(f"{b}.")] for b in blocks}
         layers["head"] = [grads["head.weight"], grads["head.bias"]]
         self.norms[self.global_step] = {
             "global": float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads.values()]))),
@@ -283,7 +284,8 @@ def test_zero_sum_with_the_real_op(tmp_path):
     trainer, logged = fit(model, [ZeroSumMonitor(every_n_steps=2, print_summary=False)], tmp_path, max_steps=5)
     sampled = [0, 2, 4]
     assert sorted(model.keys) == sampled
-    series = {s: logged[f"gproj/layer0/{s}"] for s in ("violation_median", "violation_max", "leak_ratio", "mean_key_norm", "mean_query_norm")}
+    names = ("violation_median", "violation_max", "leak_ratio", "mean_key_norm", "mean_query_norm")
+    series = {name: logged[f"gproj/layer0/{name}"] for name in names}
     for step in sampled:
         values = {name: v[step] for name, v in series.items()}
         assert all(math.isfinite(x) for x in values.values()), values
@@ -604,3 +606,47 @@ def test_summaries_are_printed_at_the_end_of_fit(tmp_path):
     grad_norm = [r for r in records if r.startswith("GradNormMonitor")]
     assert len(zero_sum) == 1 and "layer0" in zero_sum[0] and "leak_ratio" in zero_sum[0]
     assert len(grad_norm) == 1 and "peak" in grad_norm[0] and "warnings" in grad_norm[0]
+
+
+class RankModel(pl.LightningModule):
+    """Writes rank- and step-dependent values into the recorder, as the op would on each rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(E, 1)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        rank, step = self.global_rank, self.global_step
+        stats.RECORDER.record(
+            "layer0",
+            violation_median=torch.tensor(0.1 * (rank + 1) + 0.01 * step),
+            violation_max=torch.tensor(0.2 * (rank + 1) + 0.01 * step),
+        )
+        return self.net(batch).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        return loader(16, (B, E))
+
+
+def test_zero_sum_reduces_over_ranks(tmp_path):
+    """Two CPU processes (gloo): mean over ranks for most statistics, max for ``*_max``."""
+    monitors = [ZeroSumMonitor(every_n_steps=2, print_summary=False), GradNormMonitor(print_summary=False)]
+    trainer, logged = fit(RankModel(), monitors, tmp_path, max_steps=4, strategy="ddp_fork", devices=2)
+    median, maximum = logged["gproj/layer0/violation_median"], logged["gproj/layer0/violation_max"]
+    assert sorted(median) == sorted(maximum) == [0, 2]
+    for step in (0, 2):
+        assert median[step] == pytest.approx((0.1 + 0.2) / 2 + 0.01 * step, rel=1e-6)
+        assert maximum[step] == pytest.approx(0.4 + 0.01 * step, rel=1e-6)
+    assert sorted(logged["grad_norm/global"]) == [0, 1, 2, 3]
+
+
+def test_monitors_pickle_and_drive_the_recorder_of_their_process():
+    """ddp_spawn pickles callbacks into the workers; the op there writes into that process's RECORDER."""
+    import pickle
+
+    zero_sum, grad_norm = pickle.loads(pickle.dumps([ZeroSumMonitor(), GradNormMonitor()]))
+    assert zero_sum.recorder is stats.RECORDER
+    assert grad_norm.window == 100

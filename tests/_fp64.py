@@ -1,0 +1,41 @@
+"""Float64 ground truth for the numerics tests, computed independently of the code under test:
+plain softmax attention through autograd on the same (16-bit) input values."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def attention_fp64(q: Tensor, k: Tensor, v: Tensor, do: Tensor, softmax_scale: float, causal: bool):
+    """Return o, dq, dk, dv (float64) and dS = P ∘ (dP − D) (batch, nheads, Nq, Nk) in float64.
+
+    Layout (batch, seqlen, nheads, headdim); GQA by repeating k/v heads; causal bottom-right aligned.
+    """
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, kk) * softmax_scale
+    nq, nk = q.shape[1], k.shape[1]
+    if causal:
+        visible = torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)
+        s = s.masked_fill(~visible, -math.inf)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    p.retain_grad()
+    o = torch.einsum("bhij,bjhd->bihd", p, vv)
+    o.backward(do.double())
+    dp = p.grad
+    ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))
+    return o.detach(), q.grad, k.grad, v.grad, ds.detach()
+
+
+def head_error(x: Tensor, ref: Tensor) -> Tensor:
+    """Per-(batch, head) relative Frobenius error ‖x − ref‖_F / ‖ref‖_F (DESIGN.md §6), float64."""
+    x = x.double()
+    return (x - ref).norm(dim=(1, 3)) / ref.norm(dim=(1, 3))
+
+
+def median_head_error(x: Tensor, ref: Tensor) -> float:
+    return head_error(x, ref).median().item()

@@ -1,0 +1,128 @@
+"""The public op: input validation, gradcheck, autocast, strided input, stats, torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gproj import RECORDER, gproj_attn_func
+from _fp64 import attention_fp64
+
+
+def _qkv(*shape, dtype=torch.float32):
+    return tuple(torch.randn(*shape, dtype=dtype) for _ in range(3))
+
+
+@pytest.mark.parametrize("fix", ["none", "gproj", "gproj_uniform"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck_fp64(fix, causal):
+    """fp64 inputs run with no rounding emulation, so every fix is the exact gradient (the
+    corrections are at fp64 rounding): finite differences must agree. Nq ≠ Nk and GQA included."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 5, 4, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 7, 2, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 7, 2, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: gproj_attn_func(q, k, v, causal=causal, fix=fix), (q, k, v))
+
+
+def test_fp32_matches_fp64_reference():
+    torch.manual_seed(1)
+    q, k, v = _qkv(2, 33, 2, 16)
+    do = torch.randn(2, 33, 2, 16)
+    o64, dq64, dk64, dv64, _ = attention_fp64(q, k, v, do, 0.3, True)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    o = gproj_attn_func(q, k, v, softmax_scale=0.3, causal=True)
+    o.backward(do)
+    for x, ref in ((o, o64), (q.grad, dq64), (k.grad, dk64), (v.grad, dv64)):
+        assert ((x.double() - ref).norm() / ref.norm()).item() < 1e-5  # fp32 arithmetic, N = 33
+
+
+def test_strided_input_same_as_contiguous():
+    """(batch, nheads, seqlen, d) tensors transposed into the flash layout are served as they are."""
+    torch.manual_seed(2)
+    qh, kh, vh = _qkv(2, 4, 40, 32, dtype=torch.bfloat16)
+    strided = [x.transpose(1, 2) for x in (qh, kh, vh)]
+    assert not strided[0].is_contiguous()
+    contiguous = [x.contiguous() for x in strided]
+    assert torch.equal(gproj_attn_func(*strided, causal=True), gproj_attn_func(*contiguous, causal=True))
+
+
+def test_autocast_casts_fp32_inputs_like_sdpa():
+    torch.manual_seed(3)
+    q, k, v = _qkv(1, 20, 2, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = gproj_attn_func(q, k, v)
+    assert o.dtype == torch.bfloat16
+    assert torch.equal(o, gproj_attn_func(q.bfloat16(), k.bfloat16(), v.bfloat16()))
+
+
+def test_stats_recorded_only_while_enabled():
+    torch.manual_seed(4)
+    q, k, v = (x.requires_grad_() for x in _qkv(1, 64, 2, 32, dtype=torch.bfloat16))
+    RECORDER.drain()
+    gproj_attn_func(q, k, v, stats_name="off").sum().backward()
+    assert RECORDER.drain() == {}
+    with RECORDER.recording():
+        for fix in ("none", "gproj"):
+            o = gproj_attn_func(q, k + 20, v, causal=True, fix=fix, stats_name=fix)
+            o.float().square().sum().backward()
+    stats = RECORDER.drain()
+    assert set(stats) == {"none", "gproj"}
+    expected_key_norm = (k.float() + 20).mean(dim=1).norm(dim=-1).mean().item()
+    for fix in ("none", "gproj"):
+        s = stats[fix]
+        assert s["mean_key_norm"] == pytest.approx(expected_key_norm, rel=1e-2)
+        assert 0 < s["violation_median"] <= s["violation_max"] < 1
+        assert 0 < s["leak_ratio"] < 1
+    # Same inputs and same rounded dS: the violation does not depend on the fix, the leak barely does.
+    assert stats["none"]["violation_median"] == pytest.approx(stats["gproj"]["violation_median"])
+    assert stats["none"]["leak_ratio"] == pytest.approx(stats["gproj"]["leak_ratio"], rel=0.05)
+
+
+def test_compile_fullgraph_has_no_graph_break():
+    torch.manual_seed(5)
+    q, k, v = (x.requires_grad_() for x in _qkv(1, 24, 2, 16, dtype=torch.bfloat16))
+    eager = gproj_attn_func(q, k, v, causal=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: gproj_attn_func(q, k, v, causal=True), fullgraph=True)
+    out = compiled(q, k, v)
+    assert torch.equal(out, eager)
+    (dq,) = torch.autograd.grad(out.float().sum(), q)
+    (dq_eager,) = torch.autograd.grad(eager.float().sum(), q)
+    assert torch.equal(dq, dq_eager)
+
+
+@pytest.mark.parametrize(
+    "make, exc, words",
+    [
+        (lambda q, k, v: (q, k[:, :, :1, :8], v[:, :, :1, :8]), ValueError, "head dim"),
+        (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "batch"),
+        (lambda q, k, v: (q, k, v[:, :5]), ValueError, "same shape"),
+        (lambda q, k, v: (q, k[:, :, :3], v[:, :, :3]), ValueError, "multiple"),
+        (lambda q, k, v: (q, k.double(), v), TypeError, "dtype"),
+        (lambda q, k, v: (q.long(), k, v), TypeError, "q must be a floating-point"),
+        (lambda q, k, v: (q[0], k, v), ValueError, "q must be 4-D"),
+        (lambda q, k, v: (q.numpy(), k, v), TypeError, "q must be a torch.Tensor"),
+        (lambda q, k, v: (q[..., :12], k[..., :12], v[..., :12]), ValueError, "headdim"),
+        (lambda q, k, v: (q[:, :0], k, v), ValueError, "non-empty"),
+    ],
+)
+def test_bad_input_names_the_argument(make, exc, words):
+    q, k, v = _qkv(2, 8, 4, 16)
+    with pytest.raises(exc, match=words):
+        gproj_attn_func(*make(q, k, v))
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"dropout_p": 0.1}, "dropout_p"),
+        ({"fix": "fast"}, "fix must be one of"),
+        ({"softmax_scale": -1.0}, "softmax_scale"),
+        ({"softmax_scale": float("nan")}, "softmax_scale"),
+    ],
+)
+def test_bad_options_name_the_argument(kwargs, words):
+    q, k, v = _qkv(1, 8, 2, 16)
+    with pytest.raises(ValueError, match=words):
+        gproj_attn_func(q, k, v, **kwargs)

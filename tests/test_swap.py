@@ -25,6 +25,7 @@ from _attention_models import (
     HelperMethodAttention,
     SDPAAttention,
     TinyModel,
+    _external_attention,
     op_spy,  # noqa: F401 (fixture)
     reference_attn,
     rel_err,
@@ -206,11 +207,33 @@ def test_catch_all_serves_external_helpers_and_respects_exclude(op_spy):
     assert op_spy.calls == []
 
     report = swap_attention(swapped, catch_all=True, exclude="1")
-    assert [(r.module_path, r.replacement is not None) for r in report.rows] == [("", True), ("1", False)]
-    assert "excluded by pattern '1'" in report.rows[1].reason
+    assert [(r.module_path, r.replacement is not None) for r in report.rows] == [("0.attn", True), ("", True), ("1", False)]
+    assert report.rows[0].reason == "attention by class name"
+    assert "excluded by pattern '1'" in report.rows[2].reason
     x = torch.randn(2, 6, 32)
     _assert_close(model, swapped, [x], 2e-5)
-    assert [c["stats_name"] for c in op_spy.calls] == ["attention"]  # block 0 only, named after the root
+    assert [c["stats_name"] for c in op_spy.calls] == ["0.attn"]  # block 0 only, named after its attention
+
+
+def test_catch_all_names_other_calls_after_the_topmost_module(op_spy):
+    class Mixer(nn.Module):  # no "attention" in the class name: calls carry the root's name
+        def __init__(self):
+            super().__init__()
+            self.inner = ExternalHelperAttention(32, 4)
+
+        def forward(self, x):
+            q, k, v = self.inner.qkv(x)
+            return self.inner.proj(_external_attention(q, k, v).transpose(1, 2).flatten(2))
+
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("mixer", Mixer())
+    swapped = copy.deepcopy(model)
+    report = swap_attention(swapped, include="mixer", catch_all=True)
+    assert [(r.module_path, r.original) for r in report.rows] == [
+        ("mixer.inner", "ExternalHelperAttention: SDPA calls from helpers"), ("mixer", "Mixer: any other SDPA call inside")]
+    _assert_close(model, swapped, [torch.randn(2, 6, 32)], 2e-5)
+    assert [c["stats_name"] for c in op_spy.calls] == ["mixer"]
 
 
 def test_catch_all_keeps_left_alone_mha_and_mha_fallbacks_original(op_spy):

@@ -52,7 +52,7 @@ class SwapReport:
         widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(4)]
         fmt = " | ".join(f"{{:<{w}}}" for w in widths)
         out = [f"GProj attention swap (fix={self.fix!r}): {len(self.swapped)} swapped, {len(self.left_alone)} left alone"]
-        out.append(fmt.format(*header))
+        out.append(fmt.format(*header).rstrip())
         out.append("-+-".join("-" * w for w in widths))
         out.extend(fmt.format(*row).rstrip() for row in lines)
         return "\n".join(out)
@@ -85,9 +85,12 @@ def swap_attention(
         exclude: glob pattern(s); a matching module and its descendants are left alone.
         catch_all: also wrap the forward of the topmost selected module(s) (the model itself when
             nothing is excluded) so that SDPA calls made from helpers outside any detected module
-            (e.g. Hugging Face's attention interface) are served too. Costs a Python hop on every
-            torch call of the forward (about 7 µs on CPU) and, with activation checkpointing, the
-            recomputation must go through a module's ``forward`` inside the region.
+            (e.g. Hugging Face's attention interface) are served too, and of the innermost selected
+            modules whose class name contains "attention" or "attn", so those calls carry the
+            layer's path as ``stats_name`` (others are named after the topmost module). Costs a
+            Python hop on every torch call of the forward (about 7 µs on CPU; none once
+            ``torch.compile`` traced it); with activation checkpointing, the recomputation must go
+            through a wrapped module's ``forward``.
 
     Returns:
         a :class:`SwapReport`. Idempotent: swapping a swapped model re-applies this call's
@@ -150,9 +153,32 @@ def _parent(path: str) -> Optional[str]:
     return None if path == "" else path.rpartition(".")[0]
 
 
+def _is_attention_class(module: nn.Module) -> bool:
+    name = type(module).__name__.lower()
+    return "attention" in name or "attn" in name
+
+
 def _swap_catch_all(modules, not_selected, fix, report, previous) -> None:
-    """Wrap the topmost selected modules (catch-all) and the topmost unselected modules below them
-    (keep), so that SDPA calls from anywhere in the selected region reach the op."""
+    """Wrap the topmost selected modules (catch-all), the innermost selected modules whose class
+    name says attention (so that their calls carry their own path as ``stats_name``), and the
+    topmost unselected modules below a selected one (keep), so that SDPA calls from anywhere in the
+    selected region reach the op and nothing outside it does."""
+    reported = {row.module_path for row in report.rows}
+    named = [
+        path for path, module in modules.items()
+        if not_selected[path] is None and path not in report.sites and _is_attention_class(module)
+        and not isinstance(module, nn.MultiheadAttention)
+    ]
+    innermost = [p for p in named if not any(q.startswith(p + ".") or (p == "" and q) for q in named)]
+    for path in innermost:
+        old = previous.get(path)
+        report.sites[path] = sdpa.swap_module(modules[path], path, fix, site=old)
+        again = "already swapped; " if old is not None and not old.keep else ""
+        report.rows.append(SwapRow(
+            path, f"{type(modules[path]).__name__}: SDPA calls from helpers",
+            f"gproj_attn_func(fix={fix!r}) via TorchFunctionMode (catch-all)",
+            again + "attention by class name",
+        ))
     for path, module in modules.items():
         parent = _parent(path)
         parent_selected = parent is not None and not_selected[parent] is None
@@ -166,10 +192,12 @@ def _swap_catch_all(modules, not_selected, fix, report, previous) -> None:
                 f"gproj_attn_func(fix={fix!r}) via TorchFunctionMode (catch-all)",
                 again + "calls are named after this module",
             ))
-        elif not selected and parent_selected and not isinstance(module, mha.GProjMultiheadAttention):
-            if path not in report.sites:
-                sdpa.swap_module(module, path, fix, keep=True)
-            report.rows.append(SwapRow(path, type(module).__name__, None, f"{not_selected[path]}; SDPA calls inside keep the original"))
+        elif not selected and parent_selected:
+            sdpa.swap_module(module, path, fix, keep=True)
+            if path not in reported:
+                report.rows.append(SwapRow(
+                    path, type(module).__name__, None, f"{not_selected[path]}; SDPA calls inside keep the original"
+                ))
         elif isinstance(module, nn.MultiheadAttention) and path not in report.sites:
             # a left-alone MultiheadAttention calls SDPA internally: keep it on the original
             sdpa.swap_module(module, path, fix, keep=True)

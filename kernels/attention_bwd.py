@@ -11,11 +11,13 @@ Three launches (DESIGN.md §3, §4, §4.1):
    dS = P∘(dP − D) in fp32, dS̃ = dS rounded to the input dtype (the rounding point that breaks the
    zero-sum law C1), dQ += dS̃·K, r_i += Σ_j dS̃_ij (fp32, from the very rounded values the GEMM
    consumed), and — for fix="gproj" or want_stats — PK += P̃·K with P̃ the rounded P.
-   fix="gproj": dQ = τ (dQ − r∘PK). r is written out (B·H·Nq fp32) for pass 3.
+   Also Σ_j P̃_ij, giving ρ_i = r_i / Σ_j P̃_ij (so that the corrected row Σ_j (dS̃_ij − ρ_i P̃_ij)
+   is exactly 0, as in kernels/reference.py). fix="gproj": dQ = τ (dQ − ρ∘PK). r and ρ are written
+   out (B·H·Nq fp32 each) for pass 3.
 3. dK/dV pass, one program per (key block, batch·kv-head), looping over the query heads of its GQA
    group and over query blocks: dV += P̃ᵀ·dO, dK += dS̃ᵀ·Q. For fix="gproj" the P-weighted dK term
-   −P̃ᵀ(r∘Q) is either
-   * "gemm" (default): its own GEMM, P̃ᵀ·bf16(−r∘Q) (the reference keeps r∘Q in fp32; rounding that
+   −P̃ᵀ(ρ∘Q) is either
+   * "gemm" (default): its own GEMM, P̃ᵀ·bf16(−ρ∘Q) (the reference keeps ρ∘Q in fp32; rounding that
      operand changes the *correction* by a relative 2^-9 only), or
    * "fold": folded into dS before its rounding, dS' = P∘(dP − (D + r)) — zero extra GEMMs
      (``dk_fold=True``; DESIGN.md §4.1 table: slightly less accurate dK).
@@ -56,21 +58,16 @@ def _cfgs(entries, interp_entry):
 
 
 def _prune(configs, named_args, **kwargs):
+    # Two candidates per kernel (one for d > 128): compile time dominates a short device lease, since
+    # each config is a separate compile of every constexpr variant (benchmarks/NOTES.md).
     d = named_args["HEAD_DIM"] if "HEAD_DIM" in named_args else kwargs["HEAD_DIM"]
-    out = [c for c in configs if not (d > 128 and (c.kwargs["BLOCK_M"] > 64 or c.kwargs["BLOCK_N"] > 64))]
-    return out or configs[-1:]
+    return configs[:2] if d <= 128 else configs[-1:]
 
 
 # dQ pass: query block BLOCK_M stays resident, key blocks BLOCK_N stream.
-_DQ_CONFIGS = _cfgs(
-    [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 2), (64, 128, 8, 2), (64, 32, 4, 2)],
-    (16, 16),
-)
+_DQ_CONFIGS = _cfgs([(128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2)], (16, 16))
 # dK/dV pass: key block BLOCK_N stays resident, query blocks BLOCK_M stream.
-_DKDV_CONFIGS = _cfgs(
-    [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2), (32, 64, 4, 2)],
-    (16, 16),
-)
+_DKDV_CONFIGS = _cfgs([(64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 2)], (16, 16))
 
 
 @triton.jit
@@ -99,7 +96,7 @@ def _preprocess_kernel(
 
 @triton.jit
 def _dq_inner(
-    dq, pk, r, a, q, do, m, l2, Di, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
+    dq, pk, r, a, ps, q, do, m, l2, Di, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
     lo, hi, c, N_K, CAUSAL_OFF,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, NEED_R: tl.constexpr, NEED_PK: tl.constexpr, STATS: tl.constexpr,
@@ -140,15 +137,18 @@ def _dq_inner(
         if STATS:
             a += tl.sum(tl.abs(ds16.to(tl.float32)), 1)
         if NEED_PK:
-            pk = mma(to16(p, k.dtype, INTERP), k, pk, INTERP)
-    return dq, pk, r, a
+            p16 = to16(p, k.dtype, INTERP)
+            # Σ_j P̃_ij of the rounded P: ρ_i = r_i / Σ_j P̃_ij makes Σ_j (dS̃_ij − ρ_i P̃_ij) = 0.
+            ps += tl.sum(p16.to(tl.float32), 1)
+            pk = mma(p16, k, pk, INTERP)
+    return dq, pk, r, a, ps
 
 
 @triton.autotune(configs=_DQ_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "GPROJ", "NEED_R", "STATS"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, M, LOG2L, DELTA, DQ, R, ABS, LEAK,
+    Q, K, V, DO, M, LOG2L, DELTA, DQ, R, RHO, ABS, LEAK,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -191,6 +191,7 @@ def _dq_kernel(
     pk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     r = tl.zeros([BLOCK_M], tl.float32)
     a = tl.zeros([BLOCK_M], tl.float32)
+    ps = tl.zeros([BLOCK_M], tl.float32)
 
     if CAUSAL:
         hi = tl.minimum(N_K, tl.maximum(start_m + BLOCK_M + CAUSAL_OFF, 0))
@@ -203,27 +204,32 @@ def _dq_kernel(
     Vb = V + b64 * stride_vb + hk * stride_vh
     offs_dk = offs_d * stride_kd
     offs_dv = offs_d * stride_vd
-    dq, pk, r, a = _dq_inner(
-        dq, pk, r, a, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
+    dq, pk, r, a, ps = _dq_inner(
+        dq, pk, r, a, ps, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
         0, hi_full, c, N_K, CAUSAL_OFF,
         BLOCK_N, False, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, INTERP,
     )
-    dq, pk, r, a = _dq_inner(
-        dq, pk, r, a, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
+    dq, pk, r, a, ps = _dq_inner(
+        dq, pk, r, a, ps, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
         hi_full, hi, c, N_K, CAUSAL_OFF,
         BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, INTERP,
     )
+    if NEED_PK:
+        # ρ_i = r_i / Σ_j P̃_ij (kernels/reference.py); rows with no visible key have r = 0 and get ρ = 0.
+        rho = r / tl.maximum(ps, 1.1754943508222875e-38)
     if GPROJ:
-        # P-weighted projection (DESIGN.md §4): dQ_i = τ (Σ_j dS̃_ij k_j − r_i (P̃K)_i), all fp32.
-        dq = dq - r[:, None] * pk
+        # P-weighted projection (DESIGN.md §4): dQ_i = τ (Σ_j dS̃_ij k_j − ρ_i (P̃K)_i), all fp32.
+        dq = dq - rho[:, None] * pk
     dq = dq * tau
     tl.store(DQ + b64 * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
              to16(dq, DQ.dtype.element_ty, INTERP), mask=tile_mask)
     if NEED_R:
         tl.store(R + rows, r, mask=row_mask)
+    if GPROJ:
+        tl.store(RHO + rows, rho, mask=row_mask)
     if STATS:
         tl.store(ABS + rows, a, mask=row_mask)
-        leak = (tau * r)[:, None] * pk
+        leak = (tau * rho)[:, None] * pk
         tl.store(LEAK + rows[:, None] * HEAD_DIM + offs_d[None, :], leak, mask=tile_mask)
 
 
@@ -277,7 +283,7 @@ def _dkdv_inner(
         dsT = pT * (dpT - Di[None, :])
         dk = mma(to16(dsT, k.dtype, INTERP), q, dk, INTERP)
         if DK_MODE == 2:
-            # Own GEMM: −P̃ᵀ(r∘Q). r∘Q is rounded to the input dtype as the B operand.
+            # Own GEMM: −P̃ᵀ(ρ∘Q) (here r holds ρ). ρ∘Q is rounded to the input dtype as the B operand.
             rq = to16(q.to(tl.float32) * (-r)[:, None], k.dtype, INTERP)
             dk = mma(p16, rq, dk, INTERP)
     return dk, dv
@@ -408,6 +414,7 @@ def backward(
     fix: str = "gproj",
     want_stats: bool = False,
     dk_fold: bool | None = None,
+    grad_dtype: torch.dtype | None = None,
 ):
     """Attention backward with FA3-class rounding points and the GProj corrections.
 
@@ -418,9 +425,11 @@ def backward(
         softmax_scale: τ. causal: bottom-right aligned mask.
         fix: "none" | "gproj" (P-weighted) | "gproj_uniform" (DESIGN.md §4).
         want_stats: also return extras "r", "abs_dS" (batch, nheads, seqlen_q) fp32 and "leak"
-            (batch, nheads, seqlen_q, headdim) fp32 = τ r_i (P̃K)_i.
+            (batch, nheads, seqlen_q, headdim) fp32 = τ ρ_i (P̃K)_i, ρ_i = r_i / Σ_j P̃_ij.
         dk_fold: fix="gproj" only: True folds the dK term into dS before its rounding, False runs it
             as its own GEMM; None takes :data:`DEFAULT_DK_FOLD`.
+        grad_dtype: None (the input dtype, as stored by a kernel) or torch.float32 (the fp32
+            accumulators, where the conservation laws hold to fp32 rounding).
 
     Returns:
         (dq, dk, dv, extras): dq like q, dk/dv like k/v (GQA: summed over each kv head's query heads),
@@ -455,13 +464,18 @@ def backward(
     uniform = fix == "gproj_uniform"
     need_r = fix != "none" or want_stats
     out32 = uniform  # uniform corrections are applied in fp32 before the single final rounding
+    gdt = grad_dtype or q.dtype
+    if gdt not in (q.dtype, torch.float32):
+        raise ValueError(f"grad_dtype must be the input dtype or torch.float32, got {grad_dtype}")
+    out32 = out32 or gdt == torch.float32
     dq = torch.empty((b, nq, h, d), dtype=torch.float32 if out32 else q.dtype, device=dev)
     r = torch.empty((b, h, nq), dtype=torch.float32, device=dev) if need_r else delta
+    rho = torch.empty((b, h, nq), dtype=torch.float32, device=dev) if gproj else delta
     abs_ds = torch.empty((b, h, nq), dtype=torch.float32, device=dev) if want_stats else delta
     leak = torch.empty((b, h, nq, d), dtype=torch.float32, device=dev) if want_stats else delta
 
     _dq_kernel[lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * h)](
-        q, k, v, do, m, log2l, delta, dq, r, abs_ds, leak,
+        q, k, v, do, m, log2l, delta, dq, r, rho, abs_ds, leak,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         c, tau, h, nq, nk,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=bool(causal),
@@ -470,9 +484,9 @@ def backward(
 
     dk_mode = (_DK_FOLD if dk_fold else _DK_GEMM) if gproj else _DK_NONE
     dk = torch.empty((b, nk, hk, d), dtype=torch.float32 if out32 else k.dtype, device=dev)
-    dv = torch.empty((b, nk, hk, d), dtype=v.dtype, device=dev)
+    dv = torch.empty((b, nk, hk, d), dtype=gdt, device=dev)
     _dkdv_kernel[lambda meta: (triton.cdiv(nk, meta["BLOCK_N"]), b * hk)](
-        q, k, v, do, m, log2l, delta, r, dk, dv,
+        q, k, v, do, m, log2l, delta, rho if dk_mode == _DK_GEMM else r, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         c, tau, h, hk, nq, nk,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=bool(causal), DK_MODE=dk_mode, INTERP=INTERPRET,
@@ -482,8 +496,9 @@ def backward(
         dq_corr, dk_corr = _uniform_corrections(
             q.transpose(1, 2).float(), k.transpose(1, 2).float(), r, bool(causal)
         )
-        dq = (dq - tau * dq_corr.transpose(1, 2)).to(q.dtype)
-        dk = (dk - tau * dk_corr.transpose(1, 2)).to(k.dtype)
+        dq = dq - tau * dq_corr.transpose(1, 2)
+        dk = dk - tau * dk_corr.transpose(1, 2)
+    dq, dk = dq.to(gdt), dk.to(gdt)
 
     extras = {}
     if want_stats:

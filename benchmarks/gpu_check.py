@@ -1,0 +1,102 @@
+"""GPU smoke check of the Triton kernels against kernels/reference.py (run on the device machine).
+
+Usage: python benchmarks/gpu_check.py [--quick-speed]
+Prints relative Frobenius differences Triton vs reference (same rounding points: expect <~1e-3,
+mostly 0), the constant checks of DESIGN.md §5, and (with --quick-speed) a few fwd+bwd timings.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import torch
+
+from lightning_gproj.kernels import attention_bwd as B
+from lightning_gproj.kernels import attention_fwd as F
+from lightning_gproj.kernels import reference as R
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    n = b.norm().item()
+    return (a - b).norm().item() / (n if n > 0 else 1.0)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick-speed", action="store_true")
+    args = ap.parse_args()
+    import triton
+    print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())
+    torch.manual_seed(0)
+    dev = "cuda"
+    worst = 0.0
+    cases = [
+        (2, 300, 300, 4, 2, 64, False, torch.bfloat16), (2, 300, 300, 4, 2, 64, True, torch.bfloat16),
+        (1, 257, 513, 4, 1, 128, True, torch.bfloat16), (1, 513, 257, 4, 4, 128, True, torch.bfloat16),
+        (1, 200, 200, 2, 2, 32, True, torch.float16), (1, 200, 333, 2, 2, 96, False, torch.bfloat16),
+        (1, 130, 130, 2, 1, 256, True, torch.bfloat16), (2, 1024, 1024, 8, 2, 128, True, torch.bfloat16),
+    ]
+    for (b, nq, nk, h, hk, d, causal, dt) in cases:
+        q = torch.randn(b, nq, h, d, device=dev, dtype=dt)
+        k = (torch.randn(b, nk, hk, d, device=dev) + 2.0).to(dt)
+        v = torch.randn(b, nk, hk, d, device=dev, dtype=dt)
+        do = torch.randn(b, nq, h, d, device=dev, dtype=dt)
+        # a strided (non-contiguous) q: a slice of a wider tensor
+        qw = torch.randn(b, nq, h, d + 16, device=dev, dtype=dt)[..., :d]
+        qw.copy_(q)
+        tau = d ** -0.5
+        t0 = time.time()
+        o, m, l2 = F.forward(qw, k, v, tau, causal)
+        o_r, m_r, l_r = R.forward(q, k, v, tau, causal)
+        fin = torch.isfinite(l_r)
+        row = [rel(o, o_r), (m - m_r).abs().max().item(), (l2 - l_r)[fin].abs().max().item() if fin.any() else 0.0]
+        for fix, fold in [("none", False), ("gproj", False), ("gproj", True), ("gproj_uniform", False)]:
+            g = B.backward(do, qw, k, v, o_r, m_r, l_r, tau, causal, fix, True, dk_fold=fold)
+            g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, dk_fold=fold)
+            errs = [rel(x, y) for x, y in zip(g[:3], g_r[:3])] + [rel(g[3]["r"], g_r[3]["r"])]
+            nan = any(torch.isnan(x).any().item() for x in g[:3])
+            worst = max(worst, max(errs[:3]))
+            row.append(f"{fix}{'/fold' if fold else ''}:" + ",".join(f"{e:.1e}" for e in errs) + (" NAN" if nan else ""))
+        torch.cuda.synchronize()
+        print((b, nq, nk, h, hk, d, causal, str(dt)[6:]), f"{time.time()-t0:.1f}s", " ".join(
+            x if isinstance(x, str) else f"{x:.1e}" for x in row), flush=True)
+    print("worst grad rel diff vs reference:", worst)
+    for cval in (133120.0, 1000.0):
+        for causal in (False, True):
+            x = torch.full((1, 1000, 2, 128), cval, device=dev, dtype=torch.bfloat16)
+            o, m, l2 = F.forward(x, x, x, 128 ** -0.5, causal)
+            print(f"constant {cval} causal={causal}: nan={torch.isnan(o).any().item()} exact={(o.float() == cval).all().item()}")
+    if args.quick_speed:
+        from triton.testing import do_bench
+        import torch.nn.functional as Fn
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        for (b, h, n, d, causal) in [(4, 16, 2048, 128, False), (1, 16, 8192, 128, True), (2, 16, 4096, 64, False)]:
+            q, k, v, do = (torch.randn(b, n, h, d, device=dev, dtype=torch.bfloat16, requires_grad=False) for _ in range(4))
+            flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0) * 3.5
+            res = {}
+            for name, fold, fix in [("none", False, "none"), ("gproj", False, "gproj"), ("gproj_fold", True, "gproj")]:
+                def run():
+                    o, m, l2 = F.forward(q, k, v, d ** -0.5, causal)
+                    B.backward(do, q, k, v, o, m, l2, d ** -0.5, causal, fix, False, dk_fold=fold)
+                run()
+                res[name] = flops / do_bench(run, warmup=50, rep=200, return_mode="median") * 1e-9
+            for name, be in [("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]:
+                qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+                dot = do.transpose(1, 2)
+                def run():
+                    with sdpa_kernel(be):
+                        out = Fn.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                    torch.autograd.grad(out, (qt, kt, vt), dot)
+                try:
+                    run()
+                    res[name] = flops / do_bench(run, warmup=50, rep=200, return_mode="median") * 1e-9
+                except Exception as exc:
+                    res[name] = f"err {exc.__class__.__name__}"
+            print((b, h, n, d, causal), {k_: (round(v_) if isinstance(v_, float) else v_) for k_, v_ in res.items()}, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -175,14 +175,23 @@ class AttnModel(pl.LightningModule):
         return loader(self.n_batches, (B, N, E))
 
 
+class RunClosureOnly(torch.optim.SGD):
+    """An optimizer that never changes the parameters (so non-finite gradients cannot poison them)."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, lr=0.0)
+
+    def step(self, closure=None):
+        return None if closure is None else closure()
+
+
 class LayeredModel(pl.LightningModule):
     """loss = Σ_i f_i(step) · sum(blocks[i](x)) + sum(head(x)): the gradient of block i is exactly
     f_i(step) times a fixed tensor, so the test controls every layer's gradient norm step by step."""
 
-    def __init__(self, factors: list[list[float]], lr: float = 0.0) -> None:
+    def __init__(self, factors: list[list[float]]) -> None:
         super().__init__()
         self.factors = factors
-        self.lr = lr
         self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in factors)
         self.head = nn.Linear(4, 1)
         self.norms: dict[int, dict[str, float]] = {}  # independent norms, read in on_before_optimizer_step
@@ -205,7 +214,7 @@ class LayeredModel(pl.LightningModule):
         }
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return RunClosureOnly(self.parameters())
 
     def train_dataloader(self):
         x = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
@@ -479,6 +488,24 @@ def test_grad_norm_warns_exactly_at_the_spike_and_names_the_layer(tmp_path):
     assert [logged["grad_norm/warnings"][s] for s in (14, 15, 16, 18, 19, 21)] == [0, 1, 1, 1, 2, 2]
     assert monitor._states[0].steps_above == 3
     assert "warnings" in monitor.summary()
+
+
+def test_grad_norm_keeps_non_finite_norms_out_of_the_baseline(tmp_path):
+    steps = 10
+    factors = wobble(steps, 0.2, 0.0)
+    factors[6] = float("inf")  # inf and nan gradients
+    model = LayeredModel([factors])
+    monitor = GradNormMonitor(window=4, warmup=2, print_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, logged = fit(model, [monitor], tmp_path, max_steps=steps)
+    norms = [model.norms[s]["global"] for s in range(steps)]
+    assert not math.isfinite(norms[6]) and not math.isfinite(logged["grad_norm/global"][6])
+    finite = [n for n in norms if math.isfinite(n)]  # steps 0-5, 7-9: the window skips step 6
+    assert logged["grad_norm/baseline_median"][8] == pytest.approx(float(np.median(finite[3:7])), rel=1e-6)
+    assert logged["grad_norm/baseline_median"][9] == pytest.approx(float(np.median(finite[4:8])), rel=1e-6)
+    assert monitor.alerts == [] and not [w for w in caught if issubclass(w.category, GradNormSpikeWarning)]
+    assert monitor._states[0].nonfinite_steps == 1 and monitor._states[0].peak == pytest.approx(max(finite))
 
 
 class AmpLayeredModel(LayeredModel):

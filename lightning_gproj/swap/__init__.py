@@ -30,6 +30,7 @@ class SwapReport:
     """
 
     fix: str
+    catch_all: bool = False
     rows: list[SwapRow] = field(default_factory=list)
     sites: dict[str, Site] = field(default_factory=dict)
 
@@ -55,6 +56,8 @@ class SwapReport:
         out.append(fmt.format(*header).rstrip())
         out.append("-+-".join("-" * w for w in widths))
         out.extend(fmt.format(*row).rstrip() for row in lines)
+        if not self.catch_all:
+            out.append("SDPA calls made through helpers outside these modules (e.g. Hugging Face) stay as they are; catch_all=True serves them")
         return "\n".join(out)
 
     def __str__(self) -> str:
@@ -110,7 +113,7 @@ def swap_attention(
     if not isinstance(catch_all, bool):
         raise TypeError(f"`catch_all` must be a bool, got {catch_all!r}")
 
-    report = SwapReport(fix=fix)
+    report = SwapReport(fix=fix, catch_all=catch_all)
     replacement = f"gproj_attn_func(fix={fix!r})"
     modules = dict(model.named_modules(remove_duplicate=False))
     not_selected = {path: selection_reason(path, include, exclude) for path in modules}

@@ -389,7 +389,7 @@ class GradNormMonitor(Monitor):
             peak = "-" if s.peak is None else f"{fmt(s.peak)} (step {s.peak_step})"
             rows.append(
                 [
-                    f"optimizer {idx}",
+                    str(idx),
                     str(s.steps),
                     fmt(s.baseline.median),
                     fmt(s.baseline.mad),
@@ -400,7 +400,7 @@ class GradNormMonitor(Monitor):
                     str(s.nonfinite_steps),
                 ]
             )
-        head = ["", "steps", "median", "MAD", "last", "peak", "warnings", "steps above", "non-finite"]
+        head = ["optimizer", "steps", "median", "MAD", "last", "peak", "warnings", "steps above", "non-finite"]
         out = [f"GradNormMonitor (window {self.window}, warn_ratio {self.warn_ratio:g}):", format_table(head, rows)]
         for idx, s in sorted(self._states.items()):
             top = sorted(s.layer_peak.items(), key=lambda kv: -kv[1] if not math.isnan(kv[1]) else math.inf)

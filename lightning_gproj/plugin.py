@@ -119,9 +119,9 @@ class GProjPlugin(Precision):
         _check_precision(precision)
         self._gproj_init(fix, include, exclude, catch_all)
         base_cls = self._gproj_base
-        if base_cls is MixedPrecision or (base is None and issubclass(base_cls, MixedPrecision)):
+        if issubclass(base_cls, MixedPrecision):
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-            MixedPrecision.__init__(self, precision, device, **base_kwargs)
+            base_cls.__init__(self, precision, device, **base_kwargs)
         else:
             params = inspect.signature(base_cls.__init__).parameters
             if "precision" in params:

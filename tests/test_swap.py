@@ -308,6 +308,24 @@ def test_mha_served_matches_original(case, batch_first, inputs, dtype, tol, op_s
     assert op_spy.calls[0]["q_shape"] == (1 if inputs == "unbatched" else 2, n, 4, 8)
 
 
+def test_mha_without_bias_is_served(op_spy):
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(32, 2, bias=False)  # headdim 16, sequence-first
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+
+    class Call(nn.Module):
+        def __init__(self, mha):
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, x, memory):
+            return self.mha(x, memory, memory, need_weights=False)
+
+    _assert_close(Call(model), Call(swapped), [torch.randn(5, 3, 32), torch.randn(7, 3, 32)], 2e-5)
+    assert [(c["q_shape"], c["k_shape"], c["causal"]) for c in op_spy.calls] == [((3, 5, 2, 16), (3, 7, 2, 16), False)]
+
+
 MHA_FALLBACK = {
     "need_weights_default": (dict(), "need_weights=True"),
     "key_padding_mask": (dict(need_weights=False, key_padding_mask=torch.tensor([[False] * 5 + [True]] * 2)), "key_padding_mask"),

@@ -125,7 +125,7 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
             b_q, b_k, b_v = bias.chunk(3) if bias is not None else (None, None, None)
             w_q, w_k, w_v = w.chunk(3)
             q, k, v = F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
-        n, n_q, n_k = q.shape[0], q.shape[1], k.shape[1]
+        n, n_q = q.shape[0], q.shape[1]
         o = gproj_attn_func()(
             q.unflatten(-1, (h, e // h)),
             k.unflatten(-1, (h, e // h)),

@@ -1,0 +1,157 @@
+"""Runs the Triton kernels under Triton's CPU interpreter and prints measured agreement as JSON.
+
+Executed by tests/test_triton_kernels.py in a fresh subprocess with TRITON_INTERPRET=1: ``triton.jit``
+chooses between compiling and interpreting when a kernel module is imported, so the interpreter must
+be on before the first import of triton in the process — a subprocess guarantees that whatever the
+rest of the pytest session imported. Not a test module itself (leading underscore, no test_ prefix).
+
+Output: one JSON object on the last stdout line, {"cases": [...], "constants": [...], "supports": {...}}.
+Every number is measured here; the test module holds the thresholds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from lightning_gproj.kernels import attention_bwd as B  # noqa: E402
+from lightning_gproj.kernels import attention_fwd as F  # noqa: E402
+from lightning_gproj.kernels import reference as R  # noqa: E402
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖_F / ‖b‖_F in float64 (0 when both are 0)."""
+    a, b = a.double(), b.double()
+    n = b.norm().item()
+    d = (a - b).norm().item()
+    return d / n if n > 0 else d
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> float:
+    """Largest |a − b| measured in units of the last place of ``dtype`` at |b| (elementwise max)."""
+    a, b = a.double(), b.double()
+    eps = torch.finfo(dtype).eps  # ulp at 1.0
+    tiny = torch.finfo(dtype).tiny
+    ulp = torch.exp2(torch.floor(torch.log2(b.abs().clamp(min=tiny)))) * eps
+    return ((a - b).abs() / ulp).max().item()
+
+
+def f64_reference(q, k, v, do, tau, causal):
+    """Plain softmax attention and its autograd gradients in float64 on the same 16-bit inputs."""
+    b, nq, h, d = q.shape
+    nk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    qh = q64.transpose(1, 2)
+    kh = k64.transpose(1, 2).repeat_interleave(g, dim=1)
+    vh = v64.transpose(1, 2).repeat_interleave(g, dim=1)
+    s = tau * qh @ kh.transpose(-1, -2)
+    if causal:
+        rows = torch.arange(nq)[:, None]
+        cols = torch.arange(nk)[None, :]
+        s = s.masked_fill(cols > rows + (nk - nq), float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key: output 0, gradient 0
+    o = (p @ vh).transpose(1, 2)
+    dq, dk, dv = torch.autograd.grad(o, (q64, k64, v64), do.double())
+    return o.detach(), dq, dk, dv
+
+
+def run_case(b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    q = rnd(b, nq, h, d).to(dtype)
+    k = (rnd(b, nk, hk, d) + key_shift).to(dtype)
+    v = rnd(b, nk, hk, d).to(dtype)
+    do = rnd(b, nq, h, d).to(dtype)
+    if strided:
+        # Non-contiguous views (a slice of a wider buffer, and a head-major buffer seen as seq-major):
+        # the kernels take the strides as they are.
+        qw = torch.zeros(b, nq, h, d + 8, dtype=dtype)
+        qw[..., :d] = q
+        q = qw[..., :d]
+        k = k.transpose(1, 2).contiguous().transpose(1, 2)
+        assert not q.is_contiguous() and not k.is_contiguous()
+    tau = d ** -0.5
+    out = {"shape": [b, nq, nk, h, hk, d], "causal": causal, "dtype": str(dtype), "strided": strided,
+           "key_shift": key_shift}
+
+    o, m, l2 = F.forward(q, k, v, tau, causal)
+    o_r, m_r, l_r = R.forward(q, k, v, tau, causal)
+    fin = torch.isfinite(l_r)
+    out["fwd"] = {
+        "o_rel_vs_ref": rel(o, o_r),
+        "o_max_ulps_vs_ref": ulps(o, o_r, dtype),
+        "m_max_abs_diff": (m - m_r).abs().max().item(),
+        "log2l_max_abs_diff": (l2 - l_r)[fin].abs().max().item() if fin.any() else 0.0,
+        "inf_pattern_equal": bool(torch.equal(torch.isinf(l2), torch.isinf(l_r))),
+        "nan": bool(torch.isnan(o).any().item()),
+    }
+    o64, dq64, dk64, dv64 = f64_reference(q, k, v, do, tau, causal)
+    out["fwd"]["o_rel_vs_f64"] = rel(o, o64)
+    out["fwd"]["ref_o_rel_vs_f64"] = rel(o_r, o64)
+
+    # The backward is fed the reference's forward state, so that any difference is the backward's own.
+    out["bwd"] = {}
+    for fix, fold in (("none", False), ("gproj", False), ("gproj", True), ("gproj_uniform", False)):
+        name = fix + ("_fold" if fold else "")
+        g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, dk_fold=fold)
+        g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, dk_fold=fold)
+        res = {"nan": any(bool(torch.isnan(x).any().item()) for x in g[:3])}
+        for nm, x, y, z in zip(("dq", "dk", "dv"), g[:3], g_r[:3], (dq64, dk64, dv64)):
+            res[f"{nm}_rel_vs_ref"] = rel(x, y)
+            res[f"{nm}_rel_vs_f64"] = rel(x, z)
+            res[f"ref_{nm}_rel_vs_f64"] = rel(y, z)
+            res[f"{nm}_dtype_ok"] = x.dtype == y.dtype and x.shape == y.shape
+        for key in ("r", "abs_dS", "leak"):
+            res[f"{key}_rel_vs_ref"] = rel(g[3][key], g_r[3][key])
+        # C2 on the fp32 accumulators: Σ_j dK_j / ‖dK‖_F (0 in exact arithmetic, DESIGN.md §2).
+        g32 = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, False, dk_fold=fold,
+                         grad_dtype=torch.float32)
+        dk32 = g32[1].double()
+        res["c2_residual_fp32"] = (dk32.sum(dim=1).norm() / dk32.norm()).item()
+        out["bwd"][name] = res
+    return out
+
+
+def main() -> None:
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    cases = [
+        # (b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed)
+        (1, 40, 40, 2, 2, 32, False, torch.bfloat16, 4.0, False, 1),
+        (2, 37, 53, 2, 1, 64, True, torch.bfloat16, 4.0, False, 2),  # GQA 2:1, Nq < Nk
+        (1, 53, 37, 2, 2, 32, True, torch.bfloat16, 4.0, False, 3),  # Nq > Nk: rows with no key
+        (1, 130, 130, 2, 1, 32, True, torch.bfloat16, 4.0, False, 4),  # several blocks + ragged tail
+        (1, 45, 45, 2, 2, 32, False, torch.float16, 4.0, True, 5),  # fp16, strided q and k
+    ]
+    res = {"cases": [run_case(*c) for c in cases]}
+    consts = []
+    for cval in (133120.0, 1000.0):
+        for causal in (False, True):
+            x = torch.full((1, 40, 2, 32), cval, dtype=torch.bfloat16)
+            o, m, l2 = F.forward(x, x, x, 32 ** -0.5, causal)
+            consts.append({"value": cval, "causal": causal, "nan": bool(torch.isnan(o).any().item()),
+                           "exact": bool((o.float() == cval).all().item())})
+    res["constants"] = consts
+    z = torch.zeros(1, 8, 2, 32)
+    res["supports"] = {
+        "bf16_cpu_interp": B.supports(z.bfloat16(), z.bfloat16(), z.bfloat16()),
+        "fp32": B.supports(z, z, z),
+        "bad_heads": B.supports(torch.zeros(1, 8, 3, 32).bfloat16(), z.bfloat16(), z.bfloat16()),
+        "head_dim_300": B.supports(*(torch.zeros(1, 8, 2, 300).bfloat16() for _ in range(3))),
+    }
+    try:
+        B.backward(z.bfloat16(), z.bfloat16(), z.bfloat16(), z.bfloat16(), z.bfloat16(),
+                   torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), 1.0, False, "bogus")
+        res["bad_fix_raises"] = False
+    except ValueError:
+        res["bad_fix_raises"] = True
+    sys.stdout.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()

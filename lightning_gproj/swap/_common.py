@@ -143,6 +143,8 @@ class Site:
     original.
     ``fallbacks`` counts the calls that ran the original code, by reason; ``served`` counts the
     calls that ran :func:`gproj_attn_func`.
+    ``compute_dtype`` (default None): when set (e.g. ``torch.float32``, the monitors' "fp32"
+    remediation), served calls run SDPA in that dtype instead of the op, output cast back.
     """
 
     def __init__(self, name: str, kind: str, fix: str, keep: bool = False) -> None:
@@ -150,6 +152,7 @@ class Site:
         self.kind = kind
         self.fix = fix
         self.keep = keep
+        self.compute_dtype: Optional[torch.dtype] = None
         self.served = 0
         self.fallbacks: dict[str, int] = {}
         self.warned = False
@@ -166,6 +169,23 @@ class Site:
                 GProjFallbackWarning,
                 stacklevel=4,
             )
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale=None, causal: bool = False) -> torch.Tensor:
+        """Serve one call in the op layout (batch, seqlen, nheads, headdim): :func:`gproj_attn_func`
+        with this site's ``fix`` and name, or, with ``compute_dtype`` set, SDPA in that dtype (autocast
+        off, bottom-right causal mask, GQA heads repeated) cast back to q's dtype."""
+        if self.compute_dtype is None or q.dtype == self.compute_dtype:
+            return gproj_attn_func()(
+                q, k, v, softmax_scale=softmax_scale, causal=causal, fix=self.fix, stats_name=self.name or "attention"
+            )
+        dt, group = self.compute_dtype, q.shape[2] // k.shape[2]
+        qs, ks, vs = (t.transpose(1, 2).to(dt) for t in (q, k, v))
+        if group > 1:
+            ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
+        mask = causal_bool(q.shape[1], k.shape[1], q.device) if causal else None
+        with torch.autocast(q.device.type, enabled=False):
+            o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=softmax_scale)
+        return o.transpose(1, 2).to(q.dtype)
 
     def __repr__(self) -> str:
         return f"Site({self.name!r}, fix={self.fix!r}, served={self.served}, fallbacks={self.fallbacks})"

@@ -126,13 +126,8 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
             w_q, w_k, w_v = w.chunk(3)
             q, k, v = F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
         n, n_q = q.shape[0], q.shape[1]
-        o = gproj_attn_func()(
-            q.unflatten(-1, (h, e // h)),
-            k.unflatten(-1, (h, e // h)),
-            v.unflatten(-1, (h, e // h)),
-            causal=causal,
-            fix=site.fix,
-            stats_name=site.name or "attention",
+        o = site.attention(
+            q.unflatten(-1, (h, e // h)), k.unflatten(-1, (h, e // h)), v.unflatten(-1, (h, e // h)), causal=causal
         )
         out = F.linear(o.reshape(n, n_q, e), self.out_proj.weight, self.out_proj.bias)
         if not self.batch_first or unbatched:

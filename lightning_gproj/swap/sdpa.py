@@ -142,15 +142,7 @@ def attend(site: Site, args: tuple, kwargs: dict) -> torch.Tensor:
         return SDPA(*args, **kwargs)
     q, k, v, _, _, _, scale, _ = _signature(*args, **kwargs)
     site.served += 1
-    o = gproj_attn_func()(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        softmax_scale=scale,
-        causal=causal,
-        fix=site.fix,
-        stats_name=site.name or "attention",
-    )
+    o = site.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=causal)
     return o.transpose(1, 2)
 
 

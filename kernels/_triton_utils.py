@@ -26,6 +26,15 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
+def autotune_enabled() -> bool:
+    """GPU autotuning over the candidate configs; GPROJ_TRITON_AUTOTUNE=0 keeps the first candidate.
+
+    Every candidate is a separate compile of every constexpr variant (seconds each on the H200 host),
+    which matters inside a short device lease; numerics do not depend on the config.
+    """
+    return os.environ.get("GPROJ_TRITON_AUTOTUNE", "1") != "0"
+
+
 def padded_head_dim(d: int) -> int:
     """Power of two ≥ max(d, 16): ``tl.arange`` needs powers of two and ``tl.dot`` needs ≥ 16."""
     return max(16, 1 << (d - 1).bit_length())

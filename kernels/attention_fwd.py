@@ -24,7 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_gproj.kernels._triton_utils import INTERPRET, LOG2E, interpreting, mma, padded_head_dim, supports, to16
+from lightning_gproj.kernels._triton_utils import (
+    INTERPRET, LOG2E, autotune_enabled, interpreting, mma, padded_head_dim, supports, to16,
+)
 
 __all__ = ["forward", "supports"]
 
@@ -36,7 +38,7 @@ def _fwd_configs():
     # Two candidates per head-dim class: compile time dominates a short device lease (each config is a
     # separate compile of every constexpr variant), see benchmarks/NOTES.md.
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 2)]]
+            for bm, bn, w, s in [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 2)]]
 
 
 def _prune_fwd(configs, named_args, **kwargs):
@@ -48,7 +50,8 @@ def _prune_fwd(configs, named_args, **kwargs):
     else:
         keep = [(128, 64, 4, 3), (128, 128, 8, 3)]
     out = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in keep]
-    return out or configs[:1]
+    out = out or configs[:1]
+    return out if autotune_enabled() else out[:1]
 
 
 @triton.jit

@@ -1,0 +1,148 @@
+"""Attention implementations compared by benchmarks/fidelity.py and benchmarks/attention.py.
+
+Every method maps bf16 (batch, seqlen, nheads, headdim) q, k, v (k, v may have fewer heads) and an
+incoming gradient do to (o, dq, dk, dv), and offers separate forward / backward closures for timing.
+
+- ``gproj``, ``gproj_fold``, ``none``, ``gproj_uniform``: our Triton kernels (kernels/attention_*.py);
+  ``gproj_fold`` is fix="gproj" with the dK term folded into dS (DESIGN.md §4.1).
+- ``cudnn``, ``sdpa_flash``: torch SDPA restricted to one backend (GQA: k, v repeated, autograd sums).
+- ``fa4``: flash-attn-4's CuTe kernels (``flash_attn.cute.flash_attn_func``, Hopper path) if importable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_gproj.kernels import attention_bwd as B
+from lightning_gproj.kernels import attention_fwd as F
+
+OURS = {
+    "gproj": dict(fix="gproj", dk_fold=False),
+    "gproj_fold": dict(fix="gproj", dk_fold=True),
+    "none": dict(fix="none", dk_fold=False),
+    "gproj_uniform": dict(fix="gproj_uniform", dk_fold=False),
+}
+
+
+def fa4_func():
+    """flash_attn.cute.flash_attn_func, or None when flash-attn-4 is not importable."""
+    try:
+        from flash_attn.cute import flash_attn_func  # type: ignore
+        return flash_attn_func
+    except Exception:
+        return None
+
+
+def available(name: str) -> bool:
+    if name in OURS:
+        return True
+    if not torch.cuda.is_available():
+        return False
+    if name == "fa4":
+        return fa4_func() is not None
+    return name in ("cudnn", "sdpa_flash")
+
+
+class Ours:
+    """Forward/backward closures over our kernels (stats optional)."""
+
+    def __init__(self, name, q, k, v, do, causal, want_stats=False, grad_dtype=None):
+        self.kw = OURS[name]
+        self.q, self.k, self.v, self.do, self.causal = q, k, v, do, causal
+        self.tau = q.shape[-1] ** -0.5
+        self.want_stats = want_stats
+        self.grad_dtype = grad_dtype
+        self.state = None
+
+    def fwd(self):
+        self.state = F.forward(self.q, self.k, self.v, self.tau, self.causal)
+        return self.state
+
+    def bwd(self):
+        o, m, l2 = self.state
+        return B.backward(self.do, self.q, self.k, self.v, o, m, l2, self.tau, self.causal, self.kw["fix"],
+                          self.want_stats, dk_fold=self.kw["dk_fold"], grad_dtype=self.grad_dtype)
+
+    def fwd_bwd(self):
+        self.fwd()
+        return self.bwd()
+
+    def run(self):
+        o, _, _ = self.fwd()
+        dq, dk, dv, extras = self.bwd()
+        return o, dq, dk, dv, extras
+
+
+class Anchor:
+    """SDPA (one backend) or FA4 through autograd."""
+
+    def __init__(self, name, q, k, v, do, causal):
+        self.name = name
+        self.causal = causal
+        self.tau = q.shape[-1] ** -0.5
+        self.q = q.detach().clone().requires_grad_()
+        self.k = k.detach().clone().requires_grad_()
+        self.v = v.detach().clone().requires_grad_()
+        self.do = do
+        self.out = None
+
+    def _forward(self):
+        q, k, v = self.q, self.k, self.v
+        if self.name == "fa4":
+            res = fa4_func()(q, k, v, softmax_scale=self.tau, causal=self.causal)
+            return res[0] if isinstance(res, (tuple, list)) else res
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        g = q.shape[2] // k.shape[2]
+        if g > 1:
+            k = k.repeat_interleave(g, dim=2)
+            v = v.repeat_interleave(g, dim=2)
+        be = SDPBackend.CUDNN_ATTENTION if self.name == "cudnn" else SDPBackend.FLASH_ATTENTION
+        with sdpa_kernel(be):
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=self.causal, scale=self.tau
+            )
+        return o.transpose(1, 2)
+
+    def fwd(self):
+        with torch.no_grad():
+            return self._forward()
+
+    def fwd_graph(self):
+        self.out = self._forward()
+        return self.out
+
+    def bwd(self):
+        return torch.autograd.grad(self.out, (self.q, self.k, self.v), self.do, retain_graph=True)
+
+    def fwd_bwd(self):
+        out = self._forward()
+        return torch.autograd.grad(out, (self.q, self.k, self.v), self.do)
+
+    def run(self):
+        out = self._forward()
+        dq, dk, dv = torch.autograd.grad(out, (self.q, self.k, self.v), self.do)
+        return out.detach(), dq, dk, dv, {}
+
+
+def make(name, q, k, v, do, causal, **kw):
+    return Ours(name, q, k, v, do, causal, **kw) if name in OURS else Anchor(name, q, k, v, do, causal)
+
+
+def attn_flops(b, h, nq, nk, d, causal, mode):
+    """DESIGN.md §7: forward 4·B·H·Nq·Nk·d (× ½ causal), backward 2.5 × forward."""
+    f = 4.0 * b * h * nq * nk * d * (0.5 if causal else 1.0)
+    return {"fwd": f, "bwd": 2.5 * f, "fwd_bwd": 3.5 * f}[mode]
+
+
+def env_info() -> dict:
+    import platform
+
+    import triton
+    info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    info["fa4"] = fa4_func() is not None
+    return info
+
+

@@ -1,25 +1,46 @@
 """Lightning callbacks that watch BF16 attention training (DESIGN.md §8); no Triton imported here.
 
 - :class:`ZeroSumMonitor`: zero-sum violation, leak ratio, mean-key/query norms (from
-  :data:`lightning_gproj.stats.RECORDER`) and the key-bias gradient (any model), every N steps.
-- :class:`GradNormMonitor`: global and per-layer gradient norms, robust baseline, spike warnings.
+  :data:`lightning_gproj.stats.RECORDER`), the C2 residual and key-bias gradient (any model), and a
+  probe of unswapped attention against float64, every N steps; alerts on their change.
+- :class:`GradNormMonitor`: global and per-layer gradient norms, robust baseline, CUSUM, log-slope;
+  warn/critical alerts naming the layers.
+- :class:`Alert`, :class:`AlertDispatcher`: alert records and their delivery (log warning, loggers,
+  user function, checkpoint / stop / remediate actions).
+- :class:`ChangeDetector`: the detector, shared with the offline replay (``lightning_gproj.evaluate``).
 
-Both log to every Lightning logger, print a summary at the end of training, and never stop a run: a
-failing hook disables its monitor with a :class:`MonitorDisabledWarning`.
+Both monitors log to every Lightning logger, print a summary at the end of training, and never stop a
+run by accident: a failing hook disables its monitor with a :class:`MonitorDisabledWarning`.
 """
 
 from ._base import MonitorDisabledWarning
-from .grad_norm import GradNormAlert, GradNormMonitor, GradNormSpikeWarning, RobustBaseline, default_layer_of
-from .zero_sum import KeyBias, ZeroSumMonitor, find_key_biases
+from .alerts import ACTIONS, REMEDIATIONS, Alert, AlertDispatcher, attention_sites, remediate
+from .capture import AttentionCapture, ProbeCapture, ProbeResult, probe_backward, reference_dq
+from .detectors import ChangeDetector, Detection, RobustBaseline
+from .grad_norm import GradNormMonitor, GradNormStep, default_layer_of
+from .zero_sum import DEFAULT_DETECT, KeyBias, ZeroSumMonitor, find_key_biases
 
 __all__ = [
-    "GradNormAlert",
+    "ACTIONS",
+    "Alert",
+    "AlertDispatcher",
+    "AttentionCapture",
+    "ChangeDetector",
+    "DEFAULT_DETECT",
+    "Detection",
     "GradNormMonitor",
-    "GradNormSpikeWarning",
+    "GradNormStep",
     "KeyBias",
     "MonitorDisabledWarning",
+    "ProbeCapture",
+    "ProbeResult",
+    "REMEDIATIONS",
     "RobustBaseline",
     "ZeroSumMonitor",
+    "attention_sites",
     "default_layer_of",
     "find_key_biases",
+    "probe_backward",
+    "reference_dq",
+    "remediate",
 ]

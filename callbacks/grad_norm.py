@@ -6,28 +6,29 @@ the closure (forward + backward), then — for ``16-mixed`` — ``scaler.unscale
 (``plugins/precision/amp.py: MixedPrecision.optimizer_step`` and ``precision.py: _after_closure``). So
 the hook sees the unscaled, unclipped gradients of the whole (accumulated) step; the tests check both.
 
-The baseline is deliberately simple (median and MAD over a rolling window, plus an EMA ratio); the
-full early-warning work (CUSUM, log-slope, alerts and actions) is a later issue. It plugs in at
-:meth:`GradNormMonitor.check` (returns an alert or None) and :meth:`GradNormMonitor.on_alert` (acts
-on one); the per-step values it needs are in :class:`GradNormStep`.
+Detection (:class:`~lightning_gproj.callbacks.detectors.ChangeDetector`, the same code that
+``lightning_gproj.evaluate`` replays offline): robust ratio to the median of the window, CUSUM of the
+robust z-score of log ‖g‖, log-slope growth; warn and critical levels; each alert names the layers whose
+squared norm rose most. Alerts go through :class:`~lightning_gproj.callbacks.alerts.AlertDispatcher`.
+:meth:`GradNormMonitor.observe` is the pure detection step (no Trainer needed).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
-import statistics
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
+
+from .alerts import Alert, AlertDispatcher
+from .detectors import MAD_TO_STD, ChangeDetector, Detection, RobustBaseline
 
 from ._base import (
     Monitor,
     check_bool,
-    check_float,
     check_int,
     check_prefix,
     finite_max,
@@ -37,14 +38,6 @@ from ._base import (
     log_to_loggers,
     step_index,
 )
-
-#: MAD -> standard deviation for normally distributed data.
-_MAD_TO_STD = 1.4826
-
-
-class GradNormSpikeWarning(UserWarning):
-    """The global gradient norm exceeded ``warn_ratio`` × its baseline median."""
-
 
 def default_layer_of(name: str) -> str:
     """Group a parameter name into a layer: up to the first all-digit component, else its module.
@@ -58,38 +51,6 @@ def default_layer_of(name: str) -> str:
         if part.isdigit():
             return ".".join(parts[: i + 1])
     return ".".join(parts[:-1]) or name
-
-
-class RobustBaseline:
-    """Median and MAD of the last ``window`` values, and an EMA, of a positive series.
-
-    :meth:`update` adds a value; the properties describe the values added *before* it, so a step is
-    always compared with its past. Non-finite values are never added.
-    """
-
-    def __init__(self, window: int, ema_decay: float) -> None:
-        self.values: collections.deque[float] = collections.deque(maxlen=window)
-        self.ema_decay = ema_decay
-        self.ema: float | None = None
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-    @property
-    def median(self) -> float | None:
-        return statistics.median(self.values) if self.values else None
-
-    @property
-    def mad(self) -> float | None:
-        """Median absolute deviation from the median (unscaled; × 1.4826 estimates σ)."""
-        med = self.median
-        return None if med is None else statistics.median(abs(v - med) for v in self.values)
-
-    def update(self, value: float) -> None:
-        if not math.isfinite(value):
-            return
-        self.values.append(value)
-        self.ema = value if self.ema is None else self.ema_decay * self.ema + (1.0 - self.ema_decay) * value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,31 +73,9 @@ class GradNormStep:
         return None if not self.median else self.norm / self.median
 
 
-@dataclasses.dataclass(frozen=True)
-class GradNormAlert:
-    """A spike: the measurement, the threshold it crossed, and the layers driving it."""
-
-    measurement: GradNormStep
-    threshold: float
-    drivers: list[tuple[str, float, float | None, float]]  # (layer, norm, ×own median, share of rise)
-
-    def message(self) -> str:
-        m = self.measurement
-        parts = []
-        for layer, norm, growth, share in self.drivers:
-            g = "" if growth is None else f", {growth:.3g}x its median"
-            parts.append(f"{layer} ({norm:.3g}{g}, {share:.0%} of the rise in |g|^2)")
-        opt = f" (optimizer {m.optimizer})" if m.optimizer else ""
-        return (
-            f"GradNormMonitor: gradient norm{opt} {m.norm:.4g} at step {m.step} is {m.ratio:.3g}x the "
-            f"baseline median {m.median:.4g} (MAD {m.mad:.3g}, last {m.window} steps; threshold "
-            f"{self.threshold:.4g}). Largest increases: {'; '.join(parts) or 'n/a'}."
-        )
-
-
 @dataclasses.dataclass
 class _OptimizerState:
-    baseline: RobustBaseline
+    detector: ChangeDetector
     layer_baselines: dict[str, RobustBaseline]
     last: float | None = None
     peak: float | None = None
@@ -144,13 +83,13 @@ class _OptimizerState:
     steps: int = 0
     steps_above: int = 0
     nonfinite_steps: int = 0
-    above: bool = False  # the previous measured step was above the threshold (one warning per episode)
+    alerts: int = 0
     layer_last: dict[str, float] = dataclasses.field(default_factory=dict)
     layer_peak: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class GradNormMonitor(Monitor):
-    """Log gradient norms, keep a robust baseline of the global norm, and warn on spikes.
+    """Log gradient norms, track them against a robust baseline, and alert before they blow up.
 
     Every ``every_n_steps`` optimizer steps, in ``on_before_optimizer_step`` (after AMP unscaling,
     before gradient clipping; see the module docstring), over the parameters that optimizer steps:
@@ -166,46 +105,61 @@ class GradNormMonitor(Monitor):
         Median and median absolute deviation (unscaled) of the global norm over the last ``window``
         measured steps before this one (finite values only). Same units as ``{p}/global``.
     ``{p}/ratio``
-        ``global / baseline_median``; the warning fires when it exceeds ``warn_ratio``. Dimensionless.
+        ``global / baseline_median``. Dimensionless. Alerts above ``warn_ratio`` / ``critical_ratio``.
     ``{p}/robust_z``
         ``(global − median) / (1.4826 · MAD)``, a robust z-score (absent while MAD is 0).
     ``{p}/ema_ratio``
         ``global / EMA`` with the EMA (decay ``ema_decay``) of the previous measured norms: a shorter
         memory than the window. Dimensionless.
+    ``{p}/cusum``
+        One-sided CUSUM of the robust z-score of log ‖g‖ (allowance ``cusum_drift``), in robust σ.
+        Alerts above ``cusum_warn`` / ``cusum_critical``.
+    ``{p}/log_slope``
+        Growth factor of ‖g‖ per ``slope_horizon`` steps, from a least-squares fit of log ‖g‖ over
+        the last ``slope_window`` measured steps. Alerts above ``slope_warn`` / ``slope_critical``.
     ``{p}/warnings``
-        Warnings emitted so far (cumulative count).
+        Alerts raised so far (cumulative count, both levels).
 
     With several optimizers the names get ``opt{i}/`` after the prefix (``{p}/opt1/global``) and each
-    optimizer has its own baseline. ``{p}`` is ``prefix``. Values go to ``trainer.loggers`` at the
+    optimizer has its own detector. ``{p}`` is ``prefix``. Values go to ``trainer.loggers`` at the
     measured step on global rank zero (see ``callbacks/_base.py`` for why not ``self.log``); with
     ``every_n_steps=1`` that is every step, whatever ``Trainer(log_every_n_steps)`` says.
 
-    Warning: a :class:`GradNormSpikeWarning` (rank zero) when the global norm is finite, at least
-    ``warmup`` finite norms are in the window, and ``global > warn_ratio × baseline_median``. It names
-    the ``top_k`` layers whose squared norm rose most over their own baseline median, with their share
-    of the rise of ‖g‖². One warning per episode: consecutive steps above the threshold count in
-    ``steps_above`` but warn once. Every alert is kept in :attr:`alerts`. Non-finite norms (e.g. fp16
-    overflow steps that the GradScaler skips) are logged, counted, and kept out of the baseline.
+    Alerts (:class:`~lightning_gproj.callbacks.alerts.Alert`, signal ``{p}/global``): the detector of
+    :mod:`~lightning_gproj.callbacks.detectors` on the global norm, once ``warmup`` finite norms are in
+    the window; one alert per level rise within an episode. It names the ``top_k`` layers whose squared
+    norm rose most over their own baseline median, with their share of the rise of ‖g‖². Delivered by
+    :class:`~lightning_gproj.callbacks.alerts.AlertDispatcher` (log warning on rank zero, every logger as
+    ``alert/{p}/global``, ``on_alert``, ``actions``). Every alert is kept in :attr:`alerts`. Non-finite
+    norms (e.g. fp16 overflow steps that the GradScaler skips) are logged, counted, kept out of the
+    baseline and never alert.
 
-    Across ranks: after DDP's all-reduce every rank holds the same gradient, so no reduction is
-    needed and every rank computes the same baseline. With sharded gradients (FSDP, DeepSpeed ZeRO-2/3)
-    each rank sees its shard only — not supported yet.
+    Across ranks: after DDP's all-reduce every rank holds the same gradient, so every rank computes the
+    same norms, baseline and alerts with no communication (and runs the same actions). With sharded
+    gradients (FSDP, DeepSpeed ZeRO-2/3) each rank sees its shard only — not supported yet.
 
-    Never stops training: an exception in a hook is reported once as a
-    :class:`~lightning_gproj.callbacks.MonitorDisabledWarning` and the monitor switches itself off.
-    At the end of training rank zero prints :meth:`summary` (baseline, peak, warnings, top layers).
+    Never stops training by accident: an exception in a hook is reported once as a
+    :class:`~lightning_gproj.callbacks.MonitorDisabledWarning` and the monitor switches itself off; a
+    failing ``on_alert`` or action is logged once and ignored. At the end of training rank zero prints
+    :meth:`summary`.
 
     Args:
         every_n_steps: measure every N optimizer steps (int >= 1); the baseline sees only these steps.
         window: length of the rolling baseline window, in measured steps (int >= 2).
-        warn_ratio: warn above this multiple of the baseline median (finite float > 1).
-        warmup: finite norms needed in the window before any warning (int in [1, window]).
+        warn_ratio, critical_ratio: ratio thresholds (None or finite float > 1).
+        warmup: finite norms needed in the window before any alert (int in [1, window]).
+        cusum_warn, cusum_critical: CUSUM thresholds in robust σ (None or > 0).
+        cusum_drift: CUSUM allowance per step in robust σ (>= 0).
+        slope_window, slope_horizon, slope_warn, slope_critical: log-slope fit length (measured steps,
+            >= 3), horizon (steps, >= 1) and growth-factor thresholds (None or > 1).
         ema_decay: decay of the EMA (float in (0, 1)).
-        top_k: layers named in a warning (int >= 1).
+        top_k: layers named in an alert (int >= 1).
         log_layers: log the per-layer norms (bool).
         layer_of: ``name -> layer`` grouping of parameter names (callable or None for the default).
         prefix: metric name prefix (non-empty str, no trailing '/').
         print_summary: print the summary table at the end of training (bool).
+        on_alert, actions, action_level, remediation, checkpoint_dir: alert delivery, see
+            :class:`~lightning_gproj.callbacks.alerts.AlertDispatcher`.
 
     Raises:
         ValueError: an argument outside the accepted values (the message names it).
@@ -215,24 +169,40 @@ class GradNormMonitor(Monitor):
         self,
         every_n_steps: int = 1,
         window: int = 100,
-        warn_ratio: float = 10.0,
+        warn_ratio: float | None = 4.0,
         *,
+        critical_ratio: float | None = 10.0,
         warmup: int = 20,
+        cusum_warn: float | None = 25.0,
+        cusum_critical: float | None = None,
+        cusum_drift: float = 1.0,
+        slope_window: int = 100,
+        slope_horizon: int = 100,
+        slope_warn: float | None = None,
+        slope_critical: float | None = None,
         ema_decay: float = 0.9,
         top_k: int = 3,
         log_layers: bool = True,
         layer_of: Callable[[str], str] | None = None,
         prefix: str = "grad_norm",
         print_summary: bool = True,
+        on_alert: Optional[Callable[[Alert], Any]] = None,
+        actions: Sequence[str] = (),
+        action_level: str = "critical",
+        remediation: str = "gproj",
+        checkpoint_dir: Optional[str] = None,
     ) -> None:
         super().__init__()
         self.every_n_steps = check_int("every_n_steps", every_n_steps, 1)
-        self.window = check_int("window", window, 2)
-        self.warn_ratio = check_float("warn_ratio", warn_ratio, above=1.0, accepted="a finite number > 1")
-        self.warmup = check_int("warmup", warmup, 1, self.window)
-        self.ema_decay = check_float(
-            "ema_decay", ema_decay, above=0.0, below=1.0, accepted="a number in the open interval (0, 1)"
+        self.detector_args = dict(
+            window=window, warmup=warmup, warn_ratio=warn_ratio, critical_ratio=critical_ratio,
+            cusum_warn=cusum_warn, cusum_critical=cusum_critical, cusum_drift=cusum_drift,
+            slope_window=slope_window, slope_horizon=slope_horizon, slope_warn=slope_warn,
+            slope_critical=slope_critical, ema_decay=ema_decay,
         )
+        ChangeDetector(**self.detector_args)  # validates
+        self.window, self.warmup, self.ema_decay = window, warmup, ema_decay
+        self.warn_ratio, self.critical_ratio = warn_ratio, critical_ratio
         self.top_k = check_int("top_k", top_k, 1)
         self.log_layers = check_bool("log_layers", log_layers)
         if layer_of is not None and not callable(layer_of):
@@ -240,10 +210,16 @@ class GradNormMonitor(Monitor):
         self.layer_of = default_layer_of if layer_of is None else layer_of
         self.prefix = check_prefix("prefix", prefix)
         self.print_summary = check_bool("print_summary", print_summary)
-        #: Every alert raised, in order.
-        self.alerts: list[GradNormAlert] = []
+        self.dispatcher = AlertDispatcher(
+            type(self).__name__, on_alert, actions, action_level, remediation, checkpoint_dir
+        )
         self._states: dict[int, _OptimizerState] = {}
         self._layer_names: dict[int, str] = {}  # id(param) -> layer
+
+    @property
+    def alerts(self) -> list[Alert]:
+        """Every alert raised, in order."""
+        return self.dispatcher.alerts
 
     # ------------------------------------------------------------------ measurement
 
@@ -279,46 +255,21 @@ class GradNormMonitor(Monitor):
             sq[layer] = sq.get(layer, 0.0) + n * n
         return math.sqrt(sum(sq.values())), {layer: math.sqrt(v) for layer, v in sq.items()}
 
-    # ------------------------------------------------------------------ detection (open for CUSUM etc.)
+    # ------------------------------------------------------------------ detection (online and offline)
 
-    def check(self, m: GradNormStep) -> GradNormAlert | None:
-        """Return an alert when ``m`` is a spike against its baseline, else None (no side effects)."""
-        if not math.isfinite(m.norm) or m.window < self.warmup or not m.median:
-            return None
-        threshold = self.warn_ratio * m.median
-        if m.norm <= threshold:
-            return None
-        rises = []
-        for layer, norm in m.layers.items():
-            med = m.layer_medians.get(layer)
-            base = med if med is not None else 0.0
-            rises.append((norm * norm - base * base, layer, norm, (norm / med) if med else None))
-        total_rise = m.norm**2 - m.median**2
-        rises.sort(key=lambda r: r[0], reverse=True)
-        drivers = [(layer, norm, growth, rise / total_rise) for rise, layer, norm, growth in rises[: self.top_k]]
-        return GradNormAlert(m, threshold, drivers)
+    def _signal(self, opt_idx: int, several: bool) -> str:
+        return f"{self.prefix}/opt{opt_idx}" if several else self.prefix
 
-    def on_alert(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", alert: GradNormAlert) -> None:
-        """Act on an alert: warn on rank zero (override or extend for other actions)."""
-        rank_zero_warn(alert.message(), category=GradNormSpikeWarning)
-
-    # ------------------------------------------------------------------ hooks
-
-    @guarded
-    def on_before_optimizer_step(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
-    ) -> None:
-        step = step_index(trainer)
-        if step % self.every_n_steps:
-            return
-        opt_idx = next((i for i, o in enumerate(trainer.optimizers) if o is optimizer), 0)
+    def observe(
+        self, step: int, norm: float, layers: dict[str, float], opt_idx: int = 0, several: bool = False
+    ) -> tuple[GradNormStep, Detection, list[Alert]]:
+        """Feed one measurement to the detector of optimizer ``opt_idx``: returns the measurement
+        against its past, the detector's verdict, and the new alerts (not delivered). Pure bookkeeping:
+        the same call replays logged norms offline (``lightning_gproj.evaluate``)."""
         state = self._states.get(opt_idx)
         if state is None:
-            state = self._states[opt_idx] = _OptimizerState(RobustBaseline(self.window, self.ema_decay), {})
-        norm, layers = self.measure(pl_module, optimizer)
-        if not layers:
-            return
-        base = state.baseline
+            state = self._states[opt_idx] = _OptimizerState(ChangeDetector(**self.detector_args), {})
+        base = state.detector.baseline
         m = GradNormStep(
             step=step,
             optimizer=opt_idx,
@@ -330,15 +281,27 @@ class GradNormMonitor(Monitor):
             window=len(base),
             layer_medians={k: (b.median if (b := state.layer_baselines.get(k)) else None) for k in layers},
         )
-
-        alert = self.check(m)
-        above = alert is not None
-        if above:
+        detection = state.detector.update(step, norm)
+        alerts = []
+        if detection.level is not None:
             state.steps_above += 1
-            if not state.above:  # first step of an episode
-                self.alerts.append(alert)
-                self.on_alert(trainer, pl_module, alert)
-        state.above = above
+        if detection.new:
+            drivers = self.drivers(m)
+            parts = []
+            for layer, lnorm, growth, share in drivers:
+                g = "" if growth is None else f", {growth:.3g}x its median"
+                parts.append(f"{layer} ({lnorm:.3g}{g}, {share:.0%} of the rise in |g|^2)")
+            opt = f" (optimizer {opt_idx})" if several else ""
+            detail = (
+                f"Gradient norm{opt} {norm:.4g} vs baseline median {m.median:.4g} (MAD {m.mad:.3g}, last "
+                f"{m.window} steps). Largest increases: {'; '.join(parts) or 'n/a'}."
+            )
+            alerts.append(Alert(
+                step=step, signal=f"{self._signal(opt_idx, several)}/global", level=detection.level,
+                statistic=detection.statistic, value=detection.score, threshold=detection.threshold,
+                layers=tuple(d[0] for d in drivers), signal_value=norm, source=type(self).__name__, detail=detail,
+            ))
+            state.alerts += 1
 
         state.steps += 1
         state.last = norm
@@ -347,16 +310,53 @@ class GradNormMonitor(Monitor):
                 state.peak, state.peak_step = norm, step
         else:
             state.nonfinite_steps += 1
-        base.update(norm)
         for layer, value in layers.items():
             state.layer_baselines.setdefault(layer, RobustBaseline(self.window, self.ema_decay)).update(value)
             state.layer_last[layer] = value
             state.layer_peak[layer] = finite_max(state.layer_peak.get(layer), value)
+        return m, detection, alerts
 
-        log_to_loggers(trainer, self._metrics(m, opt_idx, len(trainer.optimizers) > 1), step)
+    def drivers(self, m: GradNormStep) -> list[tuple[str, float, float | None, float]]:
+        """The ``top_k`` layers whose squared norm rose most over their own baseline median:
+        ``(layer, norm, norm / own median, share of the rise of ‖g‖²)``."""
+        rises = []
+        for layer, norm in m.layers.items():
+            med = m.layer_medians.get(layer)
+            base = med if med is not None else 0.0
+            rises.append((norm * norm - base * base, layer, norm, (norm / med) if med else None))
+        total_rise = m.norm**2 - (m.median or 0.0) ** 2
+        rises.sort(key=lambda r: r[0], reverse=True)
+        return [
+            (layer, norm, growth, rise / total_rise if total_rise > 0 else math.nan)
+            for rise, layer, norm, growth in rises[: self.top_k]
+        ]
 
-    def _metrics(self, m: GradNormStep, opt_idx: int, several: bool) -> dict[str, float]:
-        p = f"{self.prefix}/opt{opt_idx}" if several else self.prefix
+    # ------------------------------------------------------------------ hooks
+
+    @guarded
+    def on_before_optimizer_step(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
+    ) -> None:
+        step = step_index(trainer)
+        if step % self.every_n_steps:
+            return
+        opt_idx = next((i for i, o in enumerate(trainer.optimizers) if o is optimizer), 0)
+        norm, layers = self.measure(pl_module, optimizer)
+        if not layers:
+            return
+        several = len(trainer.optimizers) > 1
+        m, detection, alerts = self.observe(step, norm, layers, opt_idx, several)
+        log_to_loggers(trainer, self._metrics(m, detection, opt_idx, several), step)
+        self.dispatcher.deliver(trainer, alerts)
+
+    @guarded
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.dispatcher.run_actions(trainer, pl_module)
+
+    def _metrics(self, m: GradNormStep, d: Detection, opt_idx: int, several: bool) -> dict[str, float]:
+        p = self._signal(opt_idx, several)
         out = {f"{p}/global": m.norm}
         if m.median is not None:
             out[f"{p}/baseline_median"] = m.median
@@ -364,10 +364,14 @@ class GradNormMonitor(Monitor):
             if m.median > 0:
                 out[f"{p}/ratio"] = m.norm / m.median
             if m.mad:
-                out[f"{p}/robust_z"] = (m.norm - m.median) / (_MAD_TO_STD * m.mad)
+                out[f"{p}/robust_z"] = (m.norm - m.median) / (MAD_TO_STD * m.mad)
         if m.ema:
             out[f"{p}/ema_ratio"] = m.norm / m.ema
-        out[f"{p}/warnings"] = float(sum(1 for a in self.alerts if a.measurement.optimizer == opt_idx))
+        if d.cusum is not None:
+            out[f"{p}/cusum"] = d.cusum
+        if d.growth is not None:
+            out[f"{p}/log_slope"] = d.growth
+        out[f"{p}/warnings"] = float(self._states[opt_idx].alerts)
         if self.log_layers:
             out.update({f"{p}/layer/{layer}": v for layer, v in m.layers.items()})
         return out
@@ -380,28 +384,28 @@ class GradNormMonitor(Monitor):
     # ------------------------------------------------------------------ summary
 
     def summary(self, top_layers: int = 5) -> str:
-        """Baseline, peak and warnings per optimizer, and the layers with the largest peak norms."""
+        """Baseline, peak and alerts per optimizer, and the layers with the largest peak norms."""
         if not self._states:
             return "GradNormMonitor: no gradient was measured."
         rows = []
         for idx, s in sorted(self._states.items()):
-            warned = sum(1 for a in self.alerts if a.measurement.optimizer == idx)
             peak = "-" if s.peak is None else f"{fmt(s.peak)} (step {s.peak_step})"
+            base = s.detector.baseline
             rows.append(
                 [
                     str(idx),
                     str(s.steps),
-                    fmt(s.baseline.median),
-                    fmt(s.baseline.mad),
+                    fmt(base.median),
+                    fmt(base.mad),
                     fmt(s.last),
                     peak,
-                    str(warned),
+                    str(s.alerts),
                     str(s.steps_above),
                     str(s.nonfinite_steps),
                 ]
             )
         head = ["optimizer", "steps", "median", "MAD", "last", "peak", "warnings", "steps above", "non-finite"]
-        out = [f"GradNormMonitor (window {self.window}, warn_ratio {self.warn_ratio:g}):", format_table(head, rows)]
+        out = [f"GradNormMonitor (window {self.window}, warn_ratio {self.warn_ratio}):", format_table(head, rows)]
         for idx, s in sorted(self._states.items()):
             top = sorted(s.layer_peak.items(), key=lambda kv: -kv[1] if not math.isnan(kv[1]) else math.inf)
             layer_rows = [

@@ -1,6 +1,6 @@
 """ZeroSumMonitor: the attention health signals of DESIGN.md §8, sampled every N optimizer steps.
 
-Two sources:
+Four sources:
 
 * the op's statistics: on a sampled step the monitor enables :data:`lightning_gproj.stats.RECORDER`
   from ``on_train_batch_start`` until the backward is done, then drains it (the op fills it from
@@ -9,20 +9,34 @@ Two sources:
 * the key-bias gradient, for any model whatever its kernel: the gradient of a key bias is exactly
   Σ_j dK_j (summed over batch and positions), which conservation law C2 (DESIGN.md §2) makes 0 in exact
   arithmetic. It is read from ``param.grad`` in ``on_before_optimizer_step`` (after every backward of the
-  step, after AMP unscaling, before clipping), so it needs no hook and includes gradient accumulation.
+  step, after AMP unscaling, before clipping), so it needs no hook and includes gradient accumulation;
+* the C2 residual ‖Σ_j dK_j‖ / ‖dK‖_F, for any model whatever its kernel, from a hook on the gradient of
+  k of every attention call of the sampled steps (:mod:`.capture`);
+* the probe, for attention the op does not serve (SDPA with any backend): every ``probe_every_n_steps``
+  one layer's slice is recomputed in the user's kernel and in float64 (:mod:`.capture`).
+
+Each statistic listed in ``detect`` runs through a change detector (:mod:`.detectors`); alerts are
+delivered by :mod:`.alerts`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+import zlib
+from typing import Any, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
+import torchmetrics
 from lightning.pytorch.utilities import rank_zero_info
+from torchmetrics.utilities import dim_zero_cat
 
 from lightning_gproj import stats as _stats
+
+from .alerts import Alert, AlertDispatcher
+from .capture import AttentionCapture, ProbeCapture, ProbeResult, probe_backward
+from .detectors import ChangeDetector, Detection, level_rank
 
 from ._base import (
     Monitor,
@@ -45,6 +59,9 @@ _SUMMARY_STATS = (
     "mean_key_norm",
     "mean_query_norm",
     "key_bias_grad_ratio",
+    "c2_residual",
+    "probe_dq_error",
+    "probe_leak_ratio",
 )
 
 #: Key-bias detection, by parameter name. A module with one of these names owning a ``bias`` is a
@@ -195,75 +212,123 @@ class _Track:
             self.peak, self.peak_step = new_peak, step
 
 
+class _RankRows(torchmetrics.Metric):
+    """Gathers one row of values per rank (``dist_reduce_fx="cat"``); :meth:`compute` syncs across ranks
+    (torchmetrics' all-gather over the default process group) and returns the rows concatenated."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("rows", default=[], dist_reduce_fx="cat")
+
+    def update(self, row: torch.Tensor) -> None:
+        self.rows.append(row.reshape(-1))
+
+    def compute(self) -> torch.Tensor:
+        return dim_zero_cat(self.rows)
+
+
+#: Statistics alerted on by default (the others are logged only; see ``detect``).
+DEFAULT_DETECT = ("leak_ratio", "c2_residual", "key_bias_grad_ratio", "probe_leak_ratio", "probe_dq_error")
+
+
 class ZeroSumMonitor(Monitor):
-    """Log the zero-sum health signals of the attention backward every ``every_n_steps`` steps.
+    """Log the zero-sum health signals of the attention backward every ``every_n_steps`` steps, and alert.
 
     Logged metrics (DESIGN.md §8), ``{p}`` = ``prefix``, ``{layer}`` = the ``stats_name`` given to
-    ``gproj_attn_func`` (default ``"attention"``), ``{attn}`` = the attention module's path:
+    ``gproj_attn_func`` (the swapped module's path; default ``"attention"``) or, for SDPA calls not
+    served by the op, the path of the innermost module making the call; ``{attn}`` = the attention
+    module's path:
 
     ``{p}/{layer}/violation_median``
         Median over query rows of ρ_i = |r_i| / Σ_j |dS̃_ij|, r_i = Σ_j dS̃_ij over the valid keys of
         row i, dS̃ the 16-bit dS the GEMMs consumed. Dimensionless, in [0, 1]. Exactly 0 in exact
-        arithmetic (conservation law C1); the BF16 rounding of dS makes it nonzero. Backward.
+        arithmetic (conservation law C1); the BF16 rounding of dS makes it nonzero. Backward, op only.
     ``{p}/{layer}/violation_max``
         Maximum over rows of ρ_i (the maximum over the step's calls of the layer). Dimensionless.
     ``{p}/{layer}/leak_ratio``
         λ = ‖τ r ∘ (P K)‖_F / ‖dQ_gproj‖_F: the share of the query gradient that is leak — removed by
-        ``fix="gproj"``, kept by an uncorrected kernel. Dimensionless. Backward.
+        ``fix="gproj"``, kept by an uncorrected kernel. Dimensionless. Backward, op only.
     ``{p}/{layer}/mean_key_norm``
         Mean over (batch, head) of ‖mean_j k_j‖: the mean-key norm ‖k̄‖ the leak grows with. Units of k
-        (the attention's key activations, before the softmax scale). Forward.
+        (the attention's key activations, before the softmax scale). Forward, op only.
     ``{p}/{layer}/mean_query_norm``
-        Mean over (batch, head) of ‖mean_i q_i‖. Units of q. Forward.
+        Mean over (batch, head) of ‖mean_i q_i‖. Units of q. Forward, op only.
+    ``{p}/{layer}/c2_residual``
+        ‖Σ_j dK_j‖₂ / ‖dK‖_F from a hook on the gradient of k (any kernel: op calls and SDPA calls not
+        served by the op; ``c2=True``): the key gradient summed over key positions per (batch row, head),
+        L2 norm over all of them, relative to the key gradient's Frobenius norm; mean over the layer's
+        calls in the step. Dimensionless. Exactly 0 in exact arithmetic whatever the mask (C2); measured:
+        float64 ~1e-15, FA3-class bf16 0.6–4.9%, P-weighted GProj 1e-7–1e-5 (DESIGN.md §8).
     ``{p}/{attn}/key_bias_grad_norm``
         ‖∇b_k‖₂, the L2 norm of the key bias's gradient = ‖Σ_{batch, j} dK_j‖, in loss units per unit of
         key. 0 in exact arithmetic (C2) whatever kernel computed it: any value is rounding error, which
         Adam-style optimizers turn into full-size steps of the bias (the mean key drifts).
     ``{p}/{attn}/key_bias_grad_ratio``
         ‖∇b_k‖₂ / ‖∇W_k‖_F, the key bias gradient relative to the layer's key weight gradient.
-        Dimensionless. A cheap stand-in for the C2 residual ‖Σ_j dK_j‖ / ‖dK‖_F of §8 (which needs a hook
-        on dK itself, a later issue): both numerators are the same sum; the denominator here also scales
-        with the layer's input norm, so compare the ratio over time within a layer, not across models.
-        The "0 in exact arithmetic" holds only when the bias reaches the scores as one shared offset of
-        all keys: no RoPE and no QK-norm between the bias and q·k (GPT-2, examples/gpt.py without
-        ``qk_norm``). With RoPE after the bias (Qwen2) or a key norm, the exact gradient is not 0 and
-        the value is a plain gradient statistic.
+        Dimensionless. The numerator is the same sum as c2_residual's; the denominator also scales with
+        the layer's input norm, so compare it over time within a layer. "0 in exact arithmetic" holds
+        only when the bias reaches the scores as one shared offset of all keys (no RoPE / QK-norm after
+        it); otherwise it is a plain gradient statistic.
+    ``{p}/{layer}/probe_dq_error``, ``probe_dq_error_max``, ``probe_leak_ratio``
+        Probe mode (``probe_every_n_steps``), for SDPA calls not served by the op (unswapped models,
+        whatever backend SDPA picks: flash, cuDNN, efficient, math): on one layer per probe step (round
+        robin), a slice of batch row 0, ``probe_heads`` heads and ``probe_queries`` queries is captured
+        with its incoming dO, and its dQ recomputed by SDPA autograd in the captured dtype and in
+        float64. dq_error: mean over the probed heads of ‖dQ_kernel − dQ_fp64‖_F / ‖dQ_fp64‖_F;
+        dq_error_max: the largest head; leak_ratio: the part of the dQ error along τ(PK)_i per row
+        (λ of DESIGN.md §8 measured from outside; see
+        :class:`~lightning_gproj.callbacks.capture.ProbeResult`). Dimensionless. Note: the slice is
+        recomputed on its own, so a backend that picks its algorithm by shape may differ from the full
+        call.
+    ``{p}/{layer}/{stat}/cusum``, ``.../ratio``
+        For the statistics in ``detect``: the detector's CUSUM (robust σ) and ratio to the median of the
+        last ``window`` samples (see :mod:`~lightning_gproj.callbacks.detectors`).
 
-    Statistics the op adds later are logged the same way under ``{p}/{layer}/{name}``.
-
-    Key-bias detection is by parameter name (:data:`SEPARATE_KEY_MODULES`, :data:`FUSED_QKV_MODULES`,
-    ``nn.MultiheadAttention.in_proj_bias``); fused projections are sliced only when the shapes prove the
-    [q | k | v] layout of three equal parts. It runs at ``on_train_start`` (after ``configure_model``);
-    :attr:`key_biases` lists what was found. Models without a key bias just log no key-bias metrics.
+    Alerts: each statistic in ``detect`` of each layer has a
+    :class:`~lightning_gproj.callbacks.detectors.ChangeDetector` (``window``/``warmup`` in samples);
+    the layers whose detector rose in level at a step make one
+    :class:`~lightning_gproj.callbacks.alerts.Alert` per statistic (signal ``{p}/{stat}``, layers
+    strongest first), delivered as described in :mod:`~lightning_gproj.callbacks.alerts`.
 
     Sampling: step s (0-based optimizer step, Lightning's logging step axis) is sampled when
-    ``s % every_n_steps == 0``; every micro-batch of an accumulated step is recorded. The values are
-    sent to ``trainer.loggers`` at step s directly (not through ``self.log``, which would re-write a
-    stale value at every later logging step; see ``callbacks/_base.py``), on global rank zero.
+    ``s % every_n_steps == 0``, probed when ``s % probe_every_n_steps == 0``; every micro-batch of an
+    accumulated step is recorded (the probe takes the first). Values go to ``trainer.loggers`` at step s
+    directly (not through ``self.log``, which would re-write a stale value at every later logging step;
+    see ``callbacks/_base.py``), on global rank zero. The capture mode and module hooks exist only
+    during the forward of sampled and probed steps; other steps cost nothing.
 
-    Across ranks (``sync_dist=True``) the values of every rank are reduced before logging, with one
-    collective for all ``*_max`` statistics (max) and one for the rest (mean — of per-rank medians for
-    ``violation_median``). ``trainer.strategy.reduce`` on two stacked tensors is used rather than
-    ``self.log(..., sync_dist=True)`` (one all-reduce per key: 5 × layers per sampled step) or
-    torchmetrics (which accumulate over steps; these are per-step values). All ranks must see the same
-    layers, as DDP already requires; if the counts differ the monitor logs rank zero's own values.
+    Across ranks: the values of every rank are gathered with one torchmetrics ``Metric`` (state
+    ``dist_reduce_fx="cat"``; ``compute()`` syncs) and reduced: max for ``*_max``, mean for the rest
+    (mean of per-rank medians for ``violation_median``). Every rank gets the reduced values, so every
+    rank raises the same alerts and runs the same actions. All ranks must sample the same layers, as DDP
+    already requires; if the sets differ, each rank keeps its own values (warned once).
 
-    Never stops training: an exception in a hook is reported once as a
-    :class:`~lightning_gproj.callbacks.MonitorDisabledWarning`, the recorder is restored to its previous
-    state, and the monitor switches itself off. Under DDP an error on one rank only can leave the other
-    ranks waiting in the collective above; set ``sync_dist=False`` if that is a concern.
-
-    At the end of training, rank zero prints a table (``rank_zero_info``): per layer the last and peak
-    value of each signal; :meth:`summary` returns it.
+    Never stops training by accident: an exception in a hook is reported once as a
+    :class:`~lightning_gproj.callbacks.MonitorDisabledWarning`, the recorder and capture are restored,
+    and the monitor switches itself off; a failing ``on_alert`` or action is logged once and ignored.
+    Under DDP an error on one rank only can leave the other ranks waiting in the gather; set
+    ``sync_dist=False`` if that is a concern.
 
     Args:
         every_n_steps: sample every N optimizer steps (int >= 1).
         key_bias: log the key-bias gradient signals (bool).
+        c2: log the C2 residual from a hook on the gradient of k (bool).
+        probe_every_n_steps: probe cadence in optimizer steps (int >= 1) or None (no probe).
+        probe_heads: query heads in the probe slice (int >= 1).
+        probe_queries: queries in the probe slice (int >= 1).
+        detect: statistics to alert on (sequence of statistic names).
+        window, warmup, warn_ratio, critical_ratio, cusum_warn, cusum_critical, cusum_drift,
+            min_log_sigma, slope_window, slope_horizon, slope_warn, slope_critical: detector settings
+            (windows in samples), see :class:`~lightning_gproj.callbacks.detectors.ChangeDetector`.
         sync_dist: reduce the values over ranks before logging (bool).
         prefix: metric name prefix (non-empty str, no trailing '/').
         print_summary: print the summary table at the end of training (bool).
         recorder: the :class:`~lightning_gproj.stats.StatsRecorder` to drive; default
             :data:`lightning_gproj.stats.RECORDER`, the one the op writes into.
+        on_alert, actions, action_level, remediation, checkpoint_dir: alert delivery, see
+            :class:`~lightning_gproj.callbacks.alerts.AlertDispatcher`.
 
     Raises:
         ValueError: an argument outside the accepted values (the message names it).
@@ -274,19 +339,60 @@ class ZeroSumMonitor(Monitor):
         every_n_steps: int = 50,
         *,
         key_bias: bool = True,
+        c2: bool = True,
+        probe_every_n_steps: Optional[int] = 500,
+        probe_heads: int = 2,
+        probe_queries: int = 512,
+        detect: Sequence[str] = DEFAULT_DETECT,
+        window: int = 20,
+        warmup: int = 5,
+        warn_ratio: Optional[float] = 3.0,
+        critical_ratio: Optional[float] = 10.0,
+        cusum_warn: Optional[float] = 15.0,
+        cusum_critical: Optional[float] = None,
+        cusum_drift: float = 1.0,
+        min_log_sigma: float = 0.02,
+        slope_window: int = 10,
+        slope_horizon: int = 100,
+        slope_warn: Optional[float] = None,
+        slope_critical: Optional[float] = None,
         sync_dist: bool = True,
         prefix: str = "gproj",
         print_summary: bool = True,
         recorder: _stats.StatsRecorder | None = None,
+        on_alert: Optional[Callable[[Alert], Any]] = None,
+        actions: Sequence[str] = (),
+        action_level: str = "critical",
+        remediation: str = "gproj",
+        checkpoint_dir: Optional[str] = None,
     ) -> None:
         super().__init__()
         self.every_n_steps = check_int("every_n_steps", every_n_steps, 1)
         self.key_bias = check_bool("key_bias", key_bias)
+        self.c2 = check_bool("c2", c2)
+        self.probe_every_n_steps = None if probe_every_n_steps is None else check_int(
+            "probe_every_n_steps", probe_every_n_steps, 1
+        )
+        self.probe_heads = check_int("probe_heads", probe_heads, 1)
+        self.probe_queries = check_int("probe_queries", probe_queries, 1)
+        if isinstance(detect, str) or not all(isinstance(d, str) and d for d in detect):
+            raise ValueError(f"`detect` must be a sequence of statistic names such as {DEFAULT_DETECT}, got {detect!r}")
+        self.detect = tuple(detect)
+        self.detector_args = dict(
+            window=window, warmup=warmup, warn_ratio=warn_ratio, critical_ratio=critical_ratio,
+            cusum_warn=cusum_warn, cusum_critical=cusum_critical, cusum_drift=cusum_drift,
+            min_log_sigma=min_log_sigma, slope_window=slope_window, slope_horizon=slope_horizon,
+            slope_warn=slope_warn, slope_critical=slope_critical,
+        )
+        ChangeDetector(**self.detector_args)  # validates
         self.sync_dist = check_bool("sync_dist", sync_dist)
         self.prefix = check_prefix("prefix", prefix)
         self.print_summary = check_bool("print_summary", print_summary)
         if recorder is not None and not isinstance(recorder, _stats.StatsRecorder):
             raise ValueError(f"`recorder` must be a lightning_gproj.stats.StatsRecorder or None, got {recorder!r}")
+        self.dispatcher = AlertDispatcher(
+            type(self).__name__, on_alert, actions, action_level, remediation, checkpoint_dir
+        )
         # The default is looked up at use, not stored: under ddp_spawn the callback is pickled into each
         # worker, where the op writes into that process's own lightning_gproj.stats.RECORDER.
         self._recorder = recorder
@@ -294,9 +400,25 @@ class ZeroSumMonitor(Monitor):
         self.key_biases: list[KeyBias] = []
         #: ``{layer: {statistic: _Track}}``: last and peak of every logged value.
         self.tracks: dict[str, dict[str, _Track]] = {}
+        #: ``{metric: ChangeDetector}`` of the detected statistics.
+        self.detectors: dict[str, ChangeDetector] = {}
+        #: SDPA layers seen by the capture, in order of first appearance (the probe's round robin).
+        self.sdpa_layers: list[str] = []
+        #: The last probe: ``(step, ProbeCapture, ProbeResult)``, for inspection.
+        self.last_probe: Optional[tuple[int, ProbeCapture, ProbeResult]] = None
+        self._probes = 0
+        self._names: dict[int, str] = {}
+        self._capture: Optional[AttentionCapture] = None
+        self._capture_step: Optional[int] = None
         self._recording_step: int | None = None  # step whose recording we started, while it runs
         self._previous_enabled = False
         self._mismatch_warned = False
+        self._gather: Optional[_RankRows] = None
+
+    @property
+    def alerts(self) -> list[Alert]:
+        """Every alert raised, in order."""
+        return self.dispatcher.alerts
 
     # ------------------------------------------------------------------ recorder on / off
 
@@ -316,18 +438,30 @@ class ZeroSumMonitor(Monitor):
         self._recording_step = None
         return self.recorder.drain()
 
+    def _stop_capture(self) -> None:
+        if self._capture is not None:
+            self._capture.stop()
+
     def _on_disable(self) -> None:
-        if self._recording_step is not None:
-            self._stop_recording()
+        try:
+            self._stop_capture()
+        finally:
+            self._capture = None
+            if self._recording_step is not None:
+                self._stop_recording()
 
     def _sampled(self, step: int) -> bool:
         return step % self.every_n_steps == 0
+
+    def _probed(self, step: int) -> bool:
+        return self.probe_every_n_steps is not None and step % self.probe_every_n_steps == 0
 
     # ------------------------------------------------------------------ hooks
 
     @guarded
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.key_biases = find_key_biases(pl_module) if self.key_bias else []
+        self._names = {id(m): path for path, m in pl_module.named_modules()}
 
     @guarded
     def on_train_batch_start(
@@ -337,22 +471,44 @@ class ZeroSumMonitor(Monitor):
         if self._recording_step is not None and self._recording_step != step:
             # The step we sampled ended without reaching our drain point (e.g. skipped): drop its values.
             self._stop_recording()
-        if self._recording_step is None and self._sampled(step):
+        if self._capture_step is not None and self._capture_step != step:
+            self._stop_capture()
+            self._capture, self._capture_step = None, None
+        sampled, probed = self._sampled(step), self._probed(step)
+        if self._recording_step is None and sampled:
             self._start_recording(step)
+        if (sampled and self.c2) or probed:
+            if self._capture is None:
+                probe_layer = None
+                if probed:
+                    probe_layer = self.sdpa_layers[self._probes % len(self.sdpa_layers)] if self.sdpa_layers else ""
+                self._capture = AttentionCapture(
+                    self._names, self.sdpa_layers, c2=sampled and self.c2, probe_layer=probe_layer,
+                    probe_heads=self.probe_heads, probe_queries=self.probe_queries,
+                )
+                self._capture_step = step
+            self._capture.start()  # every micro-batch's forward
+
+    @guarded
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
+        self._stop_capture()  # the forward is over; the gradient hooks fire in the backward
 
     @guarded
     def on_before_optimizer_step(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
     ) -> None:
         step = step_index(trainer)
-        if not self._sampled(step):
+        sampled, probed = self._sampled(step), self._probed(step)
+        if not (sampled or probed):
             return
         values: dict[str, float | torch.Tensor] = {}
         # Automatic optimization: every backward of the step (all accumulated micro-batches) is done
         # here. Manual optimization drains at on_train_batch_end instead, after all user backwards.
-        if pl_module.automatic_optimization and self._recording_step == step:
-            values.update(self._flatten(self._stop_recording()))
-        if self.key_biases:
+        if pl_module.automatic_optimization:
+            values.update(self._capture_values(step))
+            if self._recording_step == step:
+                values.update(self._flatten(self._stop_recording()))
+        if sampled and self.key_biases:
             values.update(self._key_bias_values(optimizer))
         self._emit(trainer, pl_module, values, step)
 
@@ -361,22 +517,25 @@ class ZeroSumMonitor(Monitor):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = step_index(trainer)
-        if not pl_module.automatic_optimization and self._recording_step == step:
-            self._emit(trainer, pl_module, self._flatten(self._stop_recording()), step)
+        self._stop_capture()  # e.g. a step whose training_step returned None (no backward)
+        if not pl_module.automatic_optimization and (self._recording_step == step or self._capture_step == step):
+            values = self._capture_values(step)
+            if self._recording_step == step:
+                values.update(self._flatten(self._stop_recording()))
+            self._emit(trainer, pl_module, values, step)
+        self.dispatcher.run_actions(trainer, pl_module)
 
     @guarded
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self._recording_step is not None:
-            self._stop_recording()
+        self._on_disable()
         if self.print_summary and trainer.is_global_zero:
             rank_zero_info(self.summary())
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        # Not guarded by design: restoring the recorder must also happen after the monitor disabled itself
-        # (it already did then) and must not mask the run's own exception.
+        # Not guarded by design: restoring the recorder and leaving the capture mode must also happen
+        # after the monitor disabled itself, and must not mask the run's own exception.
         try:
-            if self._recording_step is not None:
-                self._stop_recording()
+            self._on_disable()
         except Exception:  # noqa: BLE001
             pass
 
@@ -387,6 +546,26 @@ class ZeroSumMonitor(Monitor):
 
     def _flatten(self, stats: dict[str, dict[str, float]]) -> dict[str, float]:
         return {f"{self.prefix}/{layer}/{key}": value for layer, d in stats.items() for key, value in d.items()}
+
+    def _capture_values(self, step: int) -> dict[str, torch.Tensor]:
+        """C2 residuals and the probe of the capture of ``step`` (then dropped)."""
+        capture = self._capture
+        if capture is None or self._capture_step != step:
+            return {}
+        capture.stop()
+        self._capture, self._capture_step = None, None
+        out = {f"{self.prefix}/{layer}/c2_residual": v for layer, v in capture.c2_residuals().items()}
+        if capture.probe_layer is not None:
+            self._probes += 1
+            cap = capture.probe
+            if cap is not None and cap.do is not None:
+                result = probe_backward(cap.q, cap.k, cap.v, cap.do, cap.attn_mask, cap.is_causal, cap.scale, cap.autocast_dtype)
+                self.last_probe = (step, cap, result)
+                p = f"{self.prefix}/{cap.layer}"
+                out[f"{p}/probe_dq_error"] = result.dq_error
+                out[f"{p}/probe_dq_error_max"] = result.dq_error_max
+                out[f"{p}/probe_leak_ratio"] = result.leak_ratio
+        return out
 
     def _key_bias_values(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         # Only the biases this optimizer steps (several optimizers: each sees its own parameters).
@@ -411,41 +590,86 @@ class ZeroSumMonitor(Monitor):
         values: dict[str, float | torch.Tensor],
         step: int,
     ) -> None:
-        if not values and not (self.sync_dist and trainer.world_size > 1):
+        distributed = self.sync_dist and trainer.world_size > 1
+        if not values and not distributed:
             return
         device = trainer.strategy.root_device
         keys = sorted(values)
-        is_max = [k.endswith("_max") for k in keys]
         flat = torch.zeros(len(keys), dtype=torch.float32, device=device)
         for i, key in enumerate(keys):
             flat[i] = torch.as_tensor(values[key]).reshape(())  # a device-side copy, no host sync
-        if self.sync_dist and trainer.world_size > 1:
-            flat = self._reduce(trainer, flat, is_max)
-        numbers = flat.tolist()  # one device -> host copy for all values
-        metrics = dict(zip(keys, numbers))
+        if distributed:
+            flat = self._reduce(flat, keys, device)
+        metrics = dict(zip(keys, flat.tolist()))  # one device -> host copy for all values
+        alerts, extra = self.observe(step, metrics)
         for key, value in metrics.items():
             layer, _, stat = key[len(self.prefix) + 1 :].rpartition("/")
             self.tracks.setdefault(layer, {}).setdefault(stat, _Track()).add(value, step)
-        log_to_loggers(trainer, metrics, step)
+        log_to_loggers(trainer, {**metrics, **extra}, step)
+        self.dispatcher.deliver(trainer, alerts)
 
-    def _reduce(self, trainer: "pl.Trainer", flat: torch.Tensor, is_max: list[bool]) -> torch.Tensor:
-        n = flat.numel()
-        sizes = torch.tensor([n, -n], device=flat.device, dtype=torch.float32)
-        counts = trainer.strategy.reduce(sizes, reduce_op="max")  # (max n, -min n) in one collective
-        if int(counts[0]) != n or int(-counts[1]) != n:
-            if not self._mismatch_warned:
-                self._mismatch_warned = True
-                warnings.warn(
-                    "ZeroSumMonitor: ranks recorded different sets of layers; logging each rank's own values "
-                    "without reduction from now on where they differ.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-            return flat
-        mask = torch.tensor(is_max, device=flat.device, dtype=torch.bool)
-        maxed = trainer.strategy.reduce(flat.clone(), reduce_op="max")
-        meaned = trainer.strategy.reduce(flat.clone(), reduce_op="mean")
-        return torch.where(mask, maxed, meaned)
+    def _reduce(self, flat: torch.Tensor, keys: list[str], device: torch.device) -> torch.Tensor:
+        """Mean (max for ``*_max``) over ranks through :class:`_RankRows` (one gather of all values)."""
+        if self._gather is None:
+            self._gather = _RankRows()
+        self._gather = self._gather.to(device)
+        n = len(keys)
+        tag = zlib.crc32("\n".join(keys).encode()) % (1 << 24)  # exact in float32
+        header = torch.tensor([float(n), float(tag)], device=device)
+        self._gather.update(torch.cat([header, flat]))
+        rows = self._gather.compute()
+        self._gather.reset()
+        if rows.numel() % (n + 2) == 0:
+            rows = rows.reshape(-1, n + 2)
+            if bool((rows[:, 0] == n).all()) and bool((rows[:, 1] == tag).all()):
+                values = rows[:, 2:]
+                is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)
+                return torch.where(is_max, values.max(dim=0).values, values.mean(dim=0))
+        if not self._mismatch_warned:
+            self._mismatch_warned = True
+            warnings.warn(
+                "ZeroSumMonitor: ranks recorded different sets of layers; logging each rank's own values "
+                "without reduction where they differ.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return flat
+
+    # ------------------------------------------------------------------ detection (online and offline)
+
+    def observe(self, step: int, metrics: dict[str, float]) -> tuple[list[Alert], dict[str, float]]:
+        """Feed one step's metrics (``{prefix}/{layer}/{stat}`` → value) to the detectors of the
+        statistics in ``detect``. Returns the new alerts (not delivered) and the detector metrics to
+        log (``…/{stat}/cusum``, ``…/{stat}/ratio``). The same call replays logged series offline."""
+        fired: dict[str, list[tuple[float, str, Detection]]] = {}
+        extra: dict[str, float] = {}
+        for key in sorted(metrics):
+            if not key.startswith(self.prefix + "/"):
+                continue
+            layer, _, stat = key[len(self.prefix) + 1 :].rpartition("/")
+            if stat not in self.detect:
+                continue
+            det = self.detectors.get(key)
+            if det is None:
+                det = self.detectors[key] = ChangeDetector(**self.detector_args)
+            d = det.update(step, metrics[key])
+            if d.cusum is not None:
+                extra[f"{key}/cusum"] = d.cusum
+            if d.ratio is not None:
+                extra[f"{key}/ratio"] = d.ratio
+            if d.new:
+                fired.setdefault(stat, []).append((level_rank(d.level), layer, d))
+        alerts = []
+        for stat, hits in fired.items():
+            hits.sort(key=lambda h: (h[0], h[2].score / h[2].threshold), reverse=True)
+            _, _, top = hits[0]
+            alerts.append(Alert(
+                step=step, signal=f"{self.prefix}/{stat}", level=top.level, statistic=top.statistic,
+                value=top.score, threshold=top.threshold, layers=tuple(h[1] for h in hits),
+                signal_value=top.value, source=type(self).__name__,
+                detail=f"baseline median {top.median:.4g} over the last {top.window} samples",
+            ))
+        return alerts, extra
 
     # ------------------------------------------------------------------ summary
 
@@ -465,5 +689,5 @@ class ZeroSumMonitor(Monitor):
             cells = [f"{fmt(t[s].last)} / {fmt(t[s].peak)}" if s in t else "-" for s in stats]
             rows.append([layer, str(samples), *cells])
         table = format_table(["layer", "samples", *stats], rows)
-        return f"ZeroSumMonitor (last / peak per layer, every {self.every_n_steps} steps):\n{table}"
-
+        alerts = f"; {len(self.alerts)} alert(s)" if self.alerts else ""
+        return f"ZeroSumMonitor (last / peak per layer, every {self.every_n_steps} steps{alerts}):\n{table}"

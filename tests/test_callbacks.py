@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from lightning_gproj import GProjPlugin, gproj_attn_func, stats
 from lightning_gproj.callbacks import (
     GradNormMonitor,
-    GradNormSpikeWarning,
     MonitorDisabledWarning,
     ZeroSumMonitor,
     default_layer_of,
@@ -438,7 +437,9 @@ def wobble(n: int, amplitude: float, phase: float) -> list[float]:
 def test_grad_norm_logs_norms_and_baseline_matching_independent_computation(tmp_path):
     steps, window = 14, 5
     model = LayeredModel([wobble(steps, 0.3, 0.0), wobble(steps, 0.5, 1.0)])
-    monitor = GradNormMonitor(window=window, warn_ratio=1e6, warmup=2, ema_decay=0.8, print_summary=False)
+    monitor = GradNormMonitor(
+        window=window, warn_ratio=1e6, critical_ratio=None, cusum_warn=None, warmup=2, ema_decay=0.8, print_summary=False
+    )
     trainer, logged = fit(model, [monitor], tmp_path, max_steps=steps)
 
     norms = [model.norms[s]["global"] for s in range(steps)]
@@ -465,46 +466,50 @@ def test_grad_norm_logs_norms_and_baseline_matching_independent_computation(tmp_
     assert all(math.isfinite(v) for series in logged.values() for v in series.values())
 
 
-def test_grad_norm_warns_exactly_at_the_spike_and_names_the_layer(tmp_path):
+def test_grad_norm_warns_exactly_at_the_spike_and_names_the_layer(tmp_path, caplog):
     steps, spikes = 22, {15: 200.0, 16: 150.0, 19: 300.0}  # 15-16: one episode; 19: a second one
     blocks1 = [f * spikes.get(s, 1.0) for s, f in enumerate(wobble(steps, 0.2, 1.0))]
     model = LayeredModel([wobble(steps, 0.2, 0.0), blocks1])
-    monitor = GradNormMonitor(window=8, warn_ratio=10.0, warmup=5, print_summary=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    monitor = GradNormMonitor(
+        window=8, warn_ratio=10.0, critical_ratio=None, cusum_warn=None, warmup=5, print_summary=False
+    )
+    with caplog.at_level(logging.WARNING, logger="lightning_gproj.alerts"):
         trainer, logged = fit(model, [monitor], tmp_path, max_steps=steps)
-    spike_warnings = [str(w.message) for w in caught if issubclass(w.category, GradNormSpikeWarning)]
+    spike_warnings = [r.getMessage() for r in caplog.records if r.name == "lightning_gproj.alerts"]
 
     # Independently: the steps whose norm exceeds 10x the median of the previous <= 8 norms.
     norms = [model.norms[s]["global"] for s in range(steps)]
     above = [s for s in range(5, steps) if norms[s] > 10.0 * np.median(norms[max(0, s - 8) : s])]
     assert above == [15, 16, 19]
-    assert [a.measurement.step for a in monitor.alerts] == [15, 19]
+    assert [a.step for a in monitor.alerts] == [15, 19]
     assert len(spike_warnings) == 2
-    assert "at step 15 " in spike_warnings[0] and "at step 19 " in spike_warnings[1]
+    assert "at step 15:" in spike_warnings[0] and "at step 19:" in spike_warnings[1]
     for msg, alert in zip(spike_warnings, monitor.alerts):
-        assert alert.drivers[0][0] == "blocks.1"
-        assert msg.index("blocks.1") < msg.index("Largest increases") + 40
+        assert alert.layers[0] == "blocks.1" and alert.signal == "grad_norm/global"
+        assert (alert.level, alert.statistic, alert.threshold) == ("warn", "ratio", 10.0)
+        step = alert.step
+        assert alert.value == pytest.approx(norms[step] / np.median(norms[max(0, step - 8) : step]), rel=1e-6)
+        assert "Largest increases: blocks.1 (" in msg
     assert [logged["grad_norm/warnings"][s] for s in (14, 15, 16, 18, 19, 21)] == [0, 1, 1, 1, 2, 2]
+    assert logged["alert/grad_norm/global"] == {15: 1.0, 19: 1.0}
     assert monitor._states[0].steps_above == 3
     assert "warnings" in monitor.summary()
 
 
-def test_grad_norm_keeps_non_finite_norms_out_of_the_baseline(tmp_path):
+def test_grad_norm_keeps_non_finite_norms_out_of_the_baseline(tmp_path, caplog):
     steps = 10
     factors = wobble(steps, 0.2, 0.0)
     factors[6] = float("inf")  # inf and nan gradients
     model = LayeredModel([factors])
-    monitor = GradNormMonitor(window=4, warmup=2, print_summary=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    monitor = GradNormMonitor(window=4, warmup=2, cusum_warn=None, print_summary=False)
+    with caplog.at_level(logging.WARNING, logger="lightning_gproj.alerts"):
         trainer, logged = fit(model, [monitor], tmp_path, max_steps=steps)
     norms = [model.norms[s]["global"] for s in range(steps)]
     assert not math.isfinite(norms[6]) and not math.isfinite(logged["grad_norm/global"][6])
     finite = [n for n in norms if math.isfinite(n)]  # steps 0-5, 7-9: the window skips step 6
     assert logged["grad_norm/baseline_median"][8] == pytest.approx(float(np.median(finite[3:7])), rel=1e-6)
     assert logged["grad_norm/baseline_median"][9] == pytest.approx(float(np.median(finite[4:8])), rel=1e-6)
-    assert monitor.alerts == [] and not [w for w in caught if issubclass(w.category, GradNormSpikeWarning)]
+    assert monitor.alerts == [] and not [r for r in caplog.records if r.name == "lightning_gproj.alerts"]
     assert monitor._states[0].nonfinite_steps == 1 and monitor._states[0].peak == pytest.approx(max(finite))
 
 

@@ -176,7 +176,7 @@ class AttentionCapture(TorchFunctionMode):
         self.probe_layer = probe_layer
         self.probe_heads = probe_heads
         self.probe_queries = probe_queries
-        #: ``{layer: [(‖Σ_j dK_j‖, ‖dK‖_F), ...]}`` (0-dim fp32 tensors), one per call whose k got a gradient.
+        #: ``{layer: [(‖Σ_j dK_j‖, ‖dK‖_F), ...]}`` (0-dim fp32/fp64 tensors), one per call whose k got a gradient.
         self.c2_terms: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.probe: Optional[ProbeCapture] = None
         self.active = False
@@ -269,7 +269,8 @@ class AttentionCapture(TorchFunctionMode):
         terms = self.c2_terms.setdefault(name, [])
 
         def c2(grad: torch.Tensor) -> None:
-            g = grad.detach().float()
+            g = grad.detach()
+            g = g.to(torch.promote_types(g.dtype, torch.float32))  # 16-bit summed in fp32, fp64 kept
             terms.append((torch.linalg.vector_norm(g.sum(dim=seq_dim)), torch.linalg.vector_norm(g)))
 
         k.register_hook(c2)
@@ -281,7 +282,7 @@ class AttentionCapture(TorchFunctionMode):
         out = {}
         for name, terms in self.c2_terms.items():
             if terms:
-                ratios = [num / den.clamp_min(torch.finfo(torch.float32).tiny) for num, den in terms]
+                ratios = [num / den.clamp_min(torch.finfo(den.dtype).tiny) for num, den in terms]
                 out[name] = torch.stack(ratios).mean()
         self.c2_terms = {}
         return out

@@ -1,0 +1,226 @@
+"""ZeroSumMonitor's hooks on attention it does not serve: the C2 residual and the probe.
+
+Every number the monitor logs is compared with a computation made here from tensors the test model
+captured itself (its own hooks on q, k, v, the SDPA output and dK), in float64 by explicit autograd of
+a hand-written attention — never with the monitor's own helpers.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+
+from lightning_gproj import GProjPlugin, gproj_attn_func, stats
+from lightning_gproj.callbacks import ZeroSumMonitor, probe_backward, reference_dq
+from lightning_gproj.callbacks.capture import slice_call
+
+E, H, D, N, B = 32, 4, 8, 16, 2
+
+
+def read_metrics(log_dir: str) -> dict[str, dict[int, float]]:
+    out: dict[str, dict[int, float]] = {}
+    with open(Path(log_dir) / "metrics.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            for key, value in row.items():
+                if key not in ("step", "epoch") and value not in ("", None):
+                    out.setdefault(key, {})[int(row["step"])] = float(value)
+    return out
+
+
+def fit(module, callbacks, tmp_path, max_steps, **kwargs):
+    logger = CSVLogger(tmp_path, name="logs", version=0)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=max_steps, logger=logger, log_every_n_steps=1,
+        callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, **kwargs,
+    )
+    trainer.fit(module)
+    return read_metrics(logger.log_dir)
+
+
+@pytest.fixture(autouse=True)
+def _recorder_off():
+    stats.RECORDER.enabled = False
+    stats.RECORDER.drain()
+    yield
+    stats.RECORDER.enabled = False
+    stats.RECORDER.drain()
+
+
+class Attention(nn.Module):
+    """Causal SDPA self-attention that keeps what it saw: q, k, v, dO and dK of every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+        self.calls: list[dict[str, torch.Tensor]] = []
+
+    def forward(self, x):
+        q, k, v = (t.reshape(B, N, H, D).transpose(1, 2) for t in self.qkv(x).split(E, dim=-1))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if torch.is_grad_enabled():
+            call = {"q": q.detach().clone(), "k": k.detach().clone(), "v": v.detach().clone()}
+            self.calls.append(call)
+            o.register_hook(lambda g: call.__setitem__("do", g.detach().clone()))
+            k.register_hook(lambda g: call.__setitem__("dk", g.detach().clone()))
+        return o.transpose(1, 2).reshape(B, N, E)
+
+
+class TwoLayers(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Module() for _ in range(2))
+        for block in self.blocks:
+            block.attn = Attention()
+        self.head = nn.Linear(E, 1)
+
+    def training_step(self, batch, batch_idx):
+        x = batch
+        for block in self.blocks:
+            x = x + block.attn(x)
+        return self.head(x).float().pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        data = torch.randn(8, B, N, E, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(list(data), batch_size=None)
+
+
+def fp64_dq(q, k, v, do):
+    """dQ of causal softmax attention in float64 by autograd of the textbook formula."""
+    q = q.double().requires_grad_(True)
+    s = q @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(), float("-inf"))
+    p = s.softmax(-1)
+    (p @ v.double()).backward(do.double())
+    return q.grad, p
+
+
+def test_probe_numbers_match_float64_on_the_captured_tensors(tmp_path):
+    model = TwoLayers()
+    monitor = ZeroSumMonitor(
+        every_n_steps=1, probe_every_n_steps=1, probe_heads=2, probe_queries=12, print_summary=False
+    )
+    logged = fit(model, [monitor], tmp_path, max_steps=4, precision="bf16-mixed")
+
+    # Round robin over the layers in call order (step 0: the first call seen).
+    layers = ["blocks.0.attn", "blocks.1.attn"]
+    assert monitor.sdpa_layers == layers
+    for step in range(4):
+        layer = layers[step % 2]
+        attn = model.blocks[step % 2].attn
+        call = attn.calls[step]
+        assert call["q"].dtype == torch.bfloat16  # SDPA ran in bf16 under autocast
+        q, k, v, do = call["q"][:1, :2, :12], call["k"][:1, :2, :12], call["v"][:1, :2, :12], call["do"][:1, :2, :12]
+        # The user's kernel: SDPA autograd in bf16 on the same slice.
+        qk = q.clone().requires_grad_(True)
+        F.scaled_dot_product_attention(qk, k, v, is_causal=True).backward(do)
+        dq_kernel = qk.grad.double()
+        dq, p = fp64_dq(q, k, v, do)
+        err = dq_kernel - dq
+        heads = [float(err[0, h].norm() / dq[0, h].norm()) for h in range(2)]
+        pk = (p @ k.double()) / math.sqrt(D)
+        leak = (err * pk).sum(-1, keepdim=True) / (pk * pk).sum(-1, keepdim=True) * pk
+        expected = {
+            "probe_dq_error": sum(heads) / 2,
+            "probe_dq_error_max": max(heads),
+            "probe_leak_ratio": float(leak.detach().norm() / dq.detach().norm()),
+        }
+        for stat, value in expected.items():
+            assert logged[f"gproj/{layer}/{stat}"][step] == pytest.approx(value, rel=1e-5), (step, stat)
+        other = layers[(step + 1) % 2]
+        assert step not in logged.get(f"gproj/{other}/probe_dq_error", {})
+        # bf16 rounding: a real, nonzero, small dQ error
+        assert 1e-4 < expected["probe_dq_error"] < 0.1
+    step, cap, result = monitor.last_probe
+    assert step == 3 and cap.layer == "blocks.1.attn" and torch.equal(cap.q, model.blocks[1].attn.calls[3]["q"][:1, :2, :12])
+
+
+def test_c2_residual_of_unswapped_sdpa_matches_the_key_gradient(tmp_path):
+    model = TwoLayers()
+    monitor = ZeroSumMonitor(every_n_steps=2, probe_every_n_steps=None, print_summary=False)
+    logged = fit(model, [monitor], tmp_path, max_steps=4, precision="bf16-mixed")
+    for i, layer in enumerate(["blocks.0.attn", "blocks.1.attn"]):
+        series = logged[f"gproj/{layer}/c2_residual"]
+        assert sorted(series) == [0, 2]
+        for step in (0, 2):
+            dk = model.blocks[i].attn.calls[step]["dk"].double()
+            expected = float(dk.sum(dim=2).norm() / dk.norm())
+            assert series[step] == pytest.approx(expected, rel=1e-4)
+            assert series[step] > 1e-4  # bf16 dS: the zero sum is broken
+
+
+def test_c2_residual_vanishes_in_float64_and_covers_the_op(tmp_path):
+    """Float64 SDPA: rounding-level residual. A model calling the GProj op (bf16 reference) directly:
+    the residual read by the hook equals the one computed from dK the model saw."""
+
+    class OpModel(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(E, 3 * E)
+            self.dk: list[torch.Tensor] = []
+
+        def training_step(self, batch, batch_idx):
+            q, k, v = (t.reshape(B, N, H, D).to(torch.bfloat16) for t in self.qkv(batch).split(E, dim=-1))
+            k.register_hook(lambda g: self.dk.append(g.detach().clone()))
+            return gproj_attn_func(q, k, v, causal=True, fix="none", stats_name="layer0").float().pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(list(torch.randn(4, B, N, E)), batch_size=None)
+
+    model = OpModel()
+    logged = fit(model, [ZeroSumMonitor(every_n_steps=1, probe_every_n_steps=None, print_summary=False)], tmp_path, 2)
+    for step in (0, 1):
+        dk = model.dk[step].double()
+        assert logged["gproj/layer0/c2_residual"][step] == pytest.approx(float(dk.sum(1).norm() / dk.norm()), rel=1e-4)
+
+    model64 = TwoLayers().double()
+    model64.train_dataloader = lambda: torch.utils.data.DataLoader(list(torch.randn(4, B, N, E, dtype=torch.float64)), batch_size=None)
+    logged = fit(model64, [ZeroSumMonitor(every_n_steps=1, probe_every_n_steps=None, print_summary=False)], tmp_path / "64", 2, precision="64-true")
+    assert 0 <= max(logged["gproj/blocks.0.attn/c2_residual"].values()) < 1e-12
+
+
+def test_slice_keeps_the_semantics_of_the_full_call():
+    """GQA, a boolean padding mask and is_causal: the probe slice's float64 dQ equals the rows of the
+    full call's float64 dQ (computed by autograd through SDPA in float64)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 10, 8, generator=g, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 10, 8, generator=g, dtype=torch.float64), torch.randn(2, 2, 10, 8, generator=g, dtype=torch.float64)
+    do = torch.randn(2, 4, 10, 8, generator=g, dtype=torch.float64)
+    mask = torch.ones(2, 1, 1, 10, dtype=torch.bool)
+    mask[0, ..., 7:] = False  # padding of the last keys of batch row 0
+    for attn_mask, causal, nq in ((mask, False, 6), (None, True, 6)):
+        qf = q.clone().requires_grad_(True)
+        F.scaled_dot_product_attention(qf, k, v, attn_mask=attn_mask, is_causal=causal, enable_gqa=True).backward(do)
+        qs, ks, vs, ms = slice_call(q, k, v, attn_mask, causal, True, heads=3, queries=nq)
+        assert qs.shape == (1, 3, nq, 8) and ks.shape[1] == 3
+        dq, _ = reference_dq(qs, ks, vs, do[:1, :3, :nq], ms, causal)
+        torch.testing.assert_close(dq, qf.grad[:1, :3, :nq], rtol=1e-10, atol=1e-12)
+        result = probe_backward(qs, ks, vs, do[:1, :3, :nq], ms, causal)  # a float64 "kernel": no error
+        assert float(result.dq_error_max) < 1e-12 and float(result.leak_ratio) < 1e-12
+
+
+def test_swapped_attention_is_not_probed_but_gets_c2(tmp_path):
+    """With GProjPlugin the SDPA calls go to the op: the probe sees no SDPA call; C2 and the op's
+    statistics are logged under the same module path."""
+    model = TwoLayers()
+    monitor = ZeroSumMonitor(every_n_steps=1, probe_every_n_steps=1, print_summary=False)
+    logged = fit(model, [monitor], tmp_path, max_steps=2, plugins=[GProjPlugin("bf16-mixed", fix="none")])
+    assert monitor.sdpa_layers == [] and monitor.last_probe is None
+    for layer in ("blocks.0.attn", "blocks.1.attn"):
+        assert sorted(logged[f"gproj/{layer}/c2_residual"]) == [0, 1]
+        assert sorted(logged[f"gproj/{layer}/leak_ratio"]) == [0, 1]
+        assert not [k for k in logged if "probe" in k]

@@ -1,8 +1,10 @@
 """Swap a model's attention for :func:`lightning_gproj.ops.gproj_attn_func`, in place.
 
-One file per target: :mod:`.sdpa` (modules calling ``F.scaled_dot_product_attention``) and
-:mod:`.mha` (``nn.MultiheadAttention``). :func:`swap_attention` walks the model once, swaps what it
-can serve exactly, and returns a :class:`SwapReport` of what it did and what it left alone and why.
+One file per target: :mod:`.sdpa` (modules calling ``F.scaled_dot_product_attention``), :mod:`.mha`
+(``nn.MultiheadAttention``), :mod:`.flash_attn` (modules calling an imported ``flash_attn_func``) and
+:mod:`.hf` (Hugging Face ``transformers`` models, through their attention registry).
+:func:`swap_attention` walks the model once, swaps what it can serve exactly, and returns a
+:class:`SwapReport` of what it did and what it left alone and why.
 Parameter names never change, so state_dicts and checkpoints stay interchangeable with the plain model.
 """
 
@@ -13,7 +15,7 @@ from typing import Optional, Sequence, Union
 
 from torch import nn
 
-from . import mha, sdpa
+from . import flash_attn, hf, mha, sdpa
 from ._common import FIXES, GProjFallbackWarning, Site, SwapRow, check_fix, check_patterns, display_path, selection_reason
 
 __all__ = ["FIXES", "GProjFallbackWarning", "SwapReport", "SwapRow", "swap_attention", "unswap_attention"]
@@ -49,7 +51,7 @@ class SwapReport:
         header = ("module", "original", "replacement", "note")
         lines = [(display_path(r.module_path), r.original, r.replacement or "left alone", r.reason) for r in self.rows]
         if not lines:
-            lines = [("-", "no attention found", "-", "no SDPA-calling module, no nn.MultiheadAttention")]
+            lines = [("-", "no attention found", "-", "no SDPA- or flash_attn_func-calling module, no nn.MultiheadAttention, no transformers model")]
         widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(4)]
         fmt = " | ".join(f"{{:<{w}}}" for w in widths)
         out = [f"GProj attention swap (fix={self.fix!r}): {len(self.swapped)} swapped, {len(self.left_alone)} left alone"]
@@ -57,7 +59,7 @@ class SwapReport:
         out.append("-+-".join("-" * w for w in widths))
         out.extend(fmt.format(*row).rstrip() for row in lines)
         if not self.catch_all:
-            out.append("SDPA calls made through helpers outside these modules (e.g. Hugging Face) stay as they are; catch_all=True serves them")
+            out.append("SDPA calls made through helpers outside these modules stay as they are (transformers models use their attention registry); catch_all=True serves them")
         return "\n".join(out)
 
     def __str__(self) -> str:
@@ -74,10 +76,14 @@ def swap_attention(
     """Route the attention of ``model`` to :func:`lightning_gproj.ops.gproj_attn_func`, in place.
 
     Targets: every ``nn.MultiheadAttention`` (class swapped to
-    :class:`~lightning_gproj.swap.mha.GProjMultiheadAttention`, same parameters) and every module
+    :class:`~lightning_gproj.swap.mha.GProjMultiheadAttention`, same parameters); every module
     whose class code names ``scaled_dot_product_attention`` (its ``forward`` wrapped in a
-    ``TorchFunctionMode``; see :mod:`.sdpa`). Calls the op cannot reproduce exactly run the original
-    code with one :class:`GProjFallbackWarning` per module.
+    ``TorchFunctionMode``; see :mod:`.sdpa`); every module whose class code names a
+    ``flash_attn_func`` imported from ``flash_attn``, ``flash_attn_interface`` or ``flash_attn.cute``
+    (the name rebound in its module; see :mod:`.flash_attn`); every ``transformers`` model (attention
+    implementation set to ``"gproj"``; its attention modules get a site; see :mod:`.hf`). Calls the
+    op cannot reproduce exactly run the original code with one :class:`GProjFallbackWarning` per
+    module.
 
     Args:
         model: the model; modified in place.
@@ -88,7 +94,7 @@ def swap_attention(
         exclude: glob pattern(s); a matching module and its descendants are left alone.
         catch_all: also wrap the forward of the topmost selected module(s) (the model itself when
             nothing is excluded) so that SDPA calls made from helpers outside any detected module
-            (e.g. Hugging Face's attention interface) are served too, and of the innermost selected
+            (e.g. a model's own attention helper functions) are served too, and of the innermost selected
             modules whose class name contains "attention" or "attn", so those calls carry the
             layer's path as ``stats_name`` (others are named after the topmost module). Costs a
             Python hop on every torch call of the forward (about 7 µs on CPU; none once
@@ -123,11 +129,38 @@ def swap_attention(
     previous = _sites(model)
     unswap_attention(model)
 
+    known_flash = flash_attn.originals()
+    hf_reasons = _swap_hf_models(modules, not_selected)
+
     for path, module in modules.items():
         reason = not_selected[path]
         old = previous.get(path)
         again = ["already swapped"] if old is not None and not old.keep else []
-        if isinstance(module, nn.MultiheadAttention):
+        bindings = flash_attn.call_sites(module, known_flash) if known_flash else []
+        if path in hf_reasons:
+            implementation = hf_reasons[path][1]
+            original = f"{type(module).__name__}: transformers attention ({implementation!r})"
+            reason = reason or hf_reasons[path][0]
+            if reason is not None:
+                report.rows.append(SwapRow(path, original, None, reason))
+                continue
+            report.sites[path] = hf.swap_module(module, path, fix, site=old)
+            notes = again + ["padding masks, dropout, softcap run sdpa_attention_forward (warns once)"]
+            if implementation != "sdpa":
+                notes.append(f"its masks are now built as for 'sdpa', not {implementation!r}")
+            report.rows.append(SwapRow(path, original, f"{replacement} via AttentionInterface 'gproj'", "; ".join(notes)))
+        elif bindings:
+            names = ", ".join(f"{source}.flash_attn_func as {name}" for name, source in bindings)
+            original = f"{type(module).__name__}: {names}"
+            if reason is not None:
+                flash_attn.swap_module(module, path, fix, bindings, keep=True)
+                report.rows.append(SwapRow(path, original, None, reason))
+                continue
+            report.sites[path] = flash_attn.swap_module(module, path, fix, bindings, site=old)
+            where = type(module).__module__
+            notes = again + ["dropout, windows, softcap, ALiBi, return_attn_probs run the original (warns once)"]
+            report.rows.append(SwapRow(path, original, f"{replacement} via rebinding in {where}", "; ".join(notes)))
+        elif isinstance(module, nn.MultiheadAttention):
             original = "nn.MultiheadAttention"
             reason = reason or mha.static_reason(module)
             if reason is not None:
@@ -150,6 +183,30 @@ def swap_attention(
     if catch_all:
         _swap_catch_all(modules, not_selected, fix, report, previous)
     return report
+
+
+def _swap_hf_models(modules, not_selected) -> dict[str, tuple[Optional[str], str]]:
+    """Set ``"gproj"`` on the topmost ``transformers`` models holding a selected attention module;
+    returns ``{attention module path: (reason it cannot be swapped or None, original implementation)}``
+    for the attention modules of every ``transformers`` model found."""
+    out: dict[str, tuple[Optional[str], str]] = {}
+    tops = [p for p, m in modules.items() if hf.is_pretrained(m)
+            and not any(hf.is_pretrained(modules[a]) for a in _ancestors(p))]
+    for top in tops:
+        model = modules[top]
+        inside = [p for p in modules if p != top and (top == "" or p.startswith(top + ".")) and hf.is_attention_module(modules[p])]
+        original = model.__dict__.get("_gproj_hf_original", getattr(model.config, "_attn_implementation", None))
+        reason = None
+        if any(not_selected[p] is None for p in inside):
+            reason = hf.swap_model(model)
+        for p in inside:
+            out[p] = (reason, original)
+    return out
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = path.split(".") if path else []
+    return [""] + [".".join(parts[:i]) for i in range(1, len(parts))] if parts else []
 
 
 def _parent(path: str) -> Optional[str]:
@@ -219,6 +276,8 @@ def unswap_attention(model: nn.Module) -> int:
     """Undo :func:`swap_attention` in place; returns the number of modules restored."""
     count = 0
     for module in model.modules():
+        count += flash_attn.unswap_module(module)
         count += sdpa.unswap_module(module)
         count += mha.unswap_module(module)
+        count += hf.unswap_module(module)
     return count

@@ -1,0 +1,250 @@
+"""Route ``flash_attn_func`` calls made inside chosen modules to ``gproj_attn_func``.
+
+Models import flash-attn's function into their own module namespace (``from flash_attn import
+flash_attn_func``), so the swap rebinds that *name* in the namespace of the model class's module
+(``sys.modules[type(m).__module__]``) to a :class:`FlashAttnFunc` with the original's signature, and
+wraps the ``forward`` of each selected module whose class code names it (:class:`FlashForward`),
+which marks the module's :class:`Site` active while it runs. The rebound function serves a call only
+while a swapped module is active; any other call (another model of the same file, an excluded module,
+code outside a forward) runs the original function untouched. Unswapping restores the name once no
+swapped module uses it.
+
+Sources (the functions they export):
+
+    flash_attn            flash-attn 2: flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                          return_attn_probs=False)
+    flash_attn_interface  FA3 (hopper): flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, ...,
+                          window_size=(-1, -1), attention_chunk=0, softcap=0.0, ..., return_attn_probs=False)
+    flash_attn.cute       FA4: flash_attn_func(q, k, v, ..., softmax_scale=None, causal=False,
+                          window_size=(None, None), learnable_sink=None, softcap=0.0, ..., return_lse=False)
+
+Arguments are read through the original's own signature, so positional calls bind as the original
+would. All take the op's layout (batch, seqlen, nheads, headdim), GQA by fewer k/v heads, and the
+bottom-right causal mask, so a served call is a direct op call. Served: no dropout, no window, no
+softcap, no ALiBi / sink / score or mask mods / descales / qv, ``return_attn_probs``/``return_lse``
+False, head dims the op takes. Performance knobs (``deterministic``, ``num_splits``, ``pack_gqa``,
+``sm_margin``) do not change the result and are ignored. A function whose signature has neither
+``return_attn_probs`` nor ``return_lse`` (FA3/FA4 versions that always return ``(out, lse)``) is
+never served: the op returns no lse.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from . import sdpa
+from ._common import Guard, Site, op_reason
+
+#: Modules whose ``flash_attn_func`` is rebound, with the name shown in reports.
+SOURCES = ("flash_attn", "flash_attn_interface", "flash_attn.cute")
+#: Parameters whose default is the only value served (None, 0, (-1, -1), (None, None), False).
+_MUST_BE_DEFAULT = (
+    "dropout_p", "window_size", "softcap", "alibi_slopes", "return_attn_probs", "return_lse", "qv",
+    "q_descale", "k_descale", "v_descale", "attention_chunk", "learnable_sink", "gather_kv_indices",
+    "score_mod", "score_mod_bwd", "mask_mod", "aux_tensors", "aux_scalars", "block_sparse_tensors",
+    "block_sparse_tensors_bwd",
+)
+#: Parameters that change speed or memory only.
+_IGNORED = ("deterministic", "num_splits", "pack_gqa", "sm_margin")
+
+#: Stack of the sites whose module is running its forward (innermost last).
+_ACTIVE: list[Site] = []
+#: (namespace, name) -> the FlashAttnFunc bound there and the swapped modules that use it.
+_BINDINGS: dict[tuple[str, str], tuple["FlashAttnFunc", "weakref.WeakSet[nn.Module]"]] = {}
+
+
+def originals() -> dict[int, tuple[str, Callable]]:
+    """``{id(function): (source, function)}`` for the flash-attn functions importable now (only
+    modules already imported are looked at: a model that imported them has imported them)."""
+    found = {}
+    for source in SOURCES:
+        fn = getattr(sys.modules.get(source), "flash_attn_func", None)
+        if isinstance(fn, FlashAttnFunc):
+            fn = fn.original
+        if callable(fn):
+            found.setdefault(id(fn), (source, fn))
+    return found
+
+
+def _namespace(module: nn.Module) -> Optional[types.ModuleType]:
+    return sys.modules.get(type(module).__module__)
+
+
+def call_sites(module: nn.Module, known: Optional[dict] = None) -> list[tuple[str, str]]:
+    """``[(name, source)]``: names in the namespace of ``module``'s class module bound to a flash-attn
+    function (original or already rebound) that a function of the class names."""
+    known = originals() if known is None else known
+    if not known:
+        return []
+    namespace = _namespace(module)
+    if namespace is None:
+        return []
+    names = set()
+    for cls in type(module).__mro__:
+        if cls is nn.Module or cls is object or cls.__module__.startswith("torch.nn."):
+            continue
+        for value in vars(cls).values():
+            for fn in sdpa._functions_of(value):
+                names |= sdpa._code_names(fn.__code__)
+    out = []
+    for name in sorted(names):
+        bound = vars(namespace).get(name)
+        if isinstance(bound, FlashAttnFunc):
+            out.append((name, bound.source))
+        elif bound is not None and id(bound) in known and known[id(bound)][1] is bound:
+            out.append((name, known[id(bound)][0]))
+    return out
+
+
+class FlashAttnFunc:
+    """The rebound ``flash_attn_func``: serves calls made while a swapped module is active, else runs
+    the original. Same signature as the original (``__signature__``, ``__wrapped__``)."""
+
+    def __init__(self, original: Callable, source: str) -> None:
+        self.original = original
+        self.source = source
+        self.__wrapped__ = original
+        self.__signature__ = inspect.signature(original)
+        self.__name__ = getattr(original, "__name__", "flash_attn_func")
+        self.__doc__ = getattr(original, "__doc__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        site = _ACTIVE[-1] if _ACTIVE else None
+        if site is None or site.keep or Guard.depth > 0:
+            return self.original(*args, **kwargs)
+        reason, call = self.plan(args, kwargs)
+        if reason is not None:
+            site.fallback(f"{self.source}.flash_attn_func with {reason}")
+            with Guard():
+                return self.original(*args, **kwargs)
+        site.served += 1
+        q, k, v, scale, causal = call
+        with Guard():  # an enclosing SDPAMode must not take the SDPA call of an fp32 remediation
+            return site.attention(q, k, v, softmax_scale=scale, causal=causal)
+
+    def plan(self, args: tuple, kwargs: dict) -> tuple[Optional[str], Any]:
+        """``(reason, (q, k, v, softmax_scale, causal))``; reason None when the op serves the call."""
+        try:
+            bound = self.__signature__.bind(*args, **kwargs)
+        except TypeError as err:
+            return f"arguments the original does not take ({err})", None
+        params = self.__signature__.parameters
+        if "return_attn_probs" not in params and "return_lse" not in params:
+            return "no return_attn_probs/return_lse parameter (this version returns (out, lse); the op gives no lse)", None
+        given = bound.arguments
+        names = list(params)
+        q, k, v = (given.get(n) for n in names[:3])
+        for name, value in given.items():
+            # anything else, known (_MUST_BE_DEFAULT) or added by a later version, must keep its default
+            if name in names[:3] or name in _IGNORED or name in ("softmax_scale", "causal"):
+                continue
+            if not _is_default(value, params[name].default):
+                return f"{name}={_short(value)}", None
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+            return "q/k/v that are not all tensors", None
+        if not (q.dim() == k.dim() == v.dim() == 4):
+            return f"inputs that are not 4-D (q {tuple(q.shape)}, k {tuple(k.shape)})", None
+        if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+            return "q/k/v of different dtypes or devices", None
+        (b, _, h, d), (bk, _, h_k, dk) = q.shape, k.shape
+        if bk != b or k.shape != v.shape or dk != d or h_k == 0 or h % h_k != 0:
+            return f"shapes the op does not take (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})", None
+        scale = given.get("softmax_scale")
+        reason = op_reason(d, q.numel(), k.numel(), scale)
+        if reason is not None:
+            return reason, None
+        causal = given.get("causal", False)
+        if not isinstance(causal, bool):
+            return f"causal={causal!r}", None
+        return None, (q, k, v, scale, causal)
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if value is default:
+        return True
+    if default is inspect.Parameter.empty or isinstance(value, torch.Tensor):
+        return False
+    if isinstance(value, (tuple, list)) and isinstance(default, (tuple, list)):
+        # (-1, -1) and (None, None) both mean "no window"
+        return all(x in (-1, None) for x in value) and all(x in (-1, None) for x in default)
+    try:
+        return bool(value == default)
+    except Exception:
+        return False
+
+
+def _short(value: Any) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+
+
+class FlashForward(sdpa.SDPAForward):
+    """Instance ``forward`` of a module that calls ``flash_attn_func``: marks its site active (and,
+    as :class:`~lightning_gproj.swap.sdpa.SDPAForward`, serves its SDPA calls too)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _ACTIVE.append(self.site)
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            _ACTIVE.pop()
+
+
+def swap_module(
+    module: nn.Module, name: str, fix: str, bindings: list[tuple[str, str]], keep: bool = False,
+    site: Optional[Site] = None,
+) -> Site:
+    """Rebind the flash-attn ``bindings`` (from :func:`call_sites`) in ``module``'s class module and
+    wrap its ``forward`` in :class:`FlashForward` (in place, idempotent; an
+    :class:`~lightning_gproj.swap.sdpa.SDPAForward` already there is replaced, keeping its site).
+    ``keep=True``: calls inside stay on the original even when an enclosing module is swapped."""
+    current = module.__dict__.get("forward")
+    if isinstance(current, sdpa.SDPAForward):
+        site = current.site
+        original = current.original
+    else:
+        original = current
+    site = site or Site(name, type(module).__name__, fix)
+    site.fix, site.keep = fix, keep
+    if not isinstance(current, FlashForward):
+        module.forward = FlashForward(module, site, original)
+    namespace = _namespace(module)
+    if keep or namespace is None:
+        return site
+    for attr, source in bindings:
+        key = (namespace.__name__, attr)
+        if key not in _BINDINGS:
+            fn = vars(namespace)[attr]
+            wrapper = fn if isinstance(fn, FlashAttnFunc) else FlashAttnFunc(fn, source)
+            setattr(namespace, attr, wrapper)
+            _BINDINGS[key] = (wrapper, weakref.WeakSet())
+        _BINDINGS[key][1].add(module)
+    return site
+
+
+def unswap_module(module: nn.Module) -> bool:
+    """Undo :func:`swap_module`: restore ``forward`` and, once no swapped module uses them, the
+    original ``flash_attn_func`` names. Returns whether the module was swapped."""
+    forward = module.__dict__.get("forward")
+    if not isinstance(forward, FlashForward):
+        return False
+    if forward.original is None:
+        del module.forward
+    else:
+        module.forward = forward.original
+    for key in list(_BINDINGS):
+        wrapper, users = _BINDINGS[key]
+        users.discard(module)
+        if not users:
+            namespace = sys.modules.get(key[0])
+            if namespace is not None and vars(namespace).get(key[1]) is wrapper:
+                setattr(namespace, key[1], wrapper.original)
+            del _BINDINGS[key]
+    return True

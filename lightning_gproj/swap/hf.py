@@ -1,0 +1,175 @@
+"""Route Hugging Face ``transformers`` attention to ``gproj_attn_func`` through its registries.
+
+Models written on ``transformers``' attention interface (Llama, Qwen2, GPT-NeoX, ViT, ...) look their
+attention function up by ``config._attn_implementation`` in ``AttentionInterface`` on every call, and
+their mask builder in ``AttentionMaskInterface``. :func:`register` adds ``"gproj"`` to both: the
+attention function :func:`gproj_attention_forward` and, as mask builder, ``transformers``' own SDPA
+mask builder (``sdpa_mask``), which returns None for a purely causal (or full) mask and a boolean
+(batch, 1, Nq, Nk) mask otherwise. :func:`swap_model` sets ``"gproj"`` with
+``model.set_attn_implementation`` (config attribute on versions without it) and gives every attention
+module a :class:`Site` (``module._gproj_site``); unselected modules get none and run
+``sdpa_attention_forward`` silently. ``transformers`` (>= 4.53, for ``AttentionMaskInterface``) is optional: nothing here imports it
+unless the model is a ``transformers`` model (it is imported then).
+
+Served, as ``sdpa_attention_forward`` would compute it: mask None (causal from ``is_causal`` /
+``module.is_causal``, with its crop of keys to Nq for a causal Nq < Nk prefill), boolean masks
+that are all True or exactly the bottom-right causal mask, ``scaling``, GQA
+(``num_key_value_groups``: k/v keep their heads), dropout 0. Falls back to
+``sdpa_attention_forward`` with one :class:`GProjFallbackWarning` per module for padding masks,
+float masks, dropout > 0 (training with ``attention_dropout``), ``softcap``, ``position_bias``,
+attention sinks (``s_aux``), and head dims the op does not take.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from . import sdpa
+from ._common import Guard, Site
+
+#: The name registered in ``AttentionInterface`` and ``AttentionMaskInterface``.
+NAME = "gproj"
+#: Keyword arguments that change the attention's result and that the op does not serve.
+_REFUSED = ("softcap", "position_bias", "s_aux", "sinks")
+
+
+def is_pretrained(module: nn.Module) -> bool:
+    """True if ``module`` is a ``transformers.PreTrainedModel`` (False when transformers was never imported)."""
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    return modeling_utils is not None and isinstance(module, modeling_utils.PreTrainedModel)
+
+
+def is_attention_module(module: nn.Module) -> bool:
+    """True if a function of ``module``'s class looks attention up in ``ALL_ATTENTION_FUNCTIONS``."""
+    if not hasattr(module, "config") or is_pretrained(module):  # models name it in PreTrainedModel methods
+        return False
+    for cls in type(module).__mro__:
+        if cls is nn.Module or cls is object:
+            continue
+        for value in vars(cls).values():
+            for fn in sdpa._functions_of(value):
+                if "ALL_ATTENTION_FUNCTIONS" in sdpa._code_names(fn.__code__):
+                    return True
+    return False
+
+
+def register() -> None:
+    """Register ``"gproj"`` in ``transformers``' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, gproj_attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def _sdpa_forward():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
+    """``(reason, (q, k, v, scale, causal))`` in the op layout; reason None when the op serves the
+    call as ``sdpa_attention_forward`` would compute it. query, key, value: (batch, heads, seqlen, dim)."""
+    for name in _REFUSED:
+        if kwargs.get(name) is not None:
+            return f"{name} is set", None
+    if not isinstance(dropout, (int, float)) or dropout != 0.0:
+        return f"dropout={dropout} (the op has no dropout)", None
+    if not all(isinstance(t, torch.Tensor) for t in (query, key, value)) or query.dim() != 4:
+        return "query/key/value are not 4-D tensors", None
+    n_q = query.shape[2]
+    causal = False
+    if attention_mask is None:
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)) and n_q > 1
+        if causal and key.dim() == 4 and key.shape[2] > n_q:
+            # as sdpa_attention_forward: an empty-cache prefill keeps the first Nq keys, top-left causal
+            key, value = key[:, :, :n_q], value[:, :, :n_q]
+    elif not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
+        return f"attention_mask of dtype {getattr(attention_mask, 'dtype', type(attention_mask).__name__)} (only boolean causal masks are served)", None
+    reason, causal_mask = sdpa.plan(
+        (query, key, value),
+        dict(attn_mask=attention_mask, dropout_p=0.0, is_causal=causal, scale=scaling, enable_gqa=True),
+    )
+    if reason is not None:
+        if attention_mask is not None and "not the causal mask" in reason:
+            reason = "an attention_mask with padding or another pattern than causal"
+        return reason, None
+    return None, (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling, causal or causal_mask)
+
+
+def gproj_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``transformers`` attention function ``"gproj"``: query (batch, heads, Nq, dim), key/value
+    (batch, kv_heads, Nk, dim) -> ``(attn_output (batch, Nq, heads, dim), None)``."""
+    site: Optional[Site] = getattr(module, "_gproj_site", None)
+    if site is None or site.keep or Guard.depth > 0:
+        return _sdpa_forward()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    reason, call = plan(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+    if reason is not None:
+        site.fallback(reason)
+        with Guard():
+            return _sdpa_forward()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    site.served += 1
+    q, k, v, scale, causal = call
+    with Guard():  # an enclosing SDPAMode must not take the SDPA call of an fp32 remediation
+        return site.attention(q, k, v, softmax_scale=scale, causal=causal), None
+
+
+def _set_implementation(model: nn.Module, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:  # versions without the method: the config attribute (shared by the submodels)
+        model.config._attn_implementation = name
+
+
+def swap_model(model: nn.Module) -> Optional[str]:
+    """Register ``"gproj"`` and set it as ``model``'s attention implementation; returns None, or why
+    not (the original implementation stays). The original name is kept in
+    ``model._gproj_hf_original`` for :func:`unswap_model`."""
+    register()
+    current = getattr(model.config, "_attn_implementation", None)
+    original = model.__dict__.get("_gproj_hf_original", current)
+    if current != NAME:
+        try:
+            _set_implementation(model, NAME)
+        except Exception as err:  # the model refuses dynamic switching
+            return f"set_attn_implementation('gproj') failed ({err.__class__.__name__}: {err})"
+        if getattr(model.config, "_attn_implementation", None) != NAME:
+            return f"{type(model).__name__} does not let its attention implementation be set (it stays {current!r})"
+    model._gproj_hf_original = original
+    return None
+
+
+def swap_module(module: nn.Module, name: str, fix: str, site: Optional[Site] = None) -> Site:
+    """Give an attention module its :class:`Site` (``module._gproj_site``; idempotent)."""
+    site = module.__dict__.get("_gproj_site") or site or Site(name, type(module).__name__, fix)
+    site.fix, site.keep = fix, False
+    module._gproj_site = site
+    return site
+
+
+def unswap_module(module: nn.Module) -> bool:
+    """Undo :func:`swap_module` or :func:`swap_model` on one module; returns whether it was swapped."""
+    count = False
+    if "_gproj_site" in module.__dict__ and is_attention_module(module):
+        del module._gproj_site
+        count = True
+    if "_gproj_hf_original" in module.__dict__:
+        original = module.__dict__.pop("_gproj_hf_original")
+        if getattr(module.config, "_attn_implementation", None) == NAME and original not in (None, NAME):
+            _set_implementation(module, original)
+    return count

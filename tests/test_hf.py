@@ -1,0 +1,218 @@
+"""Hugging Face ``transformers`` models through the attention registry ("gproj").
+
+Tiny models built from a config with random weights (no download): Llama (GQA), Qwen2 (GQA, biased
+q/k/v), GPT-NeoX (partial rotary, fused qkv) and ViT (bidirectional, through SDPA).
+
+Tolerances. fp32: the swapped model computes the same attention as ``sdpa_attention_forward`` in fp32
+with another summation order; the GProj correction of fp32 inputs removes only the fp32 rounding
+residual of each dS row (~1e-7 relative). With O(1) activations, headdim 8 and <= 9 keys per row
+these are a few ulp per attention; through two layers (norms, MLPs, the LM head) outputs and all
+parameter gradients agree to 2e-5 of their max-abs value. Fallbacks run ``sdpa_attention_forward``
+itself with the same arguments, so their results are compared bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import lightning as L
+import pytest
+import torch
+import transformers
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from _attention_models import op_spy, rel_err  # noqa: F401 (fixture)
+from lightning_gproj.plugin import GProjPlugin
+from lightning_gproj.swap import GProjFallbackWarning, swap_attention, unswap_attention
+
+TOL = 2e-5
+VOCAB = 50
+
+
+def _llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+
+
+def _qwen2():
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=64))
+
+
+def _neox():
+    return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64))
+
+
+def _vit():
+    return transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_labels=3))
+
+
+# name: (builder, attention module class name, k/v heads, causal)
+MODELS = {
+    "llama": (_llama, "LlamaAttention", 2, True),
+    "qwen2": (_qwen2, "Qwen2Attention", 1, True),
+    "gpt_neox": (_neox, "GPTNeoXAttention", 4, True),
+    "vit": (_vit, "ViTAttention", 4, False),
+}
+
+
+def _inputs(name, batch=2):
+    g = torch.Generator().manual_seed(1)
+    if name == "vit":
+        return dict(pixel_values=torch.randn(batch, 3, 8, 8, generator=g))
+    return dict(input_ids=torch.randint(0, VOCAB, (batch, 9), generator=g))
+
+
+def _forward_backward(model, inputs):
+    for p in model.parameters():
+        p.grad = None
+    out = model(**inputs).logits
+    out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out))
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _build(name):
+    torch.manual_seed(0)
+    model = MODELS[name][0]().train()  # dropout probabilities are 0 in these configs
+    assert model.config._attn_implementation == "sdpa"
+    return model, copy.deepcopy(model)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_swapped_model_matches_original(name, op_spy):
+    _, cls, kv_heads, causal = MODELS[name]
+    model, swapped = _build(name)
+    keys = list(model.state_dict())
+    report = swap_attention(swapped)
+    assert swapped.config._attn_implementation == "gproj"
+    paths = [r.module_path for r in report.swapped]
+    assert len(paths) == 2 and all(r.original == f"{cls}: transformers attention ('sdpa')" for r in report.swapped)
+    assert "via AttentionInterface 'gproj'" in report.table()
+    assert list(swapped.state_dict()) == keys
+    inputs = _inputs(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        out, grads = _forward_backward(swapped, inputs)
+    out_ref, grads_ref = _forward_backward(model, inputs)
+    assert rel_err(out, out_ref) <= TOL
+    assert grads.keys() == grads_ref.keys() and len(grads) == len(list(model.parameters()))
+    for key in grads_ref:
+        if name == "vit" and key.endswith("k_proj.bias"):
+            # without rotary embeddings a key bias adds q·b to every score of a row, which softmax
+            # ignores: its gradient is 0 in exact arithmetic (the zero-sum law); both hold rounding noise
+            scale = grads_ref[key.replace("bias", "weight")].abs().max()
+            assert grads[key].abs().max() <= 1e-6 * scale and grads_ref[key].abs().max() <= 1e-6 * scale, key
+            continue
+        assert rel_err(grads[key], grads_ref[key]) <= TOL, key
+    assert [(c["stats_name"], c["causal"], c["k_shape"][2], c["softmax_scale"]) for c in op_spy.calls] == [
+        (p, causal, kv_heads, 8**-0.5) for p in paths]
+    n = 5 if name == "vit" else 9
+    assert all(c["q_shape"] == (2, n, 4, 8) for c in op_spy.calls)
+
+    assert unswap_attention(swapped) == 2 and swapped.config._attn_implementation == "sdpa"
+    assert torch.equal(swapped(**inputs).logits, model(**inputs).logits)
+
+
+def test_all_true_padding_mask_is_served_and_padding_falls_back(op_spy):
+    model, swapped = _build("llama")
+    swap_attention(swapped)
+    ids = _inputs("llama")["input_ids"]
+    full = torch.ones_like(ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        assert rel_err(swapped(ids, attention_mask=full).logits, model(ids, attention_mask=full).logits) <= TOL
+    assert len(op_spy.calls) == 2 and all(c["causal"] for c in op_spy.calls)
+
+    padded = full.clone()
+    padded[0, :3] = 0  # left padding
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert torch.equal(swapped(ids, attention_mask=padded).logits, model(ids, attention_mask=padded).logits)
+    messages = [str(w.message) for w in record if issubclass(w.category, GProjFallbackWarning)]
+    assert len(messages) == 2, messages  # one per layer, not per call
+    assert "model.layers.0.self_attn (LlamaAttention)" in messages[0] and "padding" in messages[0]
+    assert len(op_spy.calls) == 2
+
+
+def test_training_dropout_falls_back(op_spy):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        attention_dropout=0.3)
+    model = transformers.LlamaForCausalLM(config).train()
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    ids = _inputs("llama")["input_ids"]
+    with pytest.warns(GProjFallbackWarning, match=r"model.layers.0.self_attn \(LlamaAttention\).*dropout=0.3"):
+        torch.manual_seed(3)
+        out = swapped(ids).logits
+    torch.manual_seed(3)
+    assert torch.equal(out, model(ids).logits) and op_spy.calls == []
+    swapped.eval()  # HF passes dropout=0.0 in eval: served
+    assert rel_err(swapped(ids).logits, model.eval()(ids).logits) <= TOL and len(op_spy.calls) == 1
+
+
+def test_include_exclude_and_idempotence(op_spy):
+    model, swapped = _build("llama")
+    report = swap_attention(swapped, exclude="model.layers.1*")
+    assert [(r.module_path, r.replacement is not None) for r in report.rows] == [
+        ("model.layers.0.self_attn", True), ("model.layers.1.self_attn", False)]
+    assert "excluded by pattern 'model.layers.1*'" in report.rows[1].reason
+    report = swap_attention(swapped, exclude="model.layers.1*", fix="none")
+    assert report.rows[0].reason.startswith("already swapped")
+    ids = _inputs("llama")["input_ids"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        assert rel_err(swapped(ids).logits, model(ids).logits) <= TOL
+    assert [(c["stats_name"], c["fix"]) for c in op_spy.calls] == [("model.layers.0.self_attn", "none")]
+    model.load_state_dict(swapped.state_dict(), strict=True)
+
+
+class LitLlama(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = _llama()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        return DataLoader(TensorDataset(torch.randint(0, VOCAB, (12, 9), generator=g)), batch_size=4)
+
+
+def _fit(tmp_path, **kwargs):
+    module = LitLlama()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, **kwargs)
+    trainer.fit(module)
+    return module
+
+
+def test_trainer_fit_with_plugin_matches_plain_run(op_spy, tmp_path):
+    # 3 SGD steps: the few-ulp attention differences reach the loss at < 1e-5 relative.
+    plain = _fit(tmp_path, precision="32-true")
+    plugin = GProjPlugin("32-true")
+    swapped = _fit(tmp_path, plugins=[plugin])
+    for a, b in zip(swapped.losses, plain.losses):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    assert plain.losses[-1] < plain.losses[0]
+    assert len(op_spy.calls) == 6 and swapped.model.config._attn_implementation == "gproj"
+    assert [r.module_path for r in plugin.report.swapped] == ["model.model.layers.0.self_attn", "model.model.layers.1.self_attn"]

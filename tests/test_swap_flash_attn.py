@@ -1,0 +1,216 @@
+"""flash_attn_func call sites: rebound in the model's module, served by the op, restored on unswap.
+
+flash-attn cannot be installed here, so fake modules ``flash_attn``, ``flash_attn_interface`` and
+``flash_attn.cute`` are put in ``sys.modules``; each exports a ``flash_attn_func`` with the real
+package's signature, computed by an independent written-out fp32 softmax attention (bottom-right
+causal, GQA by repeated heads; not the op, not SDPA). A model module imports it the way models do
+(``from flash_attn import flash_attn_func``).
+
+Tolerances (fp32): the op and the written-out attention differ in summation order, and GProj removes
+only the fp32 rounding residual of each dS row (~1e-7 relative); with O(1) activations, headdim 8 and
+<= 9 keys, outputs and gradients agree to 2e-5 of their max-abs value. Fallbacks run the fake
+original with the same arguments, so their results are compared bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from _attention_models import op_spy, reference_attn, rel_err  # noqa: F401 (fixture)
+from lightning_gproj.swap import GProjFallbackWarning, swap_attention, unswap_attention
+from lightning_gproj.swap.flash_attn import FlashAttnFunc
+
+TOL = 2e-5
+
+
+def _fa2(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+         alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    if dropout_p or window_size != (-1, -1) or softcap or alibi_slopes is not None or return_attn_probs:
+        # stands for the features the op lacks: a distinct, checkable result
+        return torch.zeros_like(q) + 7.0
+    return reference_attn(q, k, v, softmax_scale=softmax_scale, causal=causal)
+
+
+def _fa3(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None, v_descale=None,
+         window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False,
+         sm_margin=0, return_attn_probs=False):
+    return reference_attn(q, k, v, softmax_scale=softmax_scale, causal=causal)
+
+
+def _fa4(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False, window_size=(None, None),
+         learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, return_lse=False):
+    return reference_attn(q, k, v, softmax_scale=softmax_scale, causal=causal)
+
+
+def _fa3_old(q, k, v, softmax_scale=None, causal=False, deterministic=False):  # returns (out, lse)
+    lse = q.new_zeros(q.shape[0], q.shape[2], q.shape[1])  # its value does not matter here
+    return reference_attn(q, k, v, softmax_scale=softmax_scale, causal=causal), lse
+
+
+MODEL_SOURCE = '''
+import torch
+from torch import nn
+from {source} import flash_attn_func as {alias}
+
+
+class FlashAttention(nn.Module):
+    def __init__(self, dim=32, heads=4, kv_heads=2, **kwargs):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim)
+        self.proj = nn.Linear(dim, dim)
+        self.kwargs = kwargs
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, -1, self.head_dim).split([self.heads, self.kv_heads, self.kv_heads], dim=2)
+        o = {alias}(q, k, v, **self.kwargs){take}
+        return self.proj(o.reshape(b, n, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.attn = FlashAttention(**kwargs)
+
+    def forward(self, x):
+        return x + self.attn(self.norm(x))
+'''
+
+
+@pytest.fixture
+def fake_flash(monkeypatch):
+    """Fake flash-attn packages and a factory of model modules importing from them."""
+    fa2 = types.ModuleType("flash_attn")
+    fa2.flash_attn_func = _fa2
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_func = _fa4
+    fa2.cute = cute
+    fa3 = types.ModuleType("flash_attn_interface")
+    fa3.flash_attn_func = _fa3
+    for name, mod in [("flash_attn", fa2), ("flash_attn.cute", cute), ("flash_attn_interface", fa3)]:
+        monkeypatch.setitem(sys.modules, name, mod)
+
+    def model_module(source="flash_attn", alias="flash_attn_func", tag="m", take=""):
+        name = f"_fake_flash_model_{tag}"
+        module = types.ModuleType(name)
+        monkeypatch.setitem(sys.modules, name, module)
+        exec(compile(MODEL_SOURCE.format(source=source, alias=alias, take=take), name, "exec"), module.__dict__)
+        return module
+
+    return model_module
+
+
+def _forward_backward(model, x):
+    x = x.detach().clone().requires_grad_(True)
+    for p in model.parameters():
+        p.grad = None
+    out = model(x)
+    out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out))
+    return out.detach(), {**{n: p.grad.clone() for n, p in model.named_parameters()}, "x": x.grad.clone()}
+
+
+SOURCES = {
+    "flash_attn": ("flash_attn", "flash_attn_func", _fa2),
+    "flash_attn_interface": ("flash_attn_interface", "flash_attn3_func", _fa3),
+    "flash_attn.cute": ("flash_attn.cute", "flash_attn_func", _fa4),
+}
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_served_matches_flash_reference_and_restores(source, causal, fake_flash, op_spy):
+    pkg, alias, original = SOURCES[source]
+    mod = fake_flash(pkg, alias, tag=source.replace(".", "_"))
+    torch.manual_seed(0)
+    model = nn.Sequential(mod.Block(causal=causal, softmax_scale=0.4), mod.Block(causal=causal))
+    swapped = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    report = swap_attention(swapped)
+    assert [r.module_path for r in report.swapped] == ["0.attn", "1.attn"]
+    assert report.rows[0].original == f"FlashAttention: {source}.flash_attn_func as {alias}"
+    assert f"via rebinding in {mod.__name__}" in report.rows[0].replacement
+    assert isinstance(getattr(mod, alias), FlashAttnFunc) and getattr(mod, alias).original is original
+    assert list(swapped.state_dict()) == keys
+
+    x = torch.randn(2, 9, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        out, grads = _forward_backward(swapped, x)
+    out_ref, grads_ref = _forward_backward(model, x)  # the fake original: the written-out reference
+    assert rel_err(out, out_ref) <= TOL
+    for name in grads_ref:
+        assert rel_err(grads[name], grads_ref[name]) <= TOL, name
+    assert [(c["stats_name"], c["causal"], c["softmax_scale"], c["k_shape"]) for c in op_spy.calls] == [
+        ("0.attn", causal, 0.4, (2, 9, 2, 8)), ("1.attn", causal, None, (2, 9, 2, 8))]
+
+    assert unswap_attention(swapped) == 2
+    assert getattr(mod, alias) is original and "forward" not in vars(swapped[0].attn)
+    assert torch.equal(swapped(x), model(x)) and len(op_spy.calls) == 2
+
+
+FALLBACKS = {
+    "dropout": (dict(dropout_p=0.1), "dropout_p=0.1"),
+    "window": (dict(window_size=(2, 0)), "window_size=(2, 0)"),
+    "softcap": (dict(softcap=30.0), "softcap=30.0"),
+    "alibi": (dict(alibi_slopes=torch.ones(4)), "alibi_slopes=a tensor of shape (4,)"),
+    "probs": (dict(return_attn_probs=True), "return_attn_probs=True"),
+}
+
+
+@pytest.mark.parametrize("case", list(FALLBACKS))
+def test_unserved_arguments_fall_back_once(case, fake_flash, op_spy):
+    kwargs, reason = FALLBACKS[case]
+    mod = fake_flash(tag=f"fb_{case}")
+    torch.manual_seed(0)
+    model = mod.Block(causal=True, **kwargs)
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    x = torch.randn(2, 5, 32)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert torch.equal(swapped(x), model(x))
+    messages = [str(w.message) for w in record if issubclass(w.category, GProjFallbackWarning)]
+    assert len(messages) == 1 and "attn (FlashAttention)" in messages[0] and reason in messages[0], messages
+    assert op_spy.calls == [] and swapped.attn.forward.site.fallbacks == {f"flash_attn.flash_attn_func with {reason}": 3}
+
+
+def test_version_returning_lse_is_not_served(fake_flash, monkeypatch, op_spy):
+    # an FA3 build whose flash_attn_func always returns (out, lse) and has no return flag
+    monkeypatch.setattr(sys.modules["flash_attn_interface"], "flash_attn_func", _fa3_old)
+    mod = fake_flash("flash_attn_interface", tag="old", take="[0]")
+    torch.manual_seed(0)
+    model = mod.Block(causal=True)
+    swapped = copy.deepcopy(model)
+    report = swap_attention(swapped)
+    assert report.rows[0].original == "FlashAttention: flash_attn_interface.flash_attn_func as flash_attn_func"
+    x = torch.randn(2, 5, 32)
+    with pytest.warns(GProjFallbackWarning, match=r"attn \(FlashAttention\).*returns \(out, lse\); the op gives no lse"):
+        assert torch.equal(swapped(x), model(x))
+    assert op_spy.calls == []
+
+
+def test_calls_outside_swapped_modules_and_excluded_modules_run_the_original(fake_flash, op_spy):
+    mod = fake_flash(tag="scope")
+    torch.manual_seed(0)
+    model = nn.Sequential(mod.Block(causal=True), mod.Block(causal=True))
+    plain = copy.deepcopy(model)
+    report = swap_attention(model, exclude="1")
+    assert [(r.module_path, r.replacement is not None) for r in report.rows] == [("0.attn", True), ("1.attn", False)]
+    x = torch.randn(2, 6, 32)
+    assert rel_err(model(x), plain(x)) <= TOL
+    assert [c["stats_name"] for c in op_spy.calls] == ["0.attn"]
+    q = torch.randn(1, 4, 4, 8)
+    assert torch.equal(mod.flash_attn_func(q, q, q), _fa2(q, q, q))  # no swapped module running
+    assert len(op_spy.calls) == 1
+    other = mod.Block(causal=True)  # a second, unswapped model of the same file keeps the original
+    assert torch.equal(other(x), copy.deepcopy(other)(x)) and len(op_spy.calls) == 1

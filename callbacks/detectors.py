@@ -177,7 +177,7 @@ class ChangeDetector:
         )
         self.baseline = RobustBaseline(self.window, self.ema_decay)
         self._log_window: collections.deque[float] = collections.deque(maxlen=self.window)
-        self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.slope_window)
+        self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.slope_window - 1)
         self.cusum = 0.0
         self._episode = 0  # highest level rank reached in the current episode
 

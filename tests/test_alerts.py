@@ -1,0 +1,355 @@
+"""Detectors on constructed sequences with known change points, alert delivery and actions, the fp32
+remediation, and the offline lead-time harness on synthetic traces.
+
+Expected firing steps come from independent numpy re-computations of the documented statistics, and
+the change points are built into the sequences, so "fires at the right step and not before" is
+checked against both.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+
+from lightning_gproj import GProjPlugin, swap_attention
+from lightning_gproj.callbacks import Alert, AlertDispatcher, ChangeDetector, GradNormMonitor, ZeroSumMonitor
+from lightning_gproj.evaluate import divergence_step, evaluate, main as evaluate_main
+from lightning_gproj.report import load_logs
+
+# ------------------------------------------------------------------------------------ detectors
+
+
+def noisy(n: int, seed: int, sigma: float = 0.05, level: float = 1.0) -> np.ndarray:
+    return level * np.exp(np.random.default_rng(seed).normal(0.0, sigma, n))
+
+
+def run(det: ChangeDetector, values) -> list:
+    return [det.update(step, float(v)) for step, v in enumerate(values)]
+
+
+def first_new(detections) -> tuple[int, str, str] | None:
+    for d in detections:
+        if d.new:
+            return d.step, d.level, d.statistic
+    return None
+
+
+def test_ratio_detector_fires_at_the_jump_and_escalates():
+    values = noisy(80, 0)
+    values[50:] *= 5.0  # warn level (> 4x), not critical
+    values[60:] *= 3.0  # 15x: critical
+    det = ChangeDetector(window=30, warmup=10, warn_ratio=4.0, critical_ratio=10.0, cusum_warn=None)
+    out = run(det, values)
+    new = [(d.step, d.level, d.statistic) for d in out if d.new]
+    assert new == [(50, "warn", "ratio"), (60, "critical", "ratio")]
+    # independent: the ratio to the median of the previous <= 30 values
+    for s in (49, 50, 60):
+        assert out[s].ratio == pytest.approx(values[s] / np.median(values[max(0, s - 30):s]), rel=1e-12)
+    assert all(d.level is None for d in out[:50])
+
+
+def numpy_cusum(values: np.ndarray, window: int, warmup: int, k: float, min_sigma: float) -> np.ndarray:
+    """The documented CUSUM, re-computed with numpy: S over the robust z of log(values)."""
+    logs, s, out = np.log(values), 0.0, np.full(len(values), np.nan)
+    for t in range(len(values)):
+        past = logs[max(0, t - window):t]
+        if len(past) >= warmup:
+            med = np.median(past)
+            sigma = max(1.4826 * np.median(np.abs(past - med)), min_sigma)
+            s = max(0.0, s + (logs[t] - med) / sigma - k)
+            out[t] = s
+    return out
+
+
+def test_cusum_fires_on_a_small_sustained_shift_and_not_before():
+    values = noisy(300, 1, sigma=0.05)
+    values[200:] *= math.exp(0.15)  # +3 sigma of log: no single value is far off (ratio 1.16)
+    det = ChangeDetector(window=100, warmup=20, warn_ratio=4.0, critical_ratio=None, cusum_warn=12.0, cusum_drift=1.0)
+    out = run(det, values)
+    expected = numpy_cusum(values, 100, 20, 1.0, 0.02)
+    np.testing.assert_allclose([d.cusum if d.cusum is not None else np.nan for d in out], expected, rtol=1e-9)
+    crossing = int(np.argmax(expected > 12.0))
+    assert 200 <= crossing < 215
+    assert first_new(out) == (crossing, "warn", "cusum")
+    assert max(d.ratio for d in out[20:]) < 4.0
+
+
+def test_log_slope_fires_on_steady_growth():
+    n, t0, rate = 400, 250, 0.01  # x e per 100 steps after t0
+    values = noisy(n, 2, sigma=0.05)
+    values[t0:] *= np.exp(rate * np.arange(n - t0))
+    det = ChangeDetector(
+        window=100, warmup=20, warn_ratio=None, critical_ratio=None, cusum_warn=None,
+        slope_window=50, slope_horizon=100, slope_warn=2.0,
+    )
+    out = run(det, values)
+    expected = None
+    for t in range(49, n):  # numpy polyfit over the last 50 values (this one included)
+        slope = np.polyfit(np.arange(t - 49, t + 1), np.log(values[t - 49 : t + 1]), 1)[0]
+        assert out[t].growth == pytest.approx(math.exp(slope * 100), rel=1e-9)
+        if expected is None and t >= 20 and math.exp(slope * 100) > 2.0:
+            expected = t
+    assert expected is not None and expected > t0
+    assert first_new(out) == (expected, "warn", "log_slope")
+
+
+def test_detector_ignores_non_finite_values_and_rejects_bad_arguments():
+    det = ChangeDetector(window=5, warmup=2)
+    for s, v in enumerate([1.0, 1.1, float("nan"), float("inf"), 0.9]):
+        d = det.update(s, v)
+        assert d.level is None
+    assert list(det.baseline.values) == [1.0, 1.1, 0.9]
+    for kwargs, name in (({"window": 1}, "window"), ({"warn_ratio": 0.5}, "warn_ratio"),
+                         ({"cusum_warn": -1.0}, "cusum_warn"), ({"slope_window": 2}, "slope_window"),
+                         ({"ema_decay": 0.0}, "ema_decay"), ({"window": 5, "warmup": 6}, "warmup")):
+        with pytest.raises(ValueError, match=f"`{name}`"):
+            ChangeDetector(**kwargs)
+
+
+def test_zero_sum_observe_groups_layers_and_names_the_strongest():
+    zs = ZeroSumMonitor(window=10, warmup=3, warn_ratio=3.0, critical_ratio=10.0, cusum_warn=None, print_summary=False)
+    alerts = []
+    for step in range(10):
+        jump = step >= 6
+        metrics = {
+            "gproj/a/leak_ratio": 0.01 * (20.0 if jump else 1.0 + 0.01 * (step % 2)),
+            "gproj/b/leak_ratio": 0.02 * (5.0 if jump else 1.0 + 0.01 * (step % 2)),
+            "gproj/c/leak_ratio": 0.03,
+            "gproj/a/mean_key_norm": 100.0 * (step + 1),  # not in `detect`: never alerts
+        }
+        new, extra = zs.observe(step, metrics)
+        alerts += new
+        assert ("gproj/a/leak_ratio/cusum" in extra) == (step >= 3)
+    assert len(alerts) == 1
+    (a,) = alerts
+    assert (a.step, a.signal, a.level, a.statistic, a.layers) == (6, "gproj/leak_ratio", "critical", "ratio", ("a", "b"))
+    assert a.signal_value == pytest.approx(0.2)
+
+
+# ------------------------------------------------------------------------------------ delivery and actions
+
+
+class Spiky(pl.LightningModule):
+    """loss = f(step) · sum(block(x)): the gradient norm is f(step) times a constant."""
+
+    def __init__(self, factors, attention: bool = False) -> None:
+        super().__init__()
+        self.factors = factors
+        self.blocks = nn.ModuleList([nn.Linear(8, 8)])
+        self.attn = SDPAAttention() if attention else None
+
+    def training_step(self, batch, batch_idx):
+        out = self.blocks[0](batch)
+        if self.attn is not None:
+            out = out + self.attn(batch).float()
+        return self.factors[self.global_step] * out.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        x = torch.linspace(-1, 1, 2 * 16 * 8).reshape(2, 16, 8)
+        return torch.utils.data.DataLoader([x] * 64, batch_size=None)
+
+
+class SDPAAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = (t.reshape(2, 16, 1, 8).transpose(1, 2) for t in self.qkv(x).split(8, dim=-1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 16, 8)
+
+
+def spike_factors(n: int, at: int) -> list[float]:
+    return [1.0 + 0.05 * math.sin(s) + (99.0 if s >= at else 0.0) for s in range(n)]
+
+
+def fit(module, callbacks, tmp_path, max_steps, **kwargs):
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=max_steps, logger=CSVLogger(tmp_path, name="logs", version=0),
+        log_every_n_steps=1, callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, **kwargs,
+    )
+    trainer.fit(module)
+    return trainer
+
+
+def test_alert_reaches_log_loggers_user_function_and_stops_training(tmp_path, caplog):
+    seen: list[Alert] = []
+    monitor = GradNormMonitor(warmup=5, window=10, on_alert=seen.append, actions=("stop",), print_summary=False)
+    with caplog.at_level(logging.WARNING, logger="lightning_gproj.alerts"):
+        trainer = fit(Spiky(spike_factors(30, 12)), [monitor], tmp_path, max_steps=30)
+    assert [a.step for a in seen] == [12] and seen[0].level == "critical" and seen[0].layers[0] == "blocks.0"
+    assert trainer.global_step == 13  # stopped after the alert's step
+    messages = [r.getMessage() for r in caplog.records if r.name == "lightning_gproj.alerts"]
+    assert any("CRITICAL at step 12" in m for m in messages) and any("stopping training after step 12" in m for m in messages)
+    logged = load_logs(tmp_path / "logs" / "version_0")
+    assert logged["alert/grad_norm/global"] == {12: 2.0}
+
+
+def test_a_raising_action_or_user_function_does_not_stop_training(tmp_path, caplog):
+    def broken(alert):
+        raise RuntimeError("user function broke")
+
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the checkpoint directory should be")
+    monitor = GradNormMonitor(
+        warmup=5, window=10, on_alert=broken, actions=("checkpoint",), action_level="warn",
+        checkpoint_dir=str(blocker / "sub"), print_summary=False,
+    )
+    factors = spike_factors(30, 12)
+    factors[20:] = [1.0] * 10
+    factors[26] = 500.0  # a second episode: the failures are not reported twice
+    with caplog.at_level(logging.WARNING, logger="lightning_gproj.alerts"):
+        trainer = fit(Spiky(factors), [monitor], tmp_path, max_steps=30)
+    assert trainer.global_step == 30 and not monitor.disabled
+    assert [a.step for a in monitor.alerts] == [12, 26]
+    assert [entry[0] for entry in monitor.dispatcher.action_log] == ["checkpoint", "checkpoint"]
+    assert all(entry[2].startswith("failed") for entry in monitor.dispatcher.action_log)
+    failures = [r.getMessage() for r in caplog.records if "raised" in r.getMessage()]
+    assert len([m for m in failures if "on_alert" in m]) == 1 and len([m for m in failures if "checkpoint" in m]) == 1
+
+
+def test_checkpoint_action_saves_at_the_alert_step(tmp_path):
+    monitor = GradNormMonitor(warmup=5, window=10, actions=("checkpoint",), print_summary=False)
+    fit(Spiky(spike_factors(16, 12)), [monitor], tmp_path, max_steps=16)
+    path = tmp_path / "alert_checkpoints" / "alert-step=12.ckpt"
+    assert path.exists()
+    assert torch.load(path, weights_only=False)["global_step"] == 13  # saved after the optimizer step of step 12
+
+
+def test_remediate_switches_the_driving_layer_from_the_next_step(tmp_path):
+    model = Spiky(spike_factors(16, 12), attention=True)
+    monitor = GradNormMonitor(warmup=5, window=10, actions=("remediate",), remediation="fp32", print_summary=False)
+    fit(model, [monitor], tmp_path, max_steps=16, plugins=[GProjPlugin("bf16-mixed", fix="none")])
+    site = model.attn.forward.site
+    assert monitor.alerts[0].step == 12
+    assert "attn.qkv" in monitor.alerts[0].layers  # a parameter group inside the swapped module "attn"
+    assert site.compute_dtype == torch.float32 and site.fix == "none"
+    assert monitor.dispatcher.action_log == [("remediate", 12, "ok: attn")]
+
+    monitor = GradNormMonitor(warmup=5, window=10, actions=("remediate",), top_k=5, print_summary=False)
+    model = Spiky(spike_factors(16, 12), attention=True)
+    fit(model, [monitor], tmp_path / "g", max_steps=16, plugins=[GProjPlugin("bf16-mixed", fix="none")])
+    assert model.attn.forward.site.fix == "gproj" and model.attn.forward.site.compute_dtype is None
+
+
+def test_fp32_site_runs_attention_in_fp32():
+    torch.manual_seed(0)
+    attn = SDPAAttention()
+    swap_attention(attn, fix="none")
+    x = torch.randn(2, 16, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        before = attn(x)
+        attn.forward.site.compute_dtype = torch.float32
+        after = attn(x)
+        q, k, v = (t.reshape(2, 16, 1, 8).transpose(1, 2) for t in attn.qkv(x).split(8, dim=-1))
+    qf, kf, vf = q.float(), k.float(), v.float()  # the bf16 activations, upcast
+    s = (qf @ kf.transpose(-1, -2) / math.sqrt(8)).masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf"))
+    expected = (s.softmax(-1) @ vf).transpose(1, 2).reshape(2, 16, 8).to(torch.bfloat16)
+    assert after.dtype == torch.bfloat16
+    torch.testing.assert_close(after, expected, rtol=0, atol=0)
+    assert not torch.equal(before, after)  # the bf16 kernel rounds differently
+
+
+def test_dispatcher_rejects_bad_arguments():
+    for kwargs, name in (({"actions": ("explode",)}, "actions"), ({"actions": "stop"}, "actions"),
+                         ({"action_level": "info"}, "action_level"), ({"remediation": "fp8"}, "remediation"),
+                         ({"on_alert": 3}, "on_alert")):
+        with pytest.raises(ValueError, match=f"`{name}`"):
+            AlertDispatcher("m", **kwargs)
+    with pytest.raises(ValueError, match="`actions`"):
+        GradNormMonitor(actions=("nope",))
+    with pytest.raises(ValueError, match="`probe_every_n_steps`"):
+        ZeroSumMonitor(probe_every_n_steps=0)
+
+
+# ------------------------------------------------------------------------------------ offline harness
+
+
+def write_csv(directory: Path, series: dict[str, dict[int, float]]) -> Path:
+    directory.mkdir(parents=True)
+    steps = sorted({s for values in series.values() for s in values})
+    keys = sorted(series)
+    with open(directory / "metrics.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["epoch", "step", *keys])
+        for s in steps:
+            writer.writerow([0, s, *[repr(series[k][s]) if s in series[k] else "" for k in keys]])
+    return directory
+
+
+def synthetic(seed: int, steps: int, leak_rise_at: int | None, blowup_at: int | None) -> dict[str, dict[int, float]]:
+    """A made-up run: grad norm ~1 with 10% noise, blowing up (x1.05 per step) from ``blowup_at``; a
+    leak ratio sampled every 50 steps, ~1e-3 with 5% noise, doubling every 100 steps from
+    ``leak_rise_at``. Same seed = same noise (the healthy twin)."""
+    rng = np.random.default_rng(seed)
+    grad = np.exp(rng.normal(0, 0.1, steps))
+    leak = 1e-3 * np.exp(rng.normal(0, 0.05, steps))
+    t = np.arange(steps)
+    if blowup_at is not None:
+        grad = grad * np.where(t >= blowup_at, 1.05 ** (t - blowup_at), 1.0)
+    if leak_rise_at is not None:
+        leak = leak * np.where(t >= leak_rise_at, 2.0 ** ((t - leak_rise_at) / 100), 1.0)
+    return {
+        "grad_norm/global": {int(s): float(grad[s]) for s in t},
+        "grad_norm/layer/blocks.0": {int(s): float(grad[s]) for s in t},
+        "gproj/blocks.0.attn/leak_ratio": {int(s): float(leak[s]) for s in t if s % 50 == 0},
+        "train_loss": {int(s): 3.0 for s in t},
+    }
+
+
+def test_harness_measures_lead_time_and_false_alarms_on_synthetic_traces(tmp_path, capsys):
+    stressed = synthetic(0, 1600, leak_rise_at=800, blowup_at=1300)
+    healthy = synthetic(0, 1600, leak_rise_at=None, blowup_at=None)
+    # Independent: divergence = first step >= 100 above 10x the median of steps 100..500.
+    grad = stressed["grad_norm/global"]
+    median = float(np.median([grad[s] for s in range(100, 501)]))
+    expected_div = next(s for s in range(100, 1600) if grad[s] > 10 * median)
+    assert 1300 < expected_div < 1360
+    assert divergence_step(grad) == (expected_div, pytest.approx(median))
+
+    result = evaluate(stressed, healthy)
+    assert result.divergence_step == expected_div and result.healthy_divergence_step is None
+    # The leak detector (sampled every 50 steps) fires after the rise starts and well before the blowup.
+    first_leak = result.first_alert_by_signal["gproj/leak_ratio"]
+    assert 800 < first_leak < 1100 and first_leak % 50 == 0
+    assert result.first_alert_step == first_leak
+    assert result.lead_time == expected_div - first_leak >= 200
+    assert result.false_alarms == 0
+
+    # Online and offline agree: the same detector code replays the same numbers.
+    zs = ZeroSumMonitor(print_summary=False)
+    online = []
+    for s, v in sorted(stressed["gproj/blocks.0.attn/leak_ratio"].items()):
+        online += zs.observe(s, {"gproj/blocks.0.attn/leak_ratio": v})[0]
+    assert [a.as_dict() for a in online] == [a for a in result.stressed_alerts if a["signal"] == "gproj/leak_ratio"]
+
+    # The CLI on CSV log directories prints the same numbers.
+    s_dir, h_dir = write_csv(tmp_path / "stressed", stressed), write_csv(tmp_path / "healthy", healthy)
+    assert evaluate_main([str(s_dir), str(h_dir), "--json", str(tmp_path / "out.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"lead time: {result.lead_time} steps" in out and "false alarms (healthy twin): 0" in out
+    assert (tmp_path / "out.json").exists()
+
+
+def test_harness_counts_alerts_on_the_healthy_twin_as_false_alarms():
+    stressed = synthetic(3, 900, leak_rise_at=300, blowup_at=700)
+    healthy = synthetic(3, 900, leak_rise_at=300, blowup_at=None)  # a "healthy" twin whose leak rises too
+    result = evaluate(stressed, healthy, {"GradNormMonitor": {"warn_ratio": None, "cusum_warn": None}})
+    assert result.false_alarms == len(result.healthy_alerts) >= 1
+    assert {a["signal"] for a in result.healthy_alerts} == {"gproj/leak_ratio"}
+    with pytest.raises(ValueError, match="`config`"):
+        evaluate(stressed, healthy, {"Other": {}})

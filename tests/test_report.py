@@ -1,0 +1,116 @@
+"""``python -m lightning_gproj.report``: reading CSV logs, the PNG dashboard, clear errors."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import matplotlib.image
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+
+from lightning_gproj import GProjPlugin
+from lightning_gproj.callbacks import GradNormMonitor, ZeroSumMonitor
+from lightning_gproj.report import alert_steps, layer_series, load_logs, main, render
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = (t.reshape(2, 8, 2, 8).transpose(1, 2) for t in self.qkv(x).split(16, dim=-1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 8, 16)
+
+
+class Model(pl.LightningModule):
+    """One attention block; the loss is multiplied by 100 from step 30 on (a gradient-norm spike)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Module()])
+        self.blocks[0].attn = Attention()
+        self.head = nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.head(self.blocks[0].attn(batch)).float().pow(2).mean()
+        self.log("train_loss", loss)
+        return loss * (100.0 if self.global_step >= 30 else 1.0)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        data = torch.randn(40, 2, 8, 16, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(list(data), batch_size=None)
+
+
+def test_dashboard_from_a_real_run(tmp_path):
+    monitors = [
+        GradNormMonitor(window=20, warmup=10, print_summary=False),
+        ZeroSumMonitor(every_n_steps=5, probe_every_n_steps=None, print_summary=False),
+    ]
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=36, logger=logger, log_every_n_steps=1, callbacks=monitors,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        plugins=[GProjPlugin("bf16-mixed", fix="none")],
+    )
+    trainer.fit(Model())
+    series = load_logs(tmp_path / "run")  # the one metrics.csv below
+    assert [a.step for a in monitors[0].alerts] == [30]
+    assert alert_steps(series) == [(30, 2, "grad_norm/global")]
+    leak = layer_series(series, "gproj", "leak_ratio")
+    assert sorted(leak) == ["blocks.0.attn"] and sorted(leak["blocks.0.attn"]) == [0, 5, 10, 15, 20, 25, 30, 35]
+
+    out = tmp_path / "dash.png"
+    fig = render(series, out)
+    image = matplotlib.image.imread(out)
+    assert image.ndim == 3 and image.shape[0] > 500 and image.shape[1] > 500
+    grad_ax, leak_ax = fig.axes[1], fig.axes[3]
+    line = grad_ax.get_lines()[0]
+    assert list(line.get_xdata()) == sorted(series["grad_norm/global"])
+    np.testing.assert_allclose(line.get_ydata(), [series["grad_norm/global"][s] for s in sorted(series["grad_norm/global"])])
+    assert [ln.get_label() for ln in leak_ax.get_lines() if not ln.get_label().startswith("_")] == ["blocks.0.attn leak_ratio"]
+    # the alert is marked on every panel, in red (critical)
+    for ax in fig.axes:
+        marks = [c for c in ax.get_lines() if list(c.get_xdata()) == [30, 30]]
+        assert len(marks) == 1 and marks[0].get_color() == "red"
+
+    # the command line, as a user runs it
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_gproj.report", str(tmp_path / "run" / "version_0")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "run" / "version_0" / "dashboard.png").exists() and "1 alert(s)" in done.stdout
+
+
+def test_clear_errors(tmp_path, monkeypatch, capsys):
+    for version in (0, 1):
+        d = tmp_path / "two" / f"version_{version}"
+        d.mkdir(parents=True)
+        with open(d / "metrics.csv", "w", newline="") as f:
+            csv.writer(f).writerows([["step", "loss"], [0, 1.0]])
+    assert main([str(tmp_path / "two")]) == 2
+    assert "several CSV logs" in capsys.readouterr().err
+    assert load_logs(tmp_path / "two" / "version_1") == {"loss": {0: 1.0}}
+
+    assert main([str(tmp_path / "missing")]) == 2
+    assert "no such log directory" in capsys.readouterr().err
+
+    tb = tmp_path / "tb"
+    tb.mkdir()
+    (tb / "events.out.tfevents.1.host").write_bytes(b"")
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if it were not installed
+    with pytest.raises(RuntimeError, match="needs the `tensorboard` package"):
+        load_logs(tb)
+    assert main([str(tb)]) == 2

@@ -60,17 +60,17 @@ def _cfgs(entries, interp_entry):
 
 
 def _prune(configs, named_args, **kwargs):
-    # Two candidates per kernel (one for d > 128): compile time dominates a short device lease, since
+    # Three candidates per kernel (one for d > 128): compile time dominates a short device lease, since
     # each config is a separate compile of every constexpr variant (benchmarks/NOTES.md).
     d = named_args["HEAD_DIM"] if "HEAD_DIM" in named_args else kwargs["HEAD_DIM"]
-    out = configs[:2] if d <= 128 else configs[-1:]
+    out = configs[:3] if d <= 128 else configs[-1:]
     return out if autotune_enabled() else out[:1]
 
 
 # dQ pass: query block BLOCK_M stays resident, key blocks BLOCK_N stream.
-_DQ_CONFIGS = _cfgs([(128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2)], (16, 16))
+_DQ_CONFIGS = _cfgs([(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 4, 2)], (16, 16))
 # dK/dV pass: key block BLOCK_N stays resident, query blocks BLOCK_M stream.
-_DKDV_CONFIGS = _cfgs([(64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 2)], (16, 16))
+_DKDV_CONFIGS = _cfgs([(64, 128, 8, 2), (64, 64, 4, 3), (32, 128, 4, 4), (32, 64, 4, 2)], (16, 16))
 
 
 @triton.jit
@@ -370,38 +370,47 @@ def _dkdv_kernel(
              to16(dv, DV.dtype.element_ty, INTERP), mask=kv_mask)
 
 
-def _uniform_corrections(q32, k32, r, causal):
-    """Orthogonal-projection corrections before the factor τ (DESIGN.md §4 "uniform"), O(N·d).
+def _apply_uniform_corrections(dq, dk, q, k, r, tau, causal):
+    """Orthogonal-projection corrections (DESIGN.md §4 "uniform"), in place on fp32 dq, dk; O(N·d).
 
-    q32: (B, H, Nq, d) fp32, k32: (B, Hk, Nk, d) fp32, r: (B, H, Nq) fp32.
-    Returns dq_corr (B, H, Nq, d) = r_i k̄_i and dk_corr (B, Hk, Nk, d) = Σ_{i sees j} (r_i/n_i) q_i,
-    summed over the query heads of each kv head.
+    dq_i −= τ r_i k̄_i with k̄_i the mean of the keys row i sees; dk_j −= τ Σ_{i sees j} (r_i/n_i) q_i,
+    summed over the query heads of each kv head. Causal rows see a prefix of the keys (bottom-right
+    aligned), so k̄ is a prefix mean and the dk sum a suffix sum: both are contiguous slices, no
+    gathers or boolean indexing (which cost 4× the kernels' time in run 1, benchmarks/NOTES.md).
+
+    dq: (B, Nq, H, d) fp32; dk: (B, Nk, Hk, d) fp32; q, k: the 16-bit inputs; r: (B, H, Nq) fp32.
     """
-    b, h, nq, d = q32.shape
-    hk, nk = k32.shape[1], k32.shape[2]
+    b, nq, h, d = q.shape
+    nk, hk = k.shape[1], k.shape[2]
     g = h // hk
+    rt = r.transpose(1, 2).reshape(b, nq, hk, g)  # (B, Nq, Hk, G)
+    dq5 = dq.view(b, nq, hk, g, d)
+    q5 = q.view(b, nq, hk, g, d) if q.is_contiguous() else q.reshape(b, nq, hk, g, d)
     if not causal:
-        kbar = k32.mean(dim=2, keepdim=True)  # (B, Hk, 1, d)
-        dq_corr = r[..., None] * kbar.repeat_interleave(g, dim=1)
-        w = ((r / nk)[..., None] * q32).sum(dim=2, keepdim=True)  # (B, H, 1, d)
-        dk_corr = w.view(b, hk, g, 1, d).sum(dim=2).expand(b, hk, nk, d)
-        return dq_corr, dk_corr
+        kbar = k.float().mean(dim=1)  # (B, Hk, d)
+        dq5.sub_(tau * rt[..., None] * kbar[:, None, :, None, :])
+        w = torch.einsum("bnkg,bnkgd->bkd", rt / nk, q5.float())  # (B, Hk, d)
+        dk.sub_(tau * w[:, None])
+        return
     off = nk - nq
-    last = torch.arange(nq, device=q32.device) + off  # last key row i sees
-    n = (last + 1).clamp(min=0)
-    seen = n > 0
-    prefix = k32.cumsum(dim=2)  # (B, Hk, Nk, d)
-    kbar = torch.zeros(b, hk, nq, d, dtype=torch.float32, device=q32.device)
-    kbar[:, :, seen] = prefix[:, :, last[seen]] / n[seen, None].float()
-    dq_corr = r[..., None] * kbar.repeat_interleave(g, dim=1)
-    w = torch.zeros_like(q32)
-    w[:, :, seen] = (r[:, :, seen] / n[seen].float())[..., None] * q32[:, :, seen]
-    w = w.view(b, hk, g, nq, d).sum(dim=2)
-    # Key j is seen by rows i >= j − off: a suffix sum over i.
-    suffix = w.flip(2).cumsum(dim=2).flip(2)
-    suffix = torch.cat([suffix, torch.zeros_like(suffix[:, :, :1])], dim=2)
-    first = (torch.arange(nk, device=q32.device) - off).clamp(min=0, max=nq)
-    return dq_corr, suffix[:, :, first]
+    i0 = max(0, -off)  # rows before i0 see no key (Nq > Nk)
+    if i0 >= nq:
+        return
+    n = torch.arange(i0 + off + 1, nq + off + 1, device=q.device, dtype=torch.float32)  # n_i, i >= i0
+    prefix = k.float().cumsum(dim=1)[:, i0 + off:]  # Σ_{j <= i+off} k_j for i >= i0: (B, Nq-i0, Hk, d)
+    kbar = prefix / n[None, :, None, None]
+    dq5[:, i0:].sub_(tau * rt[:, i0:, ..., None] * kbar[:, :, :, None, :])
+    w = torch.einsum("bnkg,bnkgd->bnkd", rt[:, i0:] / n[None, :, None, None], q5[:, i0:].float())
+    # Suffix sums S_i = Σ_{i' >= i} w_i' (over rows i >= i0), as total − prefix + w.
+    csum = w.cumsum(dim=1)
+    suffix = csum[:, -1:] - csum + w
+    # Key j is seen by rows i >= max(j − off, i0).
+    if off >= 0:
+        dk[:, : off + 1].sub_(tau * suffix[:, :1])
+        if nk > off + 1:
+            dk[:, off + 1:].sub_(tau * suffix[:, 1:])
+    else:
+        dk.sub_(tau * suffix)
 
 
 def backward(
@@ -496,11 +505,7 @@ def backward(
     )
 
     if uniform:
-        dq_corr, dk_corr = _uniform_corrections(
-            q.transpose(1, 2).float(), k.transpose(1, 2).float(), r, bool(causal)
-        )
-        dq = dq - tau * dq_corr.transpose(1, 2)
-        dk = dk - tau * dk_corr.transpose(1, 2)
+        _apply_uniform_corrections(dq, dk, q, k, r, tau, bool(causal))
     dq, dk = dq.to(gdt), dk.to(gdt)
 
     extras = {}

@@ -10,11 +10,20 @@ raises TypeError unless the plugin is an ``FSDPPrecision``; DeepSpeed wants a ``
 ``GProjPlugin(..., base=FSDPPrecision)`` returns an instance of a class derived from both
 ``GProjPlugin`` and ``FSDPPrecision`` (one class per base, cached), so both ``isinstance`` checks hold
 and the base's methods run unchanged.
+
+Fabric's precision plugins are other classes (``lightning.fabric.plugins.Precision``, with other
+method signatures); :class:`lightning_gproj.fabric.GProjFabricPlugin` is the twin for
+``Fabric(plugins=[...])``, built from the same helpers below.
+
+Autocast device: with ``device=None`` a mixed-precision plugin autocasts on the device type of the
+converted module's parameters at each forward (where the Trainer / Fabric accelerator put them), so a
+CPU run on a machine with CUDA autocasts on CPU.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -35,24 +44,113 @@ PRECISIONS: dict[str, type[Precision]] = {
     "64-true": DoublePrecision,
 }
 
-_CLASSES: dict[type, type] = {}
+_CLASSES: dict[tuple[type, type], type] = {}
 
 
-def _gproj_class(base: type) -> type:
-    """The cached class deriving from :class:`GProjPlugin` and ``base`` (``GProj<BaseName>``)."""
-    if base not in _CLASSES:
-        _CLASSES[base] = type(
+def _gproj_class(base: type, root: Optional[type] = None) -> type:
+    """The cached class deriving from ``root`` (default :class:`GProjPlugin`) and ``base``
+    (``GProj<BaseName>``)."""
+    root = root or GProjPlugin
+    if (root, base) not in _CLASSES:
+        _CLASSES[root, base] = type(
             f"GProj{base.__name__}",
-            (GProjPlugin, base),
-            {"__module__": __name__, "_gproj_base": base, "__doc__": f"GProjPlugin over {base.__qualname__}."},
+            (root, base),
+            {"__module__": root.__module__, "_gproj_base": base,
+             "__doc__": f"{root.__name__} over {base.__module__}.{base.__qualname__}."},
         )
-    return _CLASSES[base]
+    return _CLASSES[root, base]
 
 
-def _rebuild(base: type, state: dict) -> "GProjPlugin":
-    plugin = object.__new__(_gproj_class(base))
+def _rebuild(base: type, state: dict, root: Optional[type] = None) -> Any:
+    plugin = object.__new__(_gproj_class(base, root))
     plugin.__dict__.update(state)
     return plugin
+
+
+def _new(cls: type, root: type, precisions: dict, args: tuple, kwargs: dict, base: Optional[type]) -> type:
+    """The class ``root.__new__`` instantiates: ``GProj<base>`` for ``base`` or the precision's default."""
+    if base is None:
+        if cls is not root:  # already a GProj<Base> class
+            return cls
+        precision = kwargs.get("precision", args[0] if args else "bf16-mixed")
+        base = precisions.get(_check_precision(precision, precisions))
+    elif not (isinstance(base, type) and issubclass(base, root.__mro__[1])):
+        lightning_base = root.__mro__[1]
+        raise TypeError(
+            f"`base` must be a subclass of {lightning_base.__module__.rpartition('.')[0]}.{lightning_base.__name__} "
+            f"(e.g. FSDPPrecision), got {base!r}"
+        )
+    for refused, advice in getattr(root, "_gproj_refuse", ()):
+        if issubclass(base, refused):  # Trainer precisions derive from Fabric's, with other signatures
+            raise TypeError(f"`base` {base.__name__} {advice}")
+    if issubclass(base, root):
+        base = base._gproj_base
+    return _gproj_class(base, root)
+
+
+def _init(plugin: Any, mixed: type, precisions: dict, precision: str, fix: str, include: Any, exclude: Any,
+          catch_all: bool, device: Optional[str], base_kwargs: dict) -> None:
+    """``__init__`` of both plugins: GProj settings, then the base's own constructor."""
+    _check_precision(precision, precisions)
+    _gproj_init(plugin, fix, include, exclude, catch_all)
+    base_cls = plugin._gproj_base
+    if issubclass(base_cls, mixed):
+        plugin._gproj_follow_device = device is None
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        base_cls.__init__(plugin, precision, device, **base_kwargs)
+    else:
+        params = inspect.signature(base_cls.__init__).parameters
+        if "precision" in params:
+            base_cls.__init__(plugin, precision, **base_kwargs)
+        else:
+            base_cls.__init__(plugin, **base_kwargs)
+    if getattr(plugin, "precision", None) != precision:
+        raise ValueError(
+            f"`precision={precision!r}` is not what the base {base_cls.__name__} runs "
+            f"({getattr(plugin, 'precision', None)!r}); pick a matching `precision` or `base`"
+        )
+
+
+def _gproj_init(plugin: Any, fix: str, include: Any, exclude: Any, catch_all: bool) -> None:
+    plugin.fix = check_fix(fix)
+    plugin.include = check_patterns("include", include)
+    plugin.exclude = check_patterns("exclude", exclude)
+    if not isinstance(catch_all, bool):
+        raise TypeError(f"`catch_all` must be a bool, got {catch_all!r}")
+    plugin.catch_all = catch_all
+    plugin.report: Optional[SwapReport] = None
+
+
+def _convert(plugin: Any, module: nn.Module) -> None:
+    """Swap, report on rank zero, and remember the module (for the autocast device)."""
+    plugin.report = swap_attention(
+        module, fix=plugin.fix, include=plugin.include, exclude=plugin.exclude, catch_all=plugin.catch_all
+    )
+    rank_zero_info(plugin.report.table())
+    plugin._gproj_module = weakref.ref(module)
+
+
+def _follow_device(plugin: Any) -> None:
+    """With ``device=None``: autocast where the converted module's parameters are."""
+    if not plugin.__dict__.get("_gproj_follow_device") or plugin.__dict__.get("_gproj_module") is None:
+        return
+    module = plugin._gproj_module()
+    param = next(module.parameters(), None) if module is not None else None
+    if param is not None and param.device.type != plugin.device:
+        plugin.device = param.device.type
+
+
+def _state(plugin: Any) -> dict:
+    state = plugin.__dict__.copy()
+    state.pop("_gproj_module", None)  # a weak reference: not picklable, and the copy has no module yet
+    return state
+
+
+def _repr(plugin: Any) -> str:
+    return (
+        f"{type(plugin).__name__}(precision={getattr(plugin, 'precision', None)!r}, fix={plugin.fix!r}, "
+        f"include={plugin.include!r}, exclude={plugin.exclude!r})"
+    )
 
 
 class GProjPlugin(Precision):
@@ -70,8 +168,9 @@ class GProjPlugin(Precision):
         base: the Lightning precision class to derive from, e.g. ``FSDPPrecision`` under
             ``FSDPStrategy`` or ``DeepSpeedPrecision`` under DeepSpeed. Default: from ``precision``
             (``MixedPrecision``, ``HalfPrecision``, ``Precision`` or ``DoublePrecision``).
-        device: ``torch.autocast`` device for ``MixedPrecision`` (default ``"cuda"`` if available,
-            else ``"cpu"``).
+        device: ``torch.autocast`` device for ``MixedPrecision``. Default None: the device type of
+            the converted module's parameters at each forward (the Trainer's accelerator); before
+            conversion (and for the ``"16-mixed"`` grad scaler) ``"cuda"`` if available, else ``"cpu"``.
         **base_kwargs: further arguments for the base class's constructor (e.g. ``scaler``).
 
     The instance is a ``GProj<Base>`` (e.g. ``GProjMixedPrecision``, ``GProjFSDPPrecision``):
@@ -91,19 +190,7 @@ class GProjPlugin(Precision):
     _gproj_base: type = Precision
 
     def __new__(cls, *args: Any, base: Optional[type] = None, **kwargs: Any) -> "GProjPlugin":
-        if base is None:
-            if cls is not GProjPlugin:  # already a GProj<Base> class
-                return super().__new__(cls)
-            precision = kwargs.get("precision", args[0] if args else "bf16-mixed")
-            base = PRECISIONS.get(_check_precision(precision))
-        elif not (isinstance(base, type) and issubclass(base, Precision)):
-            raise TypeError(
-                f"`base` must be a subclass of lightning.pytorch.plugins.precision.Precision "
-                f"(e.g. FSDPPrecision), got {base!r}"
-            )
-        if issubclass(base, GProjPlugin):
-            base = base._gproj_base
-        return super().__new__(_gproj_class(base))
+        return super().__new__(_new(cls, GProjPlugin, PRECISIONS, args, kwargs, base))
 
     def __init__(
         self,
@@ -116,32 +203,7 @@ class GProjPlugin(Precision):
         device: Optional[str] = None,
         **base_kwargs: Any,
     ) -> None:
-        _check_precision(precision)
-        self._gproj_init(fix, include, exclude, catch_all)
-        base_cls = self._gproj_base
-        if issubclass(base_cls, MixedPrecision):
-            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-            base_cls.__init__(self, precision, device, **base_kwargs)
-        else:
-            params = inspect.signature(base_cls.__init__).parameters
-            if "precision" in params:
-                base_cls.__init__(self, precision, **base_kwargs)
-            else:
-                base_cls.__init__(self, **base_kwargs)
-        if getattr(self, "precision", None) != precision:
-            raise ValueError(
-                f"`precision={precision!r}` is not what the base {base_cls.__name__} runs "
-                f"({getattr(self, 'precision', None)!r}); pick a matching `precision` or `base`"
-            )
-
-    def _gproj_init(self, fix: str, include: Any, exclude: Any, catch_all: bool) -> None:
-        self.fix = check_fix(fix)
-        self.include = check_patterns("include", include)
-        self.exclude = check_patterns("exclude", exclude)
-        if not isinstance(catch_all, bool):
-            raise TypeError(f"`catch_all` must be a bool, got {catch_all!r}")
-        self.catch_all = catch_all
-        self.report: Optional[SwapReport] = None
+        _init(self, MixedPrecision, PRECISIONS, precision, fix, include, exclude, catch_all, device, base_kwargs)
 
     @classmethod
     def from_precision(
@@ -160,31 +222,30 @@ class GProjPlugin(Precision):
         base = plugin._gproj_base if isinstance(plugin, GProjPlugin) else type(plugin)
         new = object.__new__(_gproj_class(base))
         new.__dict__.update(plugin.__dict__)
-        new._gproj_init(fix, include, exclude, catch_all)
+        _gproj_init(new, fix, include, exclude, catch_all)
         return new
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Swap the attention of ``module`` in place (see :func:`~lightning_gproj.swap.swap_attention`),
         print the swap table on rank zero, then let the base precision convert the module.
         Idempotent: a second call re-reports and never double-wraps."""
-        self.report = swap_attention(
-            module, fix=self.fix, include=self.include, exclude=self.exclude, catch_all=self.catch_all
-        )
-        rank_zero_info(self.report.table())
+        _convert(self, module)
         return super().convert_module(module)
+
+    def forward_context(self) -> Any:
+        _follow_device(self)
+        return super().forward_context()
 
     def __reduce__(self) -> tuple:
         # the GProj<Base> classes are made at run time: pickle (ddp_spawn, deepcopy) by base + state
-        return _rebuild, (self._gproj_base, self.__dict__.copy())
+        return _rebuild, (self._gproj_base, _state(self))
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(precision={getattr(self, 'precision', None)!r}, fix={self.fix!r}, "
-            f"include={self.include!r}, exclude={self.exclude!r})"
-        )
+        return _repr(self)
 
 
-def _check_precision(precision: object) -> str:
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(f"`precision` must be one of {tuple(PRECISIONS)}, got {precision!r}")
+def _check_precision(precision: object, precisions: Optional[dict] = None) -> str:
+    precisions = PRECISIONS if precisions is None else precisions
+    if not isinstance(precision, str) or precision not in precisions:
+        raise ValueError(f"`precision` must be one of {tuple(precisions)}, got {precision!r}")
     return precision

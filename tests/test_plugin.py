@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision, FSDPPrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from _attention_models import TinyModel, op_spy  # noqa: F401 (fixture)
@@ -27,15 +28,24 @@ from lightning_gproj.swap.mha import GProjMultiheadAttention
 
 
 class LitTiny(L.LightningModule):
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, checkpointing: bool = False):
         super().__init__()
         torch.manual_seed(seed)
         self.model = TinyModel()
+        self.checkpointing = checkpointing
         self.losses: list[float] = []
+
+    def forward(self, tokens):
+        if not self.checkpointing:
+            return self.model(tokens)
+        x = self.model.emb(tokens)
+        for block in self.model.blocks:  # activation checkpointing: the backward recomputes each block
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.model.head(x)
 
     def training_step(self, batch, batch_idx):
         (tokens,) = batch
-        logits = self.model(tokens[:, :-1])
+        logits = self(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         self.losses.append(float(loss.detach()))
         return loss
@@ -48,8 +58,8 @@ class LitTiny(L.LightningModule):
         return DataLoader(TensorDataset(torch.randint(0, 11, (20, 9), generator=g)), batch_size=4)
 
 
-def _fit(plugin=None, precision="32-true", tmp_path=None, steps=5):
-    module = LitTiny()
+def _fit(plugin=None, precision="32-true", tmp_path=None, steps=5, checkpointing=False):
+    module = LitTiny(checkpointing=checkpointing)
     kwargs = dict(plugins=[plugin]) if plugin is not None else dict(precision=precision)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
@@ -83,6 +93,29 @@ def test_fit_bf16_mixed_runs_the_op_under_autocast(op_spy, tmp_path):
     for a, b in zip(swapped.losses, plain.losses):
         assert abs(a - b) <= 2e-2 * abs(b)
     assert op_spy.calls and all(c["q_dtype"] == torch.bfloat16 for c in op_spy.calls)
+
+
+def test_fit_bf16_true_runs_the_op_on_bf16_weights(op_spy, tmp_path):
+    _, plain = _fit(precision="bf16-true", tmp_path=tmp_path, steps=3)
+    plugin = GProjPlugin("bf16-true")
+    assert isinstance(plugin, HalfPrecision)
+    _, swapped = _fit(plugin, tmp_path=tmp_path, steps=3)
+    for a, b in zip(swapped.losses, plain.losses):
+        assert abs(a - b) <= 2e-2 * abs(b)
+    assert len(op_spy.calls) == 6 and all(c["q_dtype"] == torch.bfloat16 for c in op_spy.calls)
+    assert next(swapped.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("precision, tol", [("32-true", 1e-5), ("bf16-mixed", 2e-2)])
+def test_fit_with_activation_checkpointing_recomputes_through_the_op(precision, tol, op_spy, tmp_path):
+    _, plain = _fit(precision=precision, tmp_path=tmp_path, steps=3, checkpointing=True)
+    _, swapped = _fit(GProjPlugin(precision), tmp_path=tmp_path, steps=3, checkpointing=True)
+    for a, b in zip(swapped.losses, plain.losses):
+        assert abs(a - b) <= tol * abs(b)
+    # forward + recomputation in the backward, 2 layers, 3 steps
+    assert len(op_spy.calls) == 12
+    assert [c["stats_name"] for c in op_spy.calls[:4]] == [
+        "model.blocks.0.attn", "model.blocks.1.attn", "model.blocks.1.attn", "model.blocks.0.attn"]
 
 
 def test_checkpoint_of_plugin_run_loads_strict_into_plain_model(op_spy, tmp_path):

@@ -370,13 +370,24 @@ def _dkdv_kernel(
              to16(dv, DV.dtype.element_ty, INTERP), mask=kv_mask)
 
 
+def _cumsum_seq(x):
+    """Cumulative sum over dim 1 of a (B, N, H, d) tensor, scanned along the innermost dimension.
+
+    PyTorch's CUDA scan over an outer dimension runs one sequential loop per inner element (B·H·d of
+    them, each N steps long); the innermost-dimension scan is parallel within each row. Run 2 measured
+    the causal gproj_uniform backward at ~4× the kernels' time with the outer-dim scan; this layout is
+    the fix, not yet re-measured on the GPU (benchmarks/NOTES.md).
+    """
+    return x.permute(0, 2, 3, 1).contiguous().cumsum(dim=-1).permute(0, 3, 1, 2)
+
+
 def _apply_uniform_corrections(dq, dk, q, k, r, tau, causal):
     """Orthogonal-projection corrections (DESIGN.md §4 "uniform"), in place on fp32 dq, dk; O(N·d).
 
     dq_i −= τ r_i k̄_i with k̄_i the mean of the keys row i sees; dk_j −= τ Σ_{i sees j} (r_i/n_i) q_i,
     summed over the query heads of each kv head. Causal rows see a prefix of the keys (bottom-right
     aligned), so k̄ is a prefix mean and the dk sum a suffix sum: both are contiguous slices, no
-    gathers or boolean indexing (which cost 4× the kernels' time in run 1, benchmarks/NOTES.md).
+    gathers or boolean indexing.
 
     dq: (B, Nq, H, d) fp32; dk: (B, Nk, Hk, d) fp32; q, k: the 16-bit inputs; r: (B, H, Nq) fp32.
     """
@@ -397,12 +408,12 @@ def _apply_uniform_corrections(dq, dk, q, k, r, tau, causal):
     if i0 >= nq:
         return
     n = torch.arange(i0 + off + 1, nq + off + 1, device=q.device, dtype=torch.float32)  # n_i, i >= i0
-    prefix = k.float().cumsum(dim=1)[:, i0 + off:]  # Σ_{j <= i+off} k_j for i >= i0: (B, Nq-i0, Hk, d)
+    prefix = _cumsum_seq(k.float())[:, i0 + off:]  # Σ_{j <= i+off} k_j for i >= i0: (B, Nq-i0, Hk, d)
     kbar = prefix / n[None, :, None, None]
     dq5[:, i0:].sub_(tau * rt[:, i0:, ..., None] * kbar[:, :, :, None, :])
     w = torch.einsum("bnkg,bnkgd->bnkd", rt[:, i0:] / n[None, :, None, None], q5[:, i0:].float())
     # Suffix sums S_i = Σ_{i' >= i} w_i' (over rows i >= i0), as total − prefix + w.
-    csum = w.cumsum(dim=1)
+    csum = _cumsum_seq(w)
     suffix = csum[:, -1:] - csum + w
     # Key j is seen by rows i >= max(j − off, i0).
     if off >= 0:

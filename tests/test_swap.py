@@ -73,6 +73,7 @@ SDPA_SERVED = {
     "is_causal": (dict(is_causal=True), True),
     "causal_bool_mask": (dict(attn_mask=_tril), True),
     "all_true_mask": (dict(attn_mask=lambda n, m, d: torch.ones(1, 1, n, m, dtype=torch.bool, device=d)), False),
+    "key_padding_mask_all_true": (dict(attn_mask=lambda n, m, d: torch.ones(2, 1, 1, m, dtype=torch.bool, device=d)), False),
     "scale": (dict(scale=0.3, is_causal=True), True),
     "gqa": (dict(kv_heads=2, enable_gqa=True, is_causal=True), True),
     "explicit_zero_dropout": (dict(dropout_p=0.0), False),
@@ -121,6 +122,12 @@ def _float_causal(n, m, d):
     return torch.zeros(n, m, device=d).masked_fill(~_tril(n, m, d), float("-inf"))
 
 
+def _key_padding(n, m, d):  # (batch, 1, 1, Nk): batch 0 has its last two keys padded
+    mask = torch.ones(2, 1, 1, m, dtype=torch.bool, device=d)
+    mask[0, ..., -2:] = False
+    return mask
+
+
 def _random_bool(n, m, d):
     g = torch.Generator().manual_seed(3)
     mask = torch.rand(n, m, generator=g) > 0.5
@@ -130,6 +137,7 @@ def _random_bool(n, m, d):
 
 SDPA_FALLBACK = {
     "float_mask": (dict(attn_mask=_float_causal), "attn_mask of dtype torch.float32"),
+    "key_padding_mask": (dict(attn_mask=_key_padding), "key-padding attn_mask that masks keys"),
     "arbitrary_bool_mask": (dict(attn_mask=_random_bool), "boolean attn_mask is not the causal mask"),
     "dropout": (dict(dropout_p=0.5), "dropout_p=0.5"),
     "is_causal_nq_ne_nk": (dict(is_causal=True), "is_causal with Nq=5 != Nk=9"),
@@ -324,6 +332,20 @@ def test_mha_without_bias_is_served(op_spy):
 
     _assert_close(Call(model), Call(swapped), [torch.randn(5, 3, 32), torch.randn(7, 3, 32)], 2e-5)
     assert [(c["q_shape"], c["k_shape"], c["causal"]) for c in op_spy.calls] == [((3, 5, 2, 16), (3, 7, 2, 16), False)]
+
+
+def test_mha_key_padding_mask_that_masks_nothing_is_served(op_spy):
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(32, 4, batch_first=True)
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    x = torch.randn(2, 6, 32)
+    for kpm in (torch.zeros(2, 6, dtype=torch.bool), torch.zeros(2, 6)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", GProjFallbackWarning)
+            out = swapped(x, x, x, key_padding_mask=kpm, need_weights=False)[0]
+        assert rel_err(out, model(x, x, x, key_padding_mask=kpm, need_weights=False)[0]) <= 2e-5
+    assert len(op_spy.calls) == 2
 
 
 MHA_FALLBACK = {

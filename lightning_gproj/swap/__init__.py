@@ -167,7 +167,7 @@ def swap_attention(
                 report.rows.append(SwapRow(path, original, None, reason))
                 continue
             report.sites[path] = mha.swap_module(module, path, fix, site=old)
-            calls = "need_weights=True, key_padding_mask, non-causal masks"
+            calls = "need_weights=True, key_padding_mask masking keys, non-causal masks"
             if module.dropout > 0:
                 calls += f", training (dropout={module.dropout})"
             notes = again + [f"calls with {calls} run the original (warns once)"]

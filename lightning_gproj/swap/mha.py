@@ -46,6 +46,14 @@ def _is_causal_mha_mask(mask: torch.Tensor, n_q: int, n_k: int) -> bool:
     return bool((mask == expected).all())
 
 
+def _masks_keys(key_padding_mask: torch.Tensor) -> bool:
+    """True unless the ``key_padding_mask`` masks nothing (bool: no True; float: all zeros), in
+    which case the call equals the call without it."""
+    if key_padding_mask.dtype == torch.bool:
+        return bool(key_padding_mask.any())
+    return not (key_padding_mask.is_floating_point() and bool((key_padding_mask == 0).all()))
+
+
 class GProjMultiheadAttention(nn.MultiheadAttention):
     """``nn.MultiheadAttention`` whose attention runs :func:`lightning_gproj.ops.gproj_attn_func`.
 
@@ -53,7 +61,7 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
     as in ``nn.MultiheadAttention``: query (L, N, E), or (N, L, E) with ``batch_first``, or (L, E)
     unbatched; key/value likewise with S for L. Returns ``(output, None)``.
 
-    Served: ``need_weights=False``, no ``key_padding_mask``, ``attn_mask`` None or the causal mask
+    Served: ``need_weights=False``, no ``key_padding_mask`` (or one that masks nothing), ``attn_mask`` None or the causal mask
     (``is_causal=True`` with a mask, trusted as the original does on this path; or a mask whose
     values are exactly causal), dropout inactive (eval mode or ``dropout=0``), causal only with L == S,
     head dim (embed_dim / num_heads) a multiple of 8 up to the op's ``MAX_HEAD_DIM``.
@@ -67,8 +75,8 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
     def _plan(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
         if need_weights:
             return "need_weights=True (the weights need the full attention matrix; pass need_weights=False)", False
-        if key_padding_mask is not None:
-            return "key_padding_mask is set", False
+        if key_padding_mask is not None and _masks_keys(key_padding_mask):
+            return "key_padding_mask that masks keys (the op takes no key-padding mask)", False
         if self.training and self.dropout > 0.0:
             return f"dropout={self.dropout} while training (the op has no dropout)", False
         if query.dim() not in (2, 3) or query.dim() != key.dim() or key.dim() != value.dim():

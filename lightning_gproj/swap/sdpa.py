@@ -83,7 +83,8 @@ def plan(args: tuple, kwargs: dict) -> tuple[Optional[str], bool]:
     Served: 4-D q, k, v of one dtype and device, equal batch, equal headdim for v (a multiple of 8
     up to the op's ``MAX_HEAD_DIM``), ``dropout_p == 0``,
     ``attn_mask`` None (``is_causal`` only with Nq == Nk: SDPA's mask is top-left aligned, the op's
-    bottom-right) or a bool mask whose values are exactly all-True or the causal mask (Nq <= Nk),
+    bottom-right) or a bool mask broadcastable to (batch, heads, Nq, Nk) — key-padding masks
+    (batch, 1, 1, Nk) included — whose values are exactly all-True or the causal mask (Nq <= Nk),
     ``scale``, GQA with ``enable_gqa=True``. Reading a mask's values synchronizes with the device.
     """
     try:
@@ -119,9 +120,9 @@ def plan(args: tuple, kwargs: dict) -> tuple[Optional[str], bool]:
         return "attn_mask together with is_causal", False
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         return f"attn_mask of dtype {getattr(mask, 'dtype', type(mask).__name__)} (only boolean causal masks are served)", False
-    if mask.dim() > 4 or tuple(mask.shape[-2:]) != (n_q, n_k) or any(
-        s not in (1, t) for s, t in zip(mask.shape[:-2][::-1], (h_q, b))
-    ):
+    # broadcast to (batch, heads, Nq, Nk) as SDPA does; (batch, 1, 1, Nk) is a key-padding mask
+    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape) if 1 <= mask.dim() <= 4 else None
+    if shape is None or shape[3] != n_k or any(s not in (1, t) for s, t in zip(shape[:3], (b, h_q, n_q))):
         return f"attn_mask of shape {tuple(mask.shape)}", False
     if mask.device != q.device:
         return "attn_mask on another device", False
@@ -129,6 +130,8 @@ def plan(args: tuple, kwargs: dict) -> tuple[Optional[str], bool]:
         return None, False
     if n_q <= n_k and bool((mask == causal_bool(n_q, n_k, mask.device)).all()):
         return None, True
+    if shape[2] == 1:
+        return "key-padding attn_mask that masks keys (the op takes no key-padding mask)", False
     return "boolean attn_mask is not the causal mask", False
 
 

@@ -35,7 +35,9 @@ class OpSpy:
         self.calls: list[dict] = []
 
     def __call__(self, q, k, v, **kwargs):
-        self.calls.append(dict(kwargs, q_shape=tuple(q.shape), k_shape=tuple(k.shape), q_dtype=q.dtype))
+        self.calls.append(dict(
+            kwargs, q_shape=tuple(q.shape), k_shape=tuple(k.shape), q_dtype=q.dtype, dtypes=(q.dtype, k.dtype, v.dtype),
+            autocast=torch.is_autocast_enabled(q.device.type)))
         return self.op(q, k, v, **kwargs)
 
 

@@ -194,6 +194,28 @@ def test_sdpa_fallback_on_3d_inputs(op_spy):
     assert op_spy.calls == []
 
 
+def test_sdpa_fp32_and_bf16_inputs_under_autocast_are_served(op_spy):
+    # Rotary embeddings in fp32 leave q, k fp32 next to a bf16 v; autocast casts all three to bf16
+    # for SDPA, and the op does the same. Both then compute in bf16 (8-bit mantissa, 4e-3 per
+    # rounding) with different rounding points, so they agree to 2e-2 of the max-abs value.
+    class Attend(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    model = Attend()
+    swap_attention(model)
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 2, 4, 6, 8).unbind(0)
+    v = torch.randn(2, 4, 6, 8).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        out = model(q, k, v)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert rel_err(out.float(), ref.float()) <= 2e-2
+    assert [(c["dtypes"], c["autocast"]) for c in op_spy.calls] == [((torch.float32, torch.float32, torch.bfloat16), True)]
+
+
 def test_sdpa_helper_method_is_detected(op_spy):
     torch.manual_seed(0)
     model = Block(HelperMethodAttention(32, 4))

@@ -76,11 +76,22 @@ def _signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
+def _autocast_unifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True if autocast casts q, k, v to one dtype, as it does for SDPA and the op alike: fp32 and
+    autocast-dtype inputs (e.g. fp32 rotary-embedded q, k with a bf16 v) under an enabled autocast."""
+    device_type = q.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return False
+    allowed = (torch.float32, torch.get_autocast_dtype(device_type))
+    return all(t.dtype in allowed for t in (q, k, v))
+
+
 def plan(args: tuple, kwargs: dict) -> tuple[Optional[str], bool]:
     """Decide how to serve one SDPA call: ``(reason, causal)``; ``reason`` is None when the op can
     reproduce SDPA exactly (up to rounding) with ``causal``, else it says why not.
 
-    Served: 4-D q, k, v of one dtype and device, equal batch, equal headdim for v (a multiple of 8
+    Served: 4-D q, k, v of one dtype (or fp32 mixed with the autocast dtype under autocast) and
+    device, equal batch, equal headdim for v (a multiple of 8
     up to the op's ``MAX_HEAD_DIM``), ``dropout_p == 0``,
     ``attn_mask`` None (``is_causal`` only with Nq == Nk: SDPA's mask is top-left aligned, the op's
     bottom-right) or a bool mask broadcastable to (batch, heads, Nq, Nk) — key-padding masks
@@ -95,8 +106,10 @@ def plan(args: tuple, kwargs: dict) -> tuple[Optional[str], bool]:
         return "query/key/value are not all tensors", False
     if not (q.dim() == k.dim() == v.dim() == 4):
         return f"inputs are not 4-D (query {tuple(q.shape)}, key {tuple(k.shape)})", False
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        return "query/key/value differ in dtype or device", False
+    if not (q.device == k.device == v.device):
+        return "query/key/value differ in device", False
+    if not (q.dtype == k.dtype == v.dtype) and not _autocast_unifies(q, k, v):
+        return f"query/key/value differ in dtype ({q.dtype}, {k.dtype}, {v.dtype})", False
     if not isinstance(dropout_p, (int, float)) or dropout_p != 0.0:
         return f"dropout_p={dropout_p} (the op has no dropout)", False
     (b, h_q, n_q, d), (bk, h_k, n_k, dk) = q.shape, k.shape

@@ -192,6 +192,23 @@ def test_include_exclude_and_idempotence(op_spy):
     model.load_state_dict(swapped.state_dict(), strict=True)
 
 
+def test_eager_model_is_switched_and_restored(op_spy):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(config)
+    swapped = copy.deepcopy(model)
+    report = swap_attention(swapped)
+    assert report.rows[0].original == "LlamaAttention: transformers attention ('eager')"
+    assert "its masks are now built as for 'sdpa', not 'eager'" in report.rows[0].reason
+    ids = _inputs("llama")["input_ids"]
+    assert rel_err(swapped(ids).logits, model(ids).logits) <= TOL and len(op_spy.calls) == 2
+    unswap_attention(swapped)
+    assert swapped.config._attn_implementation == "eager"
+    assert torch.equal(swapped(ids).logits, model(ids).logits)
+
+
 class LitLlama(L.LightningModule):
     def __init__(self):
         super().__init__()

@@ -214,3 +214,24 @@ def test_calls_outside_swapped_modules_and_excluded_modules_run_the_original(fak
     assert len(op_spy.calls) == 1
     other = mod.Block(causal=True)  # a second, unswapped model of the same file keeps the original
     assert torch.equal(other(x), copy.deepcopy(other)(x)) and len(op_spy.calls) == 1
+
+
+def test_swap_twice_is_idempotent_and_a_second_model_shares_the_binding(fake_flash, op_spy):
+    mod = fake_flash(tag="twice")
+    torch.manual_seed(0)
+    first, second = mod.Block(causal=True), mod.Block(causal=True)
+    plain_first, plain_second = copy.deepcopy(first), copy.deepcopy(second)
+    swap_attention(first)
+    report = swap_attention(first, fix="none")  # undoes the first swap, then swaps again
+    assert report.rows[0].reason.startswith("already swapped")
+    wrapper = mod.flash_attn_func
+    assert isinstance(wrapper, FlashAttnFunc) and wrapper.original is _fa2
+    assert first.attn.forward.original is None  # not wrapped twice
+    swap_attention(second)
+    x = torch.randn(2, 5, 32)
+    assert rel_err(first(x), plain_first(x)) <= TOL and rel_err(second(x), plain_second(x)) <= TOL
+    assert [(c["stats_name"], c["fix"]) for c in op_spy.calls] == [("attn", "none"), ("attn", "gproj")]
+    unswap_attention(first)  # the second model still uses the rebound name
+    assert mod.flash_attn_func is wrapper
+    unswap_attention(second)
+    assert mod.flash_attn_func is _fa2

@@ -7,7 +7,8 @@ wraps the ``forward`` of each selected module whose class code names it (:class:
 which marks the module's :class:`Site` active while it runs. The rebound function serves a call only
 while a swapped module is active; any other call (another model of the same file, an excluded module,
 code outside a forward) runs the original function untouched. Unswapping restores the name once no
-swapped module uses it.
+swapped module uses it (a ``copy.deepcopy`` of a swapped model is not counted as a user: after its
+source is unswapped, the copy's calls run the original, unserved, until it is swapped itself).
 
 Sources (the functions they export):
 
@@ -45,17 +46,11 @@ from ._common import Guard, Site, op_reason
 
 #: Modules whose ``flash_attn_func`` is rebound, with the name shown in reports.
 SOURCES = ("flash_attn", "flash_attn_interface", "flash_attn.cute")
-#: Parameters whose default is the only value served (None, 0, (-1, -1), (None, None), False).
-_MUST_BE_DEFAULT = (
-    "dropout_p", "window_size", "softcap", "alibi_slopes", "return_attn_probs", "return_lse", "qv",
-    "q_descale", "k_descale", "v_descale", "attention_chunk", "learnable_sink", "gather_kv_indices",
-    "score_mod", "score_mod_bwd", "mask_mod", "aux_tensors", "aux_scalars", "block_sparse_tensors",
-    "block_sparse_tensors_bwd",
-)
 #: Parameters that change speed or memory only.
 _IGNORED = ("deterministic", "num_splits", "pack_gqa", "sm_margin")
 
-#: Stack of the sites whose module is running its forward (innermost last).
+#: Stack of the sites whose module is running its forward (innermost last). One per process: modules
+#: run concurrently in several threads of one process (nn.DataParallel) are not told apart.
 _ACTIVE: list[Site] = []
 #: (namespace, name) -> the FlashAttnFunc bound there and the swapped modules that use it.
 _BINDINGS: dict[tuple[str, str], tuple["FlashAttnFunc", "weakref.WeakSet[nn.Module]"]] = {}
@@ -143,7 +138,8 @@ class FlashAttnFunc:
         names = list(params)
         q, k, v = (given.get(n) for n in names[:3])
         for name, value in given.items():
-            # anything else, known (_MUST_BE_DEFAULT) or added by a later version, must keep its default
+            # every other parameter (dropout_p, window_size, softcap, alibi_slopes, qv, descales, sinks,
+            # score/mask mods, return flags, or one a later version adds) must keep its default
             if name in names[:3] or name in _IGNORED or name in ("softmax_scale", "causal"):
                 continue
             if not _is_default(value, params[name].default):

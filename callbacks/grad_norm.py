@@ -172,7 +172,7 @@ class GradNormMonitor(Monitor):
         warn_ratio: float | None = 4.0,
         *,
         critical_ratio: float | None = 10.0,
-        warmup: int = 20,
+        warmup: int = 100,
         cusum_warn: float | None = 25.0,
         cusum_critical: float | None = None,
         cusum_drift: float = 1.0,

@@ -345,7 +345,7 @@ class ZeroSumMonitor(Monitor):
         probe_queries: int = 512,
         detect: Sequence[str] = DEFAULT_DETECT,
         window: int = 20,
-        warmup: int = 5,
+        warmup: int = 10,
         warn_ratio: Optional[float] = 3.0,
         critical_ratio: Optional[float] = 10.0,
         cusum_warn: Optional[float] = 15.0,

@@ -184,7 +184,7 @@ def render(series: Series, out: str | os.PathLike, *, grad_prefix: str = "grad_n
     axes[-1].set_xlabel("optimizer step")
     suffix = f"; {len(marks)} alert(s): " + ", ".join(f"{s}:{sig}" for s, _, sig in marks[:6]) if marks else "; no alert"
     fig.suptitle((title or "lightning-gproj monitors") + suffix, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return fig

@@ -54,8 +54,9 @@ class Model(pl.LightningModule):
 
 
 def test_dashboard_from_a_real_run(tmp_path):
+    torch.manual_seed(0)  # the weights (the data has its own generator)
     monitors = [
-        GradNormMonitor(window=20, warmup=10, print_summary=False),
+        GradNormMonitor(window=20, warmup=10, warn_ratio=None, cusum_warn=None, print_summary=False),  # critical only: random batches reach 4x
         ZeroSumMonitor(every_n_steps=5, probe_every_n_steps=None, print_summary=False),
     ]
     logger = CSVLogger(tmp_path, name="run", version=0)
@@ -66,7 +67,7 @@ def test_dashboard_from_a_real_run(tmp_path):
     )
     trainer.fit(Model())
     series = load_logs(tmp_path / "run")  # the one metrics.csv below
-    assert [a.step for a in monitors[0].alerts] == [30]
+    assert [a.step for a in monitors[0].alerts] == [30], [a.message() for a in monitors[0].alerts]
     assert alert_steps(series) == [(30, 2, "grad_norm/global")]
     leak = layer_series(series, "gproj", "leak_ratio")
     assert sorted(leak) == ["blocks.0.attn"] and sorted(leak["blocks.0.attn"]) == [0, 5, 10, 15, 20, 25, 30, 35]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import os
 import warnings
 from pathlib import Path
 
@@ -641,7 +642,8 @@ def test_summaries_are_printed_at_the_end_of_fit(tmp_path):
 
 
 class RankModel(pl.LightningModule):
-    """Writes rank- and step-dependent values into the recorder, as the op would on each rank."""
+    """Writes rank- and step-dependent values into the recorder, as the op would on each rank. The leak
+    ratio jumps on rank 1 only, from step 6 on."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -653,6 +655,7 @@ class RankModel(pl.LightningModule):
             "layer0",
             violation_median=torch.tensor(0.1 * (rank + 1) + 0.01 * step),
             violation_max=torch.tensor(0.2 * (rank + 1) + 0.01 * step),
+            leak_ratio=torch.tensor(1.0 if (rank == 1 and step >= 6) else 0.01),
         )
         return self.net(batch).pow(2).mean()
 
@@ -664,15 +667,33 @@ class RankModel(pl.LightningModule):
 
 
 def test_zero_sum_reduces_over_ranks(tmp_path):
-    """Two CPU processes (gloo): mean over ranks for most statistics, max for ``*_max``."""
-    monitors = [ZeroSumMonitor(every_n_steps=2, print_summary=False), GradNormMonitor(print_summary=False)]
-    trainer, logged = fit(RankModel(), monitors, tmp_path, max_steps=4, strategy="ddp_fork", devices=2)
+    """Two CPU processes (gloo), values gathered through torchmetrics: mean over ranks for most
+    statistics, max for ``*_max``; a jump on one rank raises the same alert on every rank."""
+    alert_files = tmp_path / "alerts"
+    alert_files.mkdir()
+
+    def on_alert(alert) -> None:  # runs in each forked rank
+        rank = int(os.environ.get("LOCAL_RANK", "0"))
+        with open(alert_files / f"rank{rank}.txt", "a") as f:
+            f.write(f"{alert.step} {alert.signal} {alert.level} {alert.signal_value:.6f} {','.join(alert.layers)}\n")
+
+    monitors = [
+        ZeroSumMonitor(every_n_steps=2, warmup=2, probe_every_n_steps=None, on_alert=on_alert, print_summary=False),
+        GradNormMonitor(print_summary=False),
+    ]
+    trainer, logged = fit(RankModel(), monitors, tmp_path, max_steps=8, strategy="ddp_fork", devices=2)
     median, maximum = logged["gproj/layer0/violation_median"], logged["gproj/layer0/violation_max"]
-    assert sorted(median) == sorted(maximum) == [0, 2]
-    for step in (0, 2):
+    assert sorted(median) == sorted(maximum) == [0, 2, 4, 6]
+    for step in (0, 2, 4, 6):
         assert median[step] == pytest.approx((0.1 + 0.2) / 2 + 0.01 * step, rel=1e-6)
         assert maximum[step] == pytest.approx(0.4 + 0.01 * step, rel=1e-6)
-    assert sorted(logged["grad_norm/global"]) == [0, 1, 2, 3]
+    leak = logged["gproj/layer0/leak_ratio"]
+    assert leak[4] == pytest.approx(0.01) and leak[6] == pytest.approx((1.0 + 0.01) / 2)
+    assert logged["alert/gproj/leak_ratio"] == {6: 2.0}  # 50x the median: critical
+    seen = {p.name: p.read_text() for p in alert_files.iterdir()}
+    assert sorted(seen) == ["rank0.txt", "rank1.txt"]
+    assert seen["rank0.txt"] == seen["rank1.txt"] == "6 gproj/leak_ratio critical 0.505000 layer0\n"
+    assert sorted(logged["grad_norm/global"]) == list(range(8))
 
 
 def test_monitors_pickle_and_drive_the_recorder_of_their_process():

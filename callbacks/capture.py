@@ -27,7 +27,7 @@ captured dtype and autocast state) and in float64, see its docstring. Training i
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -157,7 +157,8 @@ def slice_call(q, k, v, attn_mask, is_causal, enable_gqa, heads: int, queries: i
 class AttentionCapture(TorchFunctionMode):
     """See the module docstring. ``names``: ``{id(module): path}`` of the model's modules; ``layers``:
     the SDPA layer names seen so far, in order of first appearance (appended to, shared across steps);
-    ``probe_layer``: the layer to probe this step ("" = the first SDPA call seen; None = no probe)."""
+    ``probe_layer``: the layer to probe this step ("" = the first SDPA call seen that ``probe_filter``
+    accepts; None = no probe)."""
 
     def __init__(
         self,
@@ -168,6 +169,7 @@ class AttentionCapture(TorchFunctionMode):
         probe_layer: Optional[str] = None,
         probe_heads: int = 2,
         probe_queries: int = 512,
+        probe_filter: Optional[Callable[[str], bool]] = None,
     ) -> None:
         super().__init__()
         self.names = names
@@ -176,6 +178,7 @@ class AttentionCapture(TorchFunctionMode):
         self.probe_layer = probe_layer
         self.probe_heads = probe_heads
         self.probe_queries = probe_queries
+        self.probe_filter = probe_filter or (lambda name: True)
         #: ``{layer: [(‖Σ_j dK_j‖, ‖dK‖_F), ...]}`` (0-dim fp32/fp64 tensors), one per call whose k got a gradient.
         self.c2_terms: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.probe: Optional[ProbeCapture] = None
@@ -247,7 +250,8 @@ class AttentionCapture(TorchFunctionMode):
         if self.c2 and isinstance(k, torch.Tensor) and k.dim() >= 2:
             self._hook_c2(name, k, seq_dim=k.dim() - 2)
         wanted = self.probe_layer is not None and self.probe is None
-        if wanted and self.probe_layer in ("", name) and dropout_p == 0.0 and out.requires_grad:
+        chosen = name == self.probe_layer or (self.probe_layer == "" and self.probe_filter(name))
+        if wanted and chosen and dropout_p == 0.0 and out.requires_grad:
             sliced = slice_call(q, k, v, mask, is_causal, enable_gqa, self.probe_heads, self.probe_queries)
             if sliced is None:
                 return

@@ -22,6 +22,7 @@ delivered by :mod:`.alerts`.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import warnings
 import zlib
 from typing import Any, Callable, Optional, Sequence
@@ -318,6 +319,10 @@ class ZeroSumMonitor(Monitor):
         probe_every_n_steps: probe cadence in optimizer steps (int >= 1) or None (no probe).
         probe_heads: query heads in the probe slice (int >= 1).
         probe_queries: queries in the probe slice (int >= 1).
+        probe_layers: glob patterns (``fnmatch``) over layer paths restricting the probe's round robin
+            (e.g. ``["blocks.0.attn", "blocks.11.*"]``); None = every SDPA layer. With many layers the
+            round robin visits each one every ``n_layers × probe_every_n_steps`` steps, which is what
+            its detector's ``warmup`` counts in; restricting the probe shortens that.
         detect: statistics to alert on (sequence of statistic names).
         window, warmup, warn_ratio, critical_ratio, cusum_warn, cusum_critical, cusum_drift,
             min_log_sigma, slope_window, slope_horizon, slope_warn, slope_critical: detector settings
@@ -343,6 +348,7 @@ class ZeroSumMonitor(Monitor):
         probe_every_n_steps: Optional[int] = 500,
         probe_heads: int = 2,
         probe_queries: int = 512,
+        probe_layers: Optional[Sequence[str]] = None,
         detect: Sequence[str] = DEFAULT_DETECT,
         window: int = 20,
         warmup: int = 10,
@@ -375,6 +381,11 @@ class ZeroSumMonitor(Monitor):
         )
         self.probe_heads = check_int("probe_heads", probe_heads, 1)
         self.probe_queries = check_int("probe_queries", probe_queries, 1)
+        if probe_layers is not None and (
+            isinstance(probe_layers, str) or not all(isinstance(x, str) and x for x in probe_layers)
+        ):
+            raise ValueError(f"`probe_layers` must be None or a sequence of glob patterns over layer paths, got {probe_layers!r}")
+        self.probe_layers = None if probe_layers is None else tuple(probe_layers)
         if isinstance(detect, str) or not all(isinstance(d, str) and d for d in detect):
             raise ValueError(f"`detect` must be a sequence of statistic names such as {DEFAULT_DETECT}, got {detect!r}")
         self.detect = tuple(detect)
@@ -453,6 +464,9 @@ class ZeroSumMonitor(Monitor):
     def _sampled(self, step: int) -> bool:
         return step % self.every_n_steps == 0
 
+    def _probe_allowed(self, layer: str) -> bool:
+        return self.probe_layers is None or any(fnmatch.fnmatchcase(layer, p) for p in self.probe_layers)
+
     def _probed(self, step: int) -> bool:
         return self.probe_every_n_steps is not None and step % self.probe_every_n_steps == 0
 
@@ -481,10 +495,11 @@ class ZeroSumMonitor(Monitor):
             if self._capture is None:
                 probe_layer = None
                 if probed:
-                    probe_layer = self.sdpa_layers[self._probes % len(self.sdpa_layers)] if self.sdpa_layers else ""
+                    candidates = [name for name in self.sdpa_layers if self._probe_allowed(name)]
+                    probe_layer = candidates[self._probes % len(candidates)] if candidates else ""
                 self._capture = AttentionCapture(
                     self._names, self.sdpa_layers, c2=sampled and self.c2, probe_layer=probe_layer,
-                    probe_heads=self.probe_heads, probe_queries=self.probe_queries,
+                    probe_heads=self.probe_heads, probe_queries=self.probe_queries, probe_filter=self._probe_allowed,
                 )
                 self._capture_step = step
             self._capture.start()  # every micro-batch's forward

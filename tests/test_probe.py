@@ -146,6 +146,16 @@ def test_probe_numbers_match_float64_on_the_captured_tensors(tmp_path):
     assert step == 3 and cap.layer == "blocks.1.attn" and torch.equal(cap.q, model.blocks[1].attn.calls[3]["q"][:1, :2, :12])
 
 
+def test_probe_layers_restrict_the_round_robin(tmp_path):
+    model = TwoLayers()
+    monitor = ZeroSumMonitor(every_n_steps=10**6, probe_every_n_steps=1, probe_layers=["blocks.1.*"], print_summary=False)
+    logged = fit(model, [monitor], tmp_path, max_steps=3)
+    assert sorted(logged["gproj/blocks.1.attn/probe_dq_error"]) == [0, 1, 2]
+    assert not [k for k in logged if k.startswith("gproj/blocks.0.attn/probe")]
+    with pytest.raises(ValueError, match="`probe_layers`"):
+        ZeroSumMonitor(probe_layers="blocks.1.attn")
+
+
 def test_c2_residual_of_unswapped_sdpa_matches_the_key_gradient(tmp_path):
     model = TwoLayers()
     monitor = ZeroSumMonitor(every_n_steps=2, probe_every_n_steps=None, print_summary=False)

@@ -11,7 +11,7 @@ fresh ``GradNormMonitor`` / ``ZeroSumMonitor`` instances (``--config`` JSON for 
 i.e. the same detector code the monitors run online. Results go to ``benchmarks/results/``.
 
 The synthetic pair: 1600 steps; the global grad norm is 1 × lognormal noise (σ_log 0.1) and, in the
-stressed arm, grows ×1.05 per step from step 1300; a leak ratio sampled every 50 steps is 1e-3 ×
+stressed arm, grows ×1.05 per step from step 1300; a leak ratio sampled every 50 steps is 1e-2 ×
 lognormal noise (σ_log 0.05) and, in the stressed arm, doubles every 100 steps from step 800. The
 healthy twin has the same noise (same seed) and neither rise. These numbers say that the harness and
 the detectors do what they are built to do on a made-up leak-before-blowup pattern; they say nothing
@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 def synthetic(seed: int, steps: int, leak_rise_at: int | None, blowup_at: int | None) -> dict[str, dict[int, float]]:
     rng = np.random.default_rng(seed)
     grad = np.exp(rng.normal(0, 0.1, steps))
-    leak = 1e-3 * np.exp(rng.normal(0, 0.05, steps))
+    leak = 1e-2 * np.exp(rng.normal(0, 0.05, steps))
     t = np.arange(steps)
     if blowup_at is not None:
         grad = grad * np.where(t >= blowup_at, 1.05 ** (t - blowup_at), 1.0)

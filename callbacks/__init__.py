@@ -18,7 +18,7 @@ from .alerts import ACTIONS, REMEDIATIONS, Alert, AlertDispatcher, attention_sit
 from .capture import AttentionCapture, ProbeCapture, ProbeResult, probe_backward, reference_dq
 from .detectors import ChangeDetector, Detection, RobustBaseline
 from .grad_norm import GradNormMonitor, GradNormStep, default_layer_of
-from .zero_sum import DEFAULT_DETECT, KeyBias, ZeroSumMonitor, find_key_biases
+from .zero_sum import DEFAULT_DETECT, DEFAULT_FLOORS, KeyBias, ZeroSumMonitor, find_key_biases
 
 __all__ = [
     "ACTIONS",
@@ -27,6 +27,7 @@ __all__ = [
     "AttentionCapture",
     "ChangeDetector",
     "DEFAULT_DETECT",
+    "DEFAULT_FLOORS",
     "Detection",
     "GradNormMonitor",
     "GradNormStep",

@@ -138,6 +138,10 @@ class ChangeDetector:
         slope_horizon: steps over which the growth factor is expressed (int >= 1).
         slope_warn, slope_critical: thresholds of the growth factor (None or > 1).
         ema_decay: EMA decay (float in (0, 1)).
+        floor: values below it are treated as equal to it (float >= 0): rounding-level noise of a
+            quantity that is 0 in exact arithmetic (e.g. the C2 residual of a GProj run, ~1e-6) then
+            cannot alert by its relative jumps; a rise above the floor still does. ``Detection.value``
+            keeps the raw value.
 
     Raises:
         ValueError: an argument outside the accepted values (the message names it).
@@ -159,6 +163,7 @@ class ChangeDetector:
         slope_warn: float | None = None,
         slope_critical: float | None = None,
         ema_decay: float = 0.9,
+        floor: float = 0.0,
     ) -> None:
         self.window = check_int("window", window, 2)
         self.warmup = check_int("warmup", warmup, 1, self.window)
@@ -175,6 +180,7 @@ class ChangeDetector:
         self.ema_decay = check_float(
             "ema_decay", ema_decay, above=0.0, below=1.0, accepted="a number in the open interval (0, 1)"
         )
+        self.floor = check_float("floor", floor, above=-1e-300, accepted="a finite number >= 0")
         self.baseline = RobustBaseline(self.window, self.ema_decay)
         self._log_window: collections.deque[float] = collections.deque(maxlen=self.window)
         self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.slope_window - 1)
@@ -198,11 +204,12 @@ class ChangeDetector:
 
     def update(self, step: int, value: float) -> Detection:
         """Compare ``value`` (measured at ``step``) with the past, then add it to the baseline."""
-        value = float(value)
+        raw = float(value)
         base = self.baseline
         n = len(base)
-        if not math.isfinite(value):
-            return Detection(step, value, n, base.median, base.mad)
+        if not math.isfinite(raw):
+            return Detection(step, raw, n, base.median, base.mad)
+        value = max(raw, self.floor)
         log_value = math.log(max(value, _TINY))
         median, mad = base.median, base.mad
         ratio = value / median if median else None
@@ -238,5 +245,5 @@ class ChangeDetector:
         self._log_window.append(log_value)
         self._recent.append((step, log_value))
         return Detection(
-            step, value, n, median, mad, ratio, ema_ratio, cusum, growth, level, statistic, score, threshold, new
+            step, raw, n, median, mad, ratio, ema_ratio, cusum, growth, level, statistic, score, threshold, new
         )

@@ -232,6 +232,16 @@ class _RankRows(torchmetrics.Metric):
 
 #: Statistics alerted on by default (the others are logged only; see ``detect``).
 DEFAULT_DETECT = ("leak_ratio", "c2_residual", "key_bias_grad_ratio", "probe_leak_ratio", "probe_dq_error")
+#: Default detector floors (see ``ChangeDetector(floor=...)``): below these, values are rounding level
+#: (GProj: C2 residual 1e-7–1e-5, DESIGN.md §8; an uncorrected bf16 kernel: 0.6–4.9%), and their relative
+#: jumps must not alert.
+DEFAULT_FLOORS = {
+    "leak_ratio": 1e-3,
+    "c2_residual": 1e-3,
+    "key_bias_grad_ratio": 1e-4,
+    "probe_leak_ratio": 1e-3,
+    "probe_dq_error": 1e-3,
+}
 
 
 class ZeroSumMonitor(Monitor):
@@ -324,6 +334,8 @@ class ZeroSumMonitor(Monitor):
             round robin visits each one every ``n_layers × probe_every_n_steps`` steps, which is what
             its detector's ``warmup`` counts in; restricting the probe shortens that.
         detect: statistics to alert on (sequence of statistic names).
+        floors: ``{statistic: floor}`` overriding :data:`DEFAULT_FLOORS` (values below a floor count as
+            the floor in the detector, so rounding-level noise cannot alert).
         window, warmup, warn_ratio, critical_ratio, cusum_warn, cusum_critical, cusum_drift,
             min_log_sigma, slope_window, slope_horizon, slope_warn, slope_critical: detector settings
             (windows in samples), see :class:`~lightning_gproj.callbacks.detectors.ChangeDetector`.
@@ -350,6 +362,7 @@ class ZeroSumMonitor(Monitor):
         probe_queries: int = 512,
         probe_layers: Optional[Sequence[str]] = None,
         detect: Sequence[str] = DEFAULT_DETECT,
+        floors: Optional[dict[str, float]] = None,
         window: int = 20,
         warmup: int = 10,
         warn_ratio: Optional[float] = 3.0,
@@ -389,6 +402,12 @@ class ZeroSumMonitor(Monitor):
         if isinstance(detect, str) or not all(isinstance(d, str) and d for d in detect):
             raise ValueError(f"`detect` must be a sequence of statistic names such as {DEFAULT_DETECT}, got {detect!r}")
         self.detect = tuple(detect)
+        if floors is not None and not (
+            isinstance(floors, dict) and all(isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in floors.items())
+        ):
+            raise ValueError(f"`floors` must be None or a dict statistic -> number >= 0, got {floors!r}")
+        #: Detector floor per statistic (DEFAULT_FLOORS updated with ``floors``).
+        self.floors = {**DEFAULT_FLOORS, **(floors or {})}
         self.detector_args = dict(
             window=window, warmup=warmup, warn_ratio=warn_ratio, critical_ratio=critical_ratio,
             cusum_warn=cusum_warn, cusum_critical=cusum_critical, cusum_drift=cusum_drift,
@@ -666,7 +685,7 @@ class ZeroSumMonitor(Monitor):
                 continue
             det = self.detectors.get(key)
             if det is None:
-                det = self.detectors[key] = ChangeDetector(**self.detector_args)
+                det = self.detectors[key] = ChangeDetector(**self.detector_args, floor=self.floors.get(stat, 0.0))
             d = det.update(step, metrics[key])
             if d.cusum is not None:
                 extra[f"{key}/cusum"] = d.cusum

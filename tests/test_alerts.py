@@ -103,6 +103,20 @@ def test_log_slope_fires_on_steady_growth():
     assert first_new(out) == (expected, "warn", "log_slope")
 
 
+def test_floor_silences_rounding_noise_but_not_a_rise():
+    """A quantity that is 0 in exact arithmetic, at rounding level (~1e-6, jumping 10x at random),
+    then rising above the floor at step 60."""
+    rng = np.random.default_rng(4)
+    values = 1e-6 * 10.0 ** rng.uniform(-1, 1, 100)
+    values[60:] = 0.02
+    noisy_det = ChangeDetector(window=20, warmup=5, warn_ratio=3.0, cusum_warn=15.0)
+    assert first_new(run(noisy_det, values[:60])) is not None  # without a floor: false alarms on noise
+    det = ChangeDetector(window=20, warmup=5, warn_ratio=3.0, cusum_warn=15.0, floor=1e-3)
+    out = run(det, values)
+    assert first_new(out) == (60, "critical", "ratio")
+    assert out[60].ratio == pytest.approx(20.0) and out[59].value == values[59]
+
+
 def test_detector_ignores_non_finite_values_and_rejects_bad_arguments():
     det = ChangeDetector(window=5, warmup=2)
     for s, v in enumerate([1.0, 1.1, float("nan"), float("inf"), 0.9]):
@@ -111,7 +125,8 @@ def test_detector_ignores_non_finite_values_and_rejects_bad_arguments():
     assert list(det.baseline.values) == [1.0, 1.1, 0.9]
     for kwargs, name in (({"window": 1}, "window"), ({"warn_ratio": 0.5}, "warn_ratio"),
                          ({"cusum_warn": -1.0}, "cusum_warn"), ({"slope_window": 2}, "slope_window"),
-                         ({"ema_decay": 0.0}, "ema_decay"), ({"window": 5, "warmup": 6}, "warmup")):
+                         ({"ema_decay": 0.0}, "ema_decay"), ({"window": 5, "warmup": 6}, "warmup"),
+                         ({"floor": -1.0}, "floor")):
         with pytest.raises(ValueError, match=f"`{name}`"):
             ChangeDetector(**kwargs)
 
@@ -274,6 +289,8 @@ def test_dispatcher_rejects_bad_arguments():
         GradNormMonitor(actions=("nope",))
     with pytest.raises(ValueError, match="`probe_every_n_steps`"):
         ZeroSumMonitor(probe_every_n_steps=0)
+    with pytest.raises(ValueError, match="`floors`"):
+        ZeroSumMonitor(floors={"c2_residual": -1})
 
 
 # ------------------------------------------------------------------------------------ offline harness
@@ -293,11 +310,11 @@ def write_csv(directory: Path, series: dict[str, dict[int, float]]) -> Path:
 
 def synthetic(seed: int, steps: int, leak_rise_at: int | None, blowup_at: int | None) -> dict[str, dict[int, float]]:
     """A made-up run: grad norm ~1 with 10% noise, blowing up (x1.05 per step) from ``blowup_at``; a
-    leak ratio sampled every 50 steps, ~1e-3 with 5% noise, doubling every 100 steps from
+    leak ratio sampled every 50 steps, ~1e-2 with 5% noise, doubling every 100 steps from
     ``leak_rise_at``. Same seed = same noise (the healthy twin)."""
     rng = np.random.default_rng(seed)
     grad = np.exp(rng.normal(0, 0.1, steps))
-    leak = 1e-3 * np.exp(rng.normal(0, 0.05, steps))
+    leak = 1e-2 * np.exp(rng.normal(0, 0.05, steps))
     t = np.arange(steps)
     if blowup_at is not None:
         grad = grad * np.where(t >= blowup_at, 1.05 ** (t - blowup_at), 1.0)

@@ -84,6 +84,24 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     return None
 
 
+def check_seqlens(seqlens_k: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """None, or ``seqlens_k`` as a contiguous int32 (batch,) tensor for the kernels.
+
+    Raises:
+        ValueError: not an int32/int64 tensor of shape (batch,) on q's device. The values
+            (1 <= seqlens_k[b] <= seqlen_k) are the caller's contract, not read here (no device sync).
+    """
+    if seqlens_k is None:
+        return None
+    if (not isinstance(seqlens_k, torch.Tensor) or seqlens_k.dtype not in (torch.int32, torch.int64)
+            or seqlens_k.shape != (q.shape[0],) or seqlens_k.device != q.device):
+        raise ValueError(
+            f"seqlens_k must be an int32/int64 tensor of shape ({q.shape[0]},) on {q.device}, got "
+            f"{getattr(seqlens_k, 'dtype', type(seqlens_k).__name__)} {tuple(getattr(seqlens_k, 'shape', ()))}"
+        )
+    return seqlens_k.to(torch.int32).contiguous()
+
+
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 

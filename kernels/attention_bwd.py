@@ -27,6 +27,10 @@ fix="gproj_uniform" (the orthogonal projection) runs passes 2-3 without correcti
 outputs, and applies the rank-one corrections in PyTorch (O(N·d): prefix means / suffix sums when
 causal), then rounds once.
 
+Key padding (``seqlens_k``, right padding, a constexpr variant HAS_SEQLENS so the unpadded kernels
+are unchanged): the dQ pass stops at the batch row's key length (the straddling block masked); the
+dK/dV pass skips key blocks wholly past it and zeroes the rows of padded keys before storing.
+
 Extra memory: D and r (B·H·Nq fp32 each); with want_stats also abs_dS (B·H·Nq) and the leak
 (B·H·Nq·d fp32). Never N×N.
 """
@@ -38,7 +42,7 @@ import triton
 import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, autotune_enabled, interpreting, mma, padded_head_dim, supports, to16,
+    INTERPRET, LOG2E, autotune_enabled, check_seqlens, interpreting, mma, padded_head_dim, supports, to16,
 )
 
 __all__ = ["backward", "supports", "FIXES", "DEFAULT_DK_FOLD"]
@@ -149,11 +153,12 @@ def _dq_inner(
     return dq, pk, r, a, ps
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "GPROJ", "NEED_R", "STATS"],
+@triton.autotune(configs=_DQ_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "GPROJ", "NEED_R", "STATS",
+                                           "HAS_SEQLENS"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, M, LOG2L, DELTA, DQ, R, RHO, ABS, LEAK,
+    Q, K, V, DO, M, LOG2L, DELTA, DQ, R, RHO, ABS, LEAK, SEQLENS,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -161,8 +166,8 @@ def _dq_kernel(
     stride_dqb, stride_dqn, stride_dqh, stride_dqd,
     c, tau, H, N_Q, N_K,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    GPROJ: tl.constexpr, NEED_R: tl.constexpr, STATS: tl.constexpr, INTERP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GPROJ: tl.constexpr, NEED_R: tl.constexpr, STATS: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    INTERP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     NEED_PK: tl.constexpr = GPROJ or STATS
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -175,8 +180,13 @@ def _dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    CAUSAL_OFF = N_K - N_Q
+    CAUSAL_OFF = N_K - N_Q  # the causal alignment always uses the full seqlen_k
     b64 = b.to(tl.int64)
+    # Keys [0, K_LEN) are valid in this batch row (right padding); K_LEN = N_K without seqlens_k.
+    if HAS_SEQLENS:
+        K_LEN = tl.load(SEQLENS + b).to(tl.int32)
+    else:
+        K_LEN = N_K
 
     row_mask = offs_m < N_Q
     tile_mask = row_mask[:, None]
@@ -198,25 +208,26 @@ def _dq_kernel(
     a = tl.zeros([BLOCK_M], tl.float32)
     ps = tl.zeros([BLOCK_M], tl.float32)
 
+    # Key blocks past K_LEN are skipped; the one straddling K_LEN runs masked.
     if CAUSAL:
-        hi = tl.minimum(N_K, tl.maximum(start_m + BLOCK_M + CAUSAL_OFF, 0))
+        hi = tl.minimum(K_LEN, tl.maximum(start_m + BLOCK_M + CAUSAL_OFF, 0))
         full = tl.maximum(start_m + CAUSAL_OFF + 1, 0)
-        hi_full = tl.minimum(tl.minimum((full // BLOCK_N) * BLOCK_N, (N_K // BLOCK_N) * BLOCK_N), hi)
+        hi_full = tl.minimum(tl.minimum((full // BLOCK_N) * BLOCK_N, (K_LEN // BLOCK_N) * BLOCK_N), hi)
     else:
-        hi = N_K
-        hi_full = (N_K // BLOCK_N) * BLOCK_N
+        hi = K_LEN
+        hi_full = (K_LEN // BLOCK_N) * BLOCK_N
     Kb = K + b64 * stride_kb + hk * stride_kh
     Vb = V + b64 * stride_vb + hk * stride_vh
     offs_dk = offs_d * stride_kd
     offs_dv = offs_d * stride_vd
     dq, pk, r, a, ps = _dq_inner(
         dq, pk, r, a, ps, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
-        0, hi_full, c, N_K, CAUSAL_OFF,
+        0, hi_full, c, K_LEN, CAUSAL_OFF,
         BLOCK_N, False, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, INTERP,
     )
     dq, pk, r, a, ps = _dq_inner(
         dq, pk, r, a, ps, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
-        hi_full, hi, c, N_K, CAUSAL_OFF,
+        hi_full, hi, c, K_LEN, CAUSAL_OFF,
         BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, INTERP,
     )
     if NEED_PK:
@@ -294,11 +305,11 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "DK_MODE"],
+@triton.autotune(configs=_DKDV_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "DK_MODE", "HAS_SEQLENS"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, M, LOG2L, DELTA, R, DK, DV,
+    Q, K, V, DO, M, LOG2L, DELTA, R, DK, DV, SEQLENS,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -307,7 +318,7 @@ def _dkdv_kernel(
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     c, tau, H, HK, N_Q, N_K,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    DK_MODE: tl.constexpr, INTERP: tl.constexpr,
+    DK_MODE: tl.constexpr, HAS_SEQLENS: tl.constexpr, INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -325,10 +336,22 @@ def _dkdv_kernel(
     kv_mask = cols[:, None] < N_K
     if not EVEN_D:
         kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
+    # Key padding: column j of this block only feeds dK_j and dV_j (P comes from the stored m, log2l;
+    # D and r from the dQ pass), so masked keys (j >= K_LEN) need no score mask here: their rows of
+    # dk and dv are zeroed before the store, their k/v are not loaded, and a block wholly past K_LEN
+    # skips the query loops (q_end = 0).
+    if HAS_SEQLENS:
+        K_LEN = tl.load(SEQLENS + b).to(tl.int32)
+        key_ok = cols < K_LEN
+        load_mask = kv_mask & key_ok[:, None]
+        q_end = tl.where(start_n < K_LEN, N_Q, 0)
+    else:
+        load_mask = kv_mask
+        q_end = N_Q
     k = tl.load(K + b64 * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=kv_mask, other=0.0)
+                mask=load_mask, other=0.0)
     v = tl.load(V + b64 * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=kv_mask, other=0.0)
+                mask=load_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
@@ -352,20 +375,23 @@ def _dkdv_kernel(
         row0 = (b64 * H + h) * N_Q
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
-            offs_m, cols, offs_d, offs_dq, offs_ddo, lo, tl.minimum(lo_full, N_Q), c, N_Q, CAUSAL_OFF,
+            offs_m, cols, offs_d, offs_dq, offs_ddo, lo, tl.minimum(lo_full, q_end), c, N_Q, CAUSAL_OFF,
             BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, INTERP,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
-            offs_m, cols, offs_d, offs_dq, offs_ddo, lo_full, nq_full, c, N_Q, CAUSAL_OFF,
+            offs_m, cols, offs_d, offs_dq, offs_ddo, lo_full, tl.minimum(nq_full, q_end), c, N_Q, CAUSAL_OFF,
             BLOCK_M, False, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, INTERP,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
-            offs_m, cols, offs_d, offs_dq, offs_ddo, tl.maximum(lo_full, nq_full), N_Q, c, N_Q, CAUSAL_OFF,
+            offs_m, cols, offs_d, offs_dq, offs_ddo, tl.maximum(lo_full, nq_full), q_end, c, N_Q, CAUSAL_OFF,
             BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, INTERP,
         )
     dk = dk * tau
+    if HAS_SEQLENS:
+        dk = tl.where(key_ok[:, None], dk, 0.0)
+        dv = tl.where(key_ok[:, None], dv, 0.0)
     tl.store(DK + b64 * stride_dkb + hk * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
              to16(dk, DK.dtype.element_ty, INTERP), mask=kv_mask)
     tl.store(DV + b64 * stride_dvb + hk * stride_dvh + cols[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
@@ -426,6 +452,45 @@ def _apply_uniform_corrections(dq, dk, q, k, r, tau, causal):
         dk.sub_(tau * suffix)
 
 
+def _apply_uniform_corrections_padded(dq, dk, q, k, r, tau, causal, seqlens_k):
+    """:func:`_apply_uniform_corrections` with per-batch key lengths ``seqlens_k`` (batch,) int.
+
+    Row i of batch row b sees the key prefix j < n_bi, n_bi = min(i + Nk − Nq + 1, seqlens_k[b])
+    (causal, clamped at 0) or seqlens_k[b]: k̄_bi is a gathered prefix mean, and the dk correction of
+    a valid key j a suffix sum over rows i >= j − (Nk − Nq) (all rows when not causal); masked keys
+    get none. O(N·d) memory per batch row.
+    """
+    b, nq, h, d = q.shape
+    nk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    dev = q.device
+    rt = r.transpose(1, 2).reshape(b, nq, hk, g)  # (B, Nq, Hk, G)
+    dq5 = dq.view(b, nq, hk, g, d)
+    q5 = q.view(b, nq, hk, g, d) if q.is_contiguous() else q.reshape(b, nq, hk, g, d)
+    lens = seqlens_k.to(device=dev, dtype=torch.int64)
+    off = nk - nq
+    if causal:
+        n = torch.minimum(torch.arange(nq, device=dev)[None, :] + off + 1, lens[:, None]).clamp(min=0)
+    else:
+        n = lens[:, None].expand(b, nq)
+    n_f = n.to(torch.float32).clamp(min=1.0)[:, :, None, None]  # rows with n = 0 have r = 0
+    prefix = _cumsum_seq(k.float())  # (B, Nk, Hk, d)
+    idx = (n - 1).clamp(min=0)[:, :, None, None].expand(b, nq, hk, d)
+    kbar = torch.gather(prefix, 1, idx) / n_f  # (B, Nq, Hk, d)
+    coef = torch.where((n > 0)[:, :, None, None], rt / n_f, torch.zeros_like(rt))
+    dq5.sub_(tau * (rt * (n > 0)[:, :, None, None])[..., None] * kbar[:, :, :, None, :])
+    w = torch.einsum("bnkg,bnkgd->bnkd", coef, q5.float())  # (B, Nq, Hk, d)
+    if causal:
+        csum = _cumsum_seq(w)
+        suffix = torch.cat([csum[:, -1:] - csum + w, torch.zeros_like(w[:, :1])], dim=1)  # row nq: empty
+        first = (torch.arange(nk, device=dev) - off).clamp(min=0, max=nq)
+        corr = suffix.index_select(1, first)  # (B, Nk, Hk, d)
+    else:
+        corr = w.sum(dim=1, keepdim=True)
+    key_ok = torch.arange(nk, device=dev)[None, :] < lens[:, None]  # (B, Nk)
+    dk.sub_(tau * corr * key_ok[:, :, None, None])
+
+
 def backward(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -440,6 +505,7 @@ def backward(
     want_stats: bool = False,
     dk_fold: bool | None = None,
     grad_dtype: torch.dtype | None = None,
+    seqlens_k: torch.Tensor | None = None,
 ):
     """Attention backward with FA3-class rounding points and the GProj corrections.
 
@@ -455,19 +521,25 @@ def backward(
             as its own GEMM; None takes :data:`DEFAULT_DK_FOLD`.
         grad_dtype: None (the input dtype, as stored by a kernel) or torch.float32 (the fp32
             accumulators, where the conservation laws hold to fp32 rounding).
+        seqlens_k: None, or the (batch,) int32/int64 key lengths the forward ran with (right
+            padding, values in [1, seqlen_k], not checked). Masked keys get dk = dv = 0 exactly.
 
     Returns:
         (dq, dk, dv, extras): dq like q, dk/dv like k/v (GQA: summed over each kv head's query heads),
         all contiguous; extras is {} unless want_stats.
 
     Raises:
-        ValueError: unknown ``fix``, or an input the kernels cannot serve (:func:`supports`).
+        ValueError: unknown ``fix``, an input the kernels cannot serve (:func:`supports`), or a
+            ``seqlens_k`` that is not a (batch,) integer tensor on q's device.
     """
     if fix not in FIXES:
         raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
     reason = supports(q, k, v)
     if reason is not None:
         raise ValueError(f"Triton attention backward cannot serve this input: {reason}")
+    seqlens_k = check_seqlens(seqlens_k, q)
+    has_seqlens = seqlens_k is not None
+    seqlens_arg = seqlens_k if has_seqlens else m
     if dk_fold is None:
         dk_fold = DEFAULT_DK_FOLD
     b, nq, h, d = q.shape
@@ -500,24 +572,27 @@ def backward(
     leak = torch.empty((b, h, nq, d), dtype=torch.float32, device=dev) if want_stats else delta
 
     _dq_kernel[lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * h)](
-        q, k, v, do, m, log2l, delta, dq, r, rho, abs_ds, leak,
+        q, k, v, do, m, log2l, delta, dq, r, rho, abs_ds, leak, seqlens_arg,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         c, tau, h, nq, nk,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=bool(causal),
-        GPROJ=gproj, NEED_R=need_r, STATS=bool(want_stats), INTERP=INTERPRET,
+        GPROJ=gproj, NEED_R=need_r, STATS=bool(want_stats), HAS_SEQLENS=has_seqlens, INTERP=INTERPRET,
     )
 
     dk_mode = (_DK_FOLD if dk_fold else _DK_GEMM) if gproj else _DK_NONE
     dk = torch.empty((b, nk, hk, d), dtype=torch.float32 if out32 else k.dtype, device=dev)
     dv = torch.empty((b, nk, hk, d), dtype=gdt, device=dev)
     _dkdv_kernel[lambda meta: (triton.cdiv(nk, meta["BLOCK_N"]), b * hk)](
-        q, k, v, do, m, log2l, delta, rho if dk_mode == _DK_GEMM else r, dk, dv,
+        q, k, v, do, m, log2l, delta, rho if dk_mode == _DK_GEMM else r, dk, dv, seqlens_arg,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         c, tau, h, hk, nq, nk,
-        GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=bool(causal), DK_MODE=dk_mode, INTERP=INTERPRET,
+        GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=bool(causal), DK_MODE=dk_mode, HAS_SEQLENS=has_seqlens,
+        INTERP=INTERPRET,
     )
 
-    if uniform:
+    if uniform and has_seqlens:
+        _apply_uniform_corrections_padded(dq, dk, q, k, r, tau, bool(causal), seqlens_k)
+    elif uniform:
         _apply_uniform_corrections(dq, dk, q, k, r, tau, bool(causal))
     dq, dk = dq.to(gdt), dk.to(gdt)
 

@@ -15,7 +15,9 @@ Rounding points (DESIGN.md §3, the same as kernels/reference.py): s fp32; P fp3
 dtype as the A operand of P·V; l = Σ_j of the fp32 P; O = acc / l stored in the input dtype.
 
 Layout (batch, seqlen, nheads, headdim) with arbitrary strides (no copies); k, v may have fewer heads
-(GQA/MQA). Causal masks are bottom-right aligned (query i sees key j iff j ≤ i + Nk − Nq).
+(GQA/MQA). Causal masks are bottom-right aligned (query i sees key j iff j ≤ i + Nk − Nq). Optional
+per-batch key lengths ``seqlens_k`` (right padding) are a constexpr variant (HAS_SEQLENS): without
+them the kernel is the same code as before.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import triton
 import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, autotune_enabled, interpreting, mma, padded_head_dim, supports, to16,
+    INTERPRET, LOG2E, autotune_enabled, check_seqlens, interpreting, mma, padded_head_dim, supports, to16,
 )
 
 __all__ = ["forward", "supports"]
@@ -61,7 +63,8 @@ def _fwd_inner(
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """Online-softmax steps over key blocks [lo, hi). MASKED: apply the causal and Nk-tail masks."""
+    """Online-softmax steps over key blocks [lo, hi). MASKED: apply the causal mask and the key-tail
+    mask cols < N_K, where N_K is the batch row's valid key count (seqlen_k, or seqlens_k[b])."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k_ptrs = K + cols[:, None] * stride_kn + offs_dk[None, :]
@@ -98,18 +101,18 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_fwd_configs(), key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP"],
+@triton.autotune(configs=_fwd_configs(), key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "HAS_SEQLENS"],
                  prune_configs_by={"early_config_prune": _prune_fwd})
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, M, LOG2L,
+    Q, K, V, O, M, LOG2L, SEQLENS,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_on, stride_oh, stride_od,
     c, H, N_Q, N_K,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    INTERP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, INTERP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -121,7 +124,12 @@ def _fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    CAUSAL_OFF = N_K - N_Q
+    CAUSAL_OFF = N_K - N_Q  # the causal alignment always uses the full seqlen_k
+    # Keys [0, K_LEN) are valid in this batch row (right padding); K_LEN = N_K without seqlens_k.
+    if HAS_SEQLENS:
+        K_LEN = tl.load(SEQLENS + b).to(tl.int32)
+    else:
+        K_LEN = N_K
 
     Qb = Q + b.to(tl.int64) * stride_qb + h * stride_qh
     Kb = K + b.to(tl.int64) * stride_kb + hk * stride_kh
@@ -137,24 +145,25 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # Key range: [0, hi); blocks fully visible to every row of this q block need no mask.
+    # Key range: [0, hi); blocks fully visible to every row of this q block need no mask. Key blocks
+    # past K_LEN (padding) are skipped; the one that straddles K_LEN runs masked.
     if CAUSAL:
-        hi = tl.minimum(N_K, tl.maximum(start_m + BLOCK_M + CAUSAL_OFF, 0))
+        hi = tl.minimum(K_LEN, tl.maximum(start_m + BLOCK_M + CAUSAL_OFF, 0))
         full = tl.maximum(start_m + CAUSAL_OFF + 1, 0)
-        hi_full = tl.minimum((full // BLOCK_N) * BLOCK_N, (N_K // BLOCK_N) * BLOCK_N)
+        hi_full = tl.minimum((full // BLOCK_N) * BLOCK_N, (K_LEN // BLOCK_N) * BLOCK_N)
         hi_full = tl.minimum(hi_full, hi)
     else:
-        hi = N_K
-        hi_full = (N_K // BLOCK_N) * BLOCK_N
+        hi = K_LEN
+        hi_full = (K_LEN // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_d * stride_kd, offs_d * stride_vd, 0, hi_full,
         c,
-        N_K, CAUSAL_OFF, BLOCK_N, False, CAUSAL, HEAD_DIM, EVEN_D, INTERP,
+        K_LEN, CAUSAL_OFF, BLOCK_N, False, CAUSAL, HEAD_DIM, EVEN_D, INTERP,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_d * stride_kd, offs_d * stride_vd, hi_full, hi,
         c,
-        N_K, CAUSAL_OFF, BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, INTERP,
+        K_LEN, CAUSAL_OFF, BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, INTERP,
     )
 
     empty = l_i == 0.0
@@ -170,7 +179,14 @@ def _fwd_kernel(
     tl.store(LOG2L + row, log2l, mask=offs_m < N_Q)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool):
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    seqlens_k: torch.Tensor | None = None,
+):
     """FMA-safe attention forward.
 
     Args:
@@ -178,6 +194,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
         k, v: (batch, seqlen_k, nheads_k, headdim), same dtype; nheads % nheads_k == 0.
         softmax_scale: τ (float), multiplies q·k inside the softmax.
         causal: bottom-right aligned causal mask.
+        seqlens_k: None, or an int32/int64 tensor (batch,) on q's device: key j of batch row b is
+            masked iff j >= seqlens_k[b] (right padding; combined with ``causal`` by "and"). Values
+            must lie in [1, seqlen_k] (not checked here). Key blocks past seqlens_k[b] are skipped.
 
     Returns:
         o: (batch, seqlen_q, nheads, headdim), q's dtype, contiguous.
@@ -186,11 +205,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
         with no key).
 
     Raises:
-        ValueError: the input is not served (see :func:`supports` for the reason).
+        ValueError: the input is not served (see :func:`supports` for the reason), or ``seqlens_k``
+            is not a (batch,) integer tensor on q's device.
     """
     reason = supports(q, k, v)
     if reason is not None:
         raise ValueError(f"Triton attention forward cannot serve this input: {reason}")
+    seqlens_k = check_seqlens(seqlens_k, q)
     b, nq, h, d = q.shape
     nk, hk = k.shape[1], k.shape[2]
     o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
@@ -202,9 +223,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
         return (triton.cdiv(nq, meta["BLOCK_M"]), b * h)
 
     _fwd_kernel[grid](
-        q, k, v, o, m, log2l,
+        q, k, v, o, m, log2l, seqlens_k if seqlens_k is not None else m,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         c, h, nq, nk,
-        GROUP=h // hk, HEAD_DIM=d, BLOCK_D=padded_head_dim(d), CAUSAL=bool(causal), INTERP=INTERPRET,
+        GROUP=h // hk, HEAD_DIM=d, BLOCK_D=padded_head_dim(d), CAUSAL=bool(causal),
+        HAS_SEQLENS=seqlens_k is not None, INTERP=INTERPRET,
     )
     return o, m, log2l

@@ -55,17 +55,34 @@ def _heads_first(x: Tensor, nheads: int, dtype: torch.dtype) -> Tensor:
     return x
 
 
-def _valid(i0: int, i1: int, nq: int, nk: int, causal: bool, device) -> Tensor | None:
-    """Boolean (i1 − i0, nk) mask of the keys each query row sees (bottom-right aligned causal)."""
-    if not causal:
-        return None
-    rows = torch.arange(i0, i1, device=device)[:, None]
+def _valid(
+    i0: int, i1: int, nq: int, nk: int, causal: bool, device, seqlens_k: Tensor | None = None
+) -> Tensor | None:
+    """Boolean mask of the keys each query row i0 <= i < i1 sees, or None when every key is seen.
+
+    (i1 − i0, nk) without ``seqlens_k``: the bottom-right aligned causal mask j <= i + nk − nq.
+    (batch, 1, i1 − i0, nk) with ``seqlens_k`` (batch,): that mask (if causal) and j < seqlens_k[b].
+    """
     cols = torch.arange(nk, device=device)[None, :]
-    return cols <= rows + (nk - nq)
+    valid = None
+    if causal:
+        rows = torch.arange(i0, i1, device=device)[:, None]
+        valid = cols <= rows + (nk - nq)
+    if seqlens_k is not None:
+        keys = cols < seqlens_k.to(device=device, dtype=torch.long)[:, None]  # (batch, nk)
+        keys = keys[:, None, None, :]
+        valid = keys if valid is None else keys & valid
+    return valid
 
 
 def forward(
-    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, block_m: int = 256
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    block_m: int = 256,
+    seqlens_k: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Attention forward with FA3-class rounding points and an FMA-safe exponent.
 
@@ -75,6 +92,10 @@ def forward(
         softmax_scale: τ, multiplies q·k before the softmax.
         causal: bottom-right aligned mask (query i sees key j iff j ≤ i + seqlen_k − seqlen_q).
         block_m: query rows per chunk (memory knob only; results do not depend on it).
+        seqlens_k: None, or an integer tensor (batch,) of key lengths (right padding): key j of batch
+            row b is masked iff j >= seqlens_k[b]; combined with ``causal`` as
+            valid(i, j) = (not causal or j <= i + seqlen_k − seqlen_q) and j < seqlens_k[b]. Expected
+            in [1, seqlen_k] (not checked here; :func:`lightning_gproj.gproj_attn_func` validates).
 
     Returns:
         o: like q. m: (batch, nheads, seqlen_q) fp32 (fp64 for fp64 input), the row max of the unscaled
@@ -99,7 +120,7 @@ def forward(
     for i0 in range(0, nq, block_m):
         i1 = min(i0 + block_m, nq)
         s = qh[:, :, i0:i1] @ kh.transpose(-1, -2)
-        valid = _valid(i0, i1, nq, nk, causal, q.device)
+        valid = _valid(i0, i1, nq, nk, causal, q.device, seqlens_k)
         if valid is not None:
             s = s.masked_fill(~valid, float("-inf"))
         m_blk = s.amax(dim=-1)
@@ -130,6 +151,7 @@ def backward(
     dk_fold: bool = False,
     grad_dtype: torch.dtype | None = None,
     block_m: int = 256,
+    seqlens_k: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
     """Attention backward with FA3-class rounding points and the GProj corrections.
 
@@ -146,6 +168,8 @@ def backward(
             ``torch.float32`` returns the fp32 accumulators, where the conservation laws can be checked
             to fp32 rounding.
         block_m: query rows per chunk (memory knob only).
+        seqlens_k: as in :func:`forward` (the same value the forward ran with). Masked keys get
+            dk = dv = 0 exactly; ``gproj_uniform`` averages over each row's valid keys.
 
     Returns:
         dq like q; dk, dv like k, v (GQA: summed over the query heads of each kv head); extras with,
@@ -180,7 +204,7 @@ def backward(
     for i0 in range(0, nq, block_m):
         i1 = min(i0 + block_m, nq)
         s = qh[:, :, i0:i1] @ kh.transpose(-1, -2)
-        valid = _valid(i0, i1, nq, nk, causal, q.device)
+        valid = _valid(i0, i1, nq, nk, causal, q.device, seqlens_k)
         if valid is not None:
             s = s.masked_fill(~valid, float("-inf"))
         p = torch.exp2((s - m[:, :, i0:i1, None]) * c - log2l[:, :, i0:i1, None])
@@ -211,9 +235,16 @@ def backward(
     if fix == "gproj":
         dq -= pk
     elif fix == "gproj_uniform":
-        dq_corr, dk_corr = _uniform_corrections(qh, kh, r, causal)
-        dq -= dq_corr
-        dk -= dk_corr
+        if seqlens_k is None:
+            dq_corr, dk_corr = _uniform_corrections(qh, kh, r, causal, nk)
+            dq -= dq_corr
+            dk -= dk_corr
+        else:  # one batch row at a time: each has its own valid-key set
+            for b_i, n_b in enumerate(seqlens_k.tolist()):
+                sl = slice(b_i, b_i + 1)
+                dq_corr, dk_corr = _uniform_corrections(qh[sl], kh[sl], r[sl], causal, int(n_b))
+                dq[sl] -= dq_corr
+                dk[sl] -= dk_corr
     dq *= softmax_scale
     dk *= softmax_scale
 
@@ -225,27 +256,31 @@ def backward(
     return dq.transpose(1, 2).to(out), dk.transpose(1, 2).to(out), dv.transpose(1, 2).to(out), extras
 
 
-def _uniform_corrections(qh: Tensor, kh: Tensor, r: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+def _uniform_corrections(qh: Tensor, kh: Tensor, r: Tensor, causal: bool, n_valid: int) -> tuple[Tensor, Tensor]:
     """The orthogonal projection's corrections (before the factor τ), DESIGN.md §4 "uniform".
 
-    dq_i: r_i k̄_i with k̄_i the mean of the keys row i sees. dk_j: Σ_{i sees j} (r_i / n_i) q_i.
-    Causal rows see a prefix of the keys, so k̄ is a prefix mean and the dk sum a suffix sum:
-    O(N·d), no N × N work.
+    Keys j >= ``n_valid`` are masked (key padding of these batch rows; ``n_valid`` = Nk: none).
+    dq_i: r_i k̄_i with k̄_i the mean of the keys row i sees. dk_j: Σ_{i sees j} (r_i / n_i) q_i, and 0
+    for masked keys. Row i sees the prefix j < n_i = min(i + Nk − Nq + 1, n_valid) (causal) or
+    j < n_valid, so k̄ is a prefix mean and the dk sum a suffix sum over rows: O(N·d), no N × N work.
     """
     nq, nk = qh.shape[2], kh.shape[2]
     if not causal:
-        return r[..., None] * kh.mean(dim=2, keepdim=True), ((r / nk)[..., None] * qh).sum(dim=2, keepdim=True)
+        kbar = kh[:, :, :n_valid].mean(dim=2, keepdim=True)
+        dk_corr = torch.zeros_like(kh)
+        dk_corr[:, :, :n_valid] = ((r / n_valid)[..., None] * qh).sum(dim=2, keepdim=True)
+        return r[..., None] * kbar, dk_corr
     offset = nk - nq
-    last = torch.arange(nq, device=qh.device) + offset  # last key index row i sees
-    n = (last + 1).clamp(min=0)
+    n = (torch.arange(nq, device=qh.device) + offset + 1).clamp(min=0, max=n_valid)  # keys row i sees
     seen = n > 0
     prefix = kh.cumsum(dim=2)
     kbar = torch.zeros_like(qh[..., : kh.shape[-1]])
-    kbar[:, :, seen] = prefix[:, :, last[seen]] / n[seen, None].to(kh.dtype)
+    kbar[:, :, seen] = prefix[:, :, n[seen] - 1] / n[seen, None].to(kh.dtype)
     w = torch.zeros_like(qh)
     w[:, :, seen] = (r[:, :, seen] / n[seen].to(r.dtype))[..., None] * qh[:, :, seen]
-    # Key j is seen by rows i >= j − offset: a suffix sum over i starting there.
+    # Key j < n_valid is seen by rows i >= j − offset: a suffix sum over i starting there.
     suffix = w.flip(2).cumsum(dim=2).flip(2)
     suffix = torch.cat([suffix, torch.zeros_like(suffix[:, :, :1])], dim=2)
     first = (torch.arange(nk, device=qh.device) - offset).clamp(min=0, max=nq)
+    first[n_valid:] = nq  # masked keys: the empty suffix
     return r[..., None] * kbar, suffix[:, :, first]

@@ -41,8 +41,9 @@ def ulps(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> float:
     return ((a - b).abs() / ulp).max().item()
 
 
-def f64_reference(q, k, v, do, tau, causal):
-    """Plain softmax attention and its autograd gradients in float64 on the same 16-bit inputs."""
+def f64_reference(q, k, v, do, tau, causal, seqlens_k=None):
+    """Plain softmax attention and its autograd gradients in float64 on the same 16-bit inputs
+    (key padding as an explicit boolean mask: key j of batch row b masked iff j >= seqlens_k[b])."""
     b, nq, h, d = q.shape
     nk, hk = k.shape[1], k.shape[2]
     g = h // hk
@@ -55,13 +56,16 @@ def f64_reference(q, k, v, do, tau, causal):
         rows = torch.arange(nq)[:, None]
         cols = torch.arange(nk)[None, :]
         s = s.masked_fill(cols > rows + (nk - nq), float("-inf"))
+    if seqlens_k is not None:
+        padded = torch.arange(nk)[None, :] >= seqlens_k[:, None]  # (b, nk)
+        s = s.masked_fill(padded[:, None, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key: output 0, gradient 0
     o = (p @ vh).transpose(1, 2)
     dq, dk, dv = torch.autograd.grad(o, (q64, k64, v64), do.double())
     return o.detach(), dq, dk, dv
 
 
-def run_case(b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed):
+def run_case(b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed, seqlens=None, fixes=None):
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     q = rnd(b, nq, h, d).to(dtype)
@@ -77,11 +81,12 @@ def run_case(b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed):
         k = k.transpose(1, 2).contiguous().transpose(1, 2)
         assert not q.is_contiguous() and not k.is_contiguous()
     tau = d ** -0.5
+    sk = None if seqlens is None else torch.tensor(seqlens, dtype=torch.int32)
     out = {"shape": [b, nq, nk, h, hk, d], "causal": causal, "dtype": str(dtype), "strided": strided,
-           "key_shift": key_shift}
+           "key_shift": key_shift, "seqlens_k": seqlens}
 
-    o, m, l2 = F.forward(q, k, v, tau, causal)
-    o_r, m_r, l_r = R.forward(q, k, v, tau, causal)
+    o, m, l2 = F.forward(q, k, v, tau, causal, seqlens_k=sk)
+    o_r, m_r, l_r = R.forward(q, k, v, tau, causal, seqlens_k=sk)
     fin = torch.isfinite(l_r)
     out["fwd"] = {
         "o_rel_vs_ref": rel(o, o_r),
@@ -91,7 +96,7 @@ def run_case(b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed):
         "inf_pattern_equal": bool(torch.equal(torch.isinf(l2), torch.isinf(l_r))),
         "nan": bool(torch.isnan(o).any().item()),
     }
-    o64, dq64, dk64, dv64 = f64_reference(q, k, v, do, tau, causal)
+    o64, dq64, dk64, dv64 = f64_reference(q, k, v, do, tau, causal, sk)
     out["fwd"]["o_rel_vs_f64"] = rel(o, o64)
     out["fwd"]["ref_o_rel_vs_f64"] = rel(o_r, o64)
 
@@ -99,8 +104,10 @@ def run_case(b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed):
     out["bwd"] = {}
     for fix, fold in (("none", False), ("gproj", False), ("gproj", True), ("gproj_uniform", False)):
         name = fix + ("_fold" if fold else "")
-        g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, dk_fold=fold)
-        g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, dk_fold=fold)
+        if fixes is not None and name not in fixes:
+            continue
+        g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, dk_fold=fold, seqlens_k=sk)
+        g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, dk_fold=fold, seqlens_k=sk)
         res = {"nan": any(bool(torch.isnan(x).any().item()) for x in g[:3])}
         for nm, x, y, z in zip(("dq", "dk", "dv"), g[:3], g_r[:3], (dq64, dk64, dv64)):
             res[f"{nm}_rel_vs_ref"] = rel(x, y)
@@ -111,9 +118,13 @@ def run_case(b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed):
             res[f"{key}_rel_vs_ref"] = rel(g[3][key], g_r[3][key])
         # C2 on the fp32 accumulators: Σ_j dK_j / ‖dK‖_F (0 in exact arithmetic, DESIGN.md §2).
         g32 = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, False, dk_fold=fold,
-                         grad_dtype=torch.float32)
+                         grad_dtype=torch.float32, seqlens_k=sk)
         dk32 = g32[1].double()
         res["c2_residual_fp32"] = (dk32.sum(dim=1).norm() / dk32.norm()).item()
+        if sk is not None:  # gradients of padded keys: exactly 0 (dk, dv), in both dtypes
+            pad = torch.arange(nk)[None, :] >= sk[:, None]
+            res["padded_keys_zero"] = bool(all((x[pad] == 0).all().item() for x in (g[1], g[2], g32[1], g32[2])))
+            res["ref_padded_keys_zero"] = bool(all((x[pad] == 0).all().item() for x in g_r[1:3]))
         out["bwd"][name] = res
     return out
 
@@ -129,6 +140,15 @@ def main() -> None:
         (1, 45, 45, 2, 2, 32, False, torch.float16, 4.0, True, 5),  # fp16, strided q and k
     ]
     res = {"cases": [run_case(*c) for c in cases]}
+    # Key padding (seqlens_k): lengths that end inside a 16-key block, on a block edge, and a batch
+    # row with one valid key; causal with Nq == Nk (the usual causal + padding mask) and Nq < Nk.
+    padded = [
+        # (b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed, seqlens, fixes)
+        (2, 24, 24, 2, 1, 32, False, torch.bfloat16, 4.0, False, 6, [13, 24], ("none", "gproj", "gproj_uniform")),
+        (2, 29, 29, 1, 1, 32, True, torch.bfloat16, 4.0, False, 7, [16, 1], None),  # all four fixes
+        (1, 21, 40, 2, 2, 32, True, torch.float16, 4.0, True, 8, [30], ("none", "gproj", "gproj_uniform")),
+    ]
+    res["padded_cases"] = [run_case(*c) for c in padded]
     consts = []
     for cval in (133120.0, 1000.0):
         for causal in (False, True):

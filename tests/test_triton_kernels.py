@@ -11,6 +11,12 @@ Shapes: B = 1..2, H = 2, N in {37, 40, 45, 53, 130} (never multiples of the 16×
 blocks), d = 32/64, causal and not, GQA 2:1, Nq < Nk and Nq > Nk (rows with no visible key), fp16
 with strided q and k. Keys carry a mean offset (+4 per coordinate) so that the leak GProj removes is
 well above rounding (DESIGN.md §3).
+
+Key padding (``seqlens_k``): three more cases run through every check below — non-causal GQA with a
+length inside a block, causal Nq == Nk with lengths 16 (a block edge) and 1, causal Nq < Nk fp16
+strided — against the same reference (which masks per batch row) and a float64 autograd reference
+with an explicit boolean key mask; padded keys must get exactly zero dk and dv. Two of them skip the
+fold variant to keep the interpreter time down (~15 s added).
 """
 
 from __future__ import annotations
@@ -41,8 +47,11 @@ def measured() -> dict:
 
 
 def _cases(measured):
-    assert len(measured["cases"]) == 5
-    return measured["cases"]
+    assert len(measured["cases"]) == 5 and len(measured["padded_cases"]) == 3
+    assert all(set(c["bwd"]) == set(FIXES) for c in measured["cases"])
+    assert all({"none", "gproj", "gproj_uniform"} <= set(c["bwd"]) for c in measured["padded_cases"])
+    assert any(set(c["bwd"]) == set(FIXES) for c in measured["padded_cases"])
+    return measured["cases"] + measured["padded_cases"]
 
 
 def test_forward_matches_reference(measured):
@@ -78,7 +87,7 @@ def test_backward_rounds_at_the_reference_points(measured):
     separate the two.
     """
     for c in _cases(measured):
-        for fix in FIXES:
+        for fix in c["bwd"]:
             b = c["bwd"][fix]
             assert not b["nan"], (c["shape"], fix)
             for g in GRADS:
@@ -94,7 +103,7 @@ def test_backward_against_float64_autograd(measured):
         # 16-bit-level errors: inputs are exact, the rounding of P, dS and the outputs costs
         # ~2^-9 relative per element for bf16 (2^-12 for fp16), i.e. ~2-3e-3 (bf16) Frobenius.
         base = 6e-3 if bf16 else 8e-4
-        for fix in FIXES:
+        for fix in c["bwd"]:
             b = c["bwd"][fix]
             for g in ("dk", "dv"):
                 assert b[f"{g}_rel_vs_f64"] <= base, (c["shape"], fix, g, b)
@@ -103,6 +112,8 @@ def test_backward_against_float64_autograd(measured):
         none_dq = c["bwd"]["none"]["dq_rel_vs_f64"]
         assert none_dq <= (3e-2 if bf16 else 4e-3), c
         for fix in ("gproj", "gproj_fold", "gproj_uniform"):
+            if fix not in c["bwd"]:
+                continue
             dq = c["bwd"][fix]["dq_rel_vs_f64"]
             assert dq <= base, (c["shape"], fix, dq)
             assert dq <= 0.5 * none_dq, (c["shape"], fix, dq, none_dq)
@@ -124,9 +135,17 @@ def test_conservation_of_key_gradient(measured):
         assert bw["none"]["c2_residual_fp32"] >= 10 * bw["gproj"]["c2_residual_fp32"], c["shape"]
 
 
+def test_padded_keys_get_zero_gradients(measured):
+    """Keys j >= seqlens_k[b] are masked: their dk and dv are exactly 0 (16-bit and fp32 outputs)."""
+    for c in measured["padded_cases"]:
+        for fix, b in c["bwd"].items():
+            assert b["padded_keys_zero"], (c["shape"], c["seqlens_k"], fix)
+            assert b["ref_padded_keys_zero"], (c["shape"], c["seqlens_k"], fix)
+
+
 def test_stats_match_reference(measured):
     for c in _cases(measured):
-        for fix in FIXES:
+        for fix in c["bwd"]:
             b = c["bwd"][fix]
             # Σ_j |dS̃_ij| is a sum of same-sign terms: a one-ulp flip moves it by ≤ 2^-8 of one term.
             assert b["abs_dS_rel_vs_ref"] <= 1e-4, (c["shape"], fix, b)

@@ -64,27 +64,53 @@ def _use_triton(q: Tensor, k: Tensor, v: Tensor) -> bool:
     return False
 
 
+def _check_seqlens_values(seqlens_k: Tensor, nk: int) -> None:
+    """Raise ValueError unless 1 <= seqlens_k[b] <= nk for every b (reads the values: a device sync).
+
+    Runs inside the forward op, so it also holds under ``torch.compile`` (the op is opaque there)."""
+    lo, hi = int(seqlens_k.min()), int(seqlens_k.max())
+    if lo < 1 or hi > nk:
+        raise ValueError(
+            f"seqlens_k values must lie in [1, seqlen_k={nk}] (right padding: key j of batch row b is masked "
+            f"iff j >= seqlens_k[b]), got min {lo}, max {hi}"
+        )
+
+
 @torch.library.custom_op("lightning_gproj::attn_fwd", mutates_args=())
 def _attn_fwd(
-    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, fix: str, stats_name: str
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    fix: str,
+    stats_name: str,
+    seqlens_k: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     # ``fix`` does not change the forward; it is an input so that the backward formula can read it.
+    if seqlens_k is not None:
+        _check_seqlens_values(seqlens_k, k.shape[1])
     if RECORDER.enabled:
+        if seqlens_k is None:
+            mean_key = k.float().mean(dim=1)
+        else:  # over each batch row's valid keys
+            valid = torch.arange(k.shape[1], device=k.device)[None, :] < seqlens_k[:, None].long()
+            mean_key = (k.float() * valid[:, :, None, None]).sum(dim=1) / seqlens_k.float()[:, None, None]
         RECORDER.record(
             stats_name,
-            mean_key_norm=k.float().mean(dim=1).norm(dim=-1).mean(),
+            mean_key_norm=mean_key.norm(dim=-1).mean(),
             mean_query_norm=q.float().mean(dim=1).norm(dim=-1).mean(),
         )
     if _use_triton(q, k, v):
         from lightning_gproj.kernels import attention_fwd
 
-        return attention_fwd.forward(q, k, v, softmax_scale, causal)
-    o, m, log2l = reference.forward(q, k, v, softmax_scale, causal)
+        return attention_fwd.forward(q, k, v, softmax_scale, causal, seqlens_k=seqlens_k)
+    o, m, log2l = reference.forward(q, k, v, softmax_scale, causal, seqlens_k=seqlens_k)
     return o.contiguous(), m, log2l
 
 
 @_attn_fwd.register_fake
-def _(q, k, v, softmax_scale, causal, fix, stats_name):
+def _(q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k=None):
     batch, nq, nheads, _ = q.shape
     stat_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     row = q.new_empty((batch, nheads, nq), dtype=stat_dtype)
@@ -104,33 +130,47 @@ def _attn_bwd(
     causal: bool,
     fix: str,
     stats_name: str,
+    seqlens_k: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     want_stats = RECORDER.enabled
     if _use_triton(q, k, v):
         from lightning_gproj.kernels import attention_bwd
 
-        dq, dk, dv, extras = attention_bwd.backward(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats)
+        dq, dk, dv, extras = attention_bwd.backward(
+            do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, seqlens_k=seqlens_k
+        )
     else:
-        dq, dk, dv, extras = reference.backward(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats)
+        dq, dk, dv, extras = reference.backward(
+            do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, seqlens_k=seqlens_k
+        )
     if want_stats:
-        _record_backward_stats(stats_name, fix, causal, k.shape[1], dq, extras)
+        _record_backward_stats(stats_name, fix, causal, k.shape[1], dq, extras, seqlens_k)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_attn_bwd.register_fake
-def _(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, stats_name):
+def _(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, stats_name, seqlens_k=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _record_backward_stats(
-    name: str, fix: str, causal: bool, nk: int, dq: Tensor, extras: dict[str, Tensor]
+    name: str,
+    fix: str,
+    causal: bool,
+    nk: int,
+    dq: Tensor,
+    extras: dict[str, Tensor],
+    seqlens_k: Optional[Tensor] = None,
 ) -> None:
     """Zero-sum violation ρ_i = |r_i| / Σ_j |dS̃_ij| and leak ratio λ (DESIGN.md §8)."""
     r, abs_ds, leak = extras["r"], extras["abs_dS"], extras["leak"]
     # ρ_i is undefined where the rounded dS row is all zero (no visible key, underflow) and where the
     # row sees a single key: there dS ≡ 0 in exact arithmetic, so any computed value gives ρ_i = 1.
+    # n_keys: keys row i of batch row b sees, (batch, 1, nq) or (nq,).
     nq = r.shape[-1]
     n_keys = torch.arange(nq, device=r.device) + (nk - nq) + 1 if causal else torch.full((nq,), nk, device=r.device)
+    if seqlens_k is not None:
+        n_keys = torch.minimum(n_keys[None, None, :], seqlens_k.to(device=r.device, dtype=torch.long)[:, None, None])
     defined = (abs_ds > 0) & (n_keys > 1)
     rho = torch.where(defined, r.abs() / abs_ds.clamp(min=torch.finfo(abs_ds.dtype).tiny), float("nan"))
     values = {"violation_median": rho.nanmedian(), "violation_max": rho.nan_to_num(0.0).amax()}
@@ -142,19 +182,19 @@ def _record_backward_stats(
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, fix, stats_name = inputs
+    q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k = inputs
     o, m, log2l = output
-    ctx.save_for_backward(q, k, v, o, m, log2l)
+    ctx.save_for_backward(q, k, v, o, m, log2l, seqlens_k)
     ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name = softmax_scale, causal, fix, stats_name
 
 
 def _backward(ctx, do, _dm, _dlog2l):
     # m and log2l are row statistics for the backward; nothing differentiates through them.
-    q, k, v, o, m, log2l = ctx.saved_tensors
+    q, k, v, o, m, log2l, seqlens_k = ctx.saved_tensors
     dq, dk, dv = _attn_bwd(
-        do.contiguous(), q, k, v, o, m, log2l, ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name
+        do.contiguous(), q, k, v, o, m, log2l, ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name, seqlens_k
     )
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 _attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -192,6 +232,25 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"q, k, v must be non-empty, got q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
+def _check_seqlens_k(seqlens_k: object, q: Tensor, k: Tensor) -> Tensor:
+    """Validate the metadata of ``seqlens_k`` (type, dtype, shape, device); return it as contiguous int32.
+
+    The values (1 <= seqlens_k[b] <= seqlen_k) are checked by the forward op itself."""
+    if not isinstance(seqlens_k, Tensor):
+        raise TypeError(
+            f"seqlens_k must be None or an int32/int64 torch.Tensor of shape (batch,), got {type(seqlens_k).__name__}"
+        )
+    if seqlens_k.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"seqlens_k must be an int32 or int64 tensor of shape (batch,), got dtype {seqlens_k.dtype}")
+    if seqlens_k.dim() != 1 or seqlens_k.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"seqlens_k must have shape (batch,) = ({q.shape[0]},), got {tuple(seqlens_k.shape)}"
+        )
+    if seqlens_k.device != q.device:
+        raise ValueError(f"seqlens_k must be on q's device {q.device}, got {seqlens_k.device}")
+    return seqlens_k.to(torch.int32).contiguous()
+
+
 def gproj_attn_func(
     q: Tensor,
     k: Tensor,
@@ -201,6 +260,7 @@ def gproj_attn_func(
     fix: str = "gproj",
     dropout_p: float = 0.0,
     stats_name: Optional[str] = None,
+    seqlens_k: Optional[Tensor] = None,
 ) -> Tensor:
     """Softmax attention whose backward restores the zero-sum law of dS (GProj, DESIGN.md §4).
 
@@ -219,6 +279,14 @@ def gproj_attn_func(
         dropout_p: must be 0.0 (no attention dropout: it would change the law being restored).
         stats_name: label under which the health statistics are recorded while
             ``lightning_gproj.stats.RECORDER`` is enabled (default ``"attention"``).
+        seqlens_k: None (every key valid), or an int32 / int64 tensor of shape (batch,) on q's device
+            giving each batch row's number of valid keys, ``1 <= seqlens_k[b] <= seqlen_k`` (right
+            padding: key j of batch row b is masked iff ``j >= seqlens_k[b]``). With ``causal``:
+            query i of batch row b sees key j iff ``j <= i + seqlen_k - seqlen_q`` and
+            ``j < seqlens_k[b]`` (for seqlen_q == seqlen_k the usual causal + key-padding mask).
+            Masked keys get dk = dv = 0 exactly; query rows past the padding still attend to the
+            valid keys (their outputs are not zeroed). Not differentiable. Checking the values reads
+            them (one device sync per call).
 
     Returns:
         o: (batch, seqlen_q, nheads, headdim), q's dtype.
@@ -230,9 +298,12 @@ def gproj_attn_func(
     ``F.scaled_dot_product_attention`` does.
 
     Raises:
-        TypeError: q, k or v not a tensor, not floating point, or of different dtypes.
+        TypeError: q, k or v not a tensor, not floating point, or of different dtypes; ``seqlens_k``
+            not None / a tensor, or not int32 / int64.
         ValueError: wrong rank, mismatched batch / seqlen_k / heads / head dim, unsupported head dim,
-            different devices, empty inputs, ``dropout_p != 0``, unknown ``fix``, bad ``softmax_scale``.
+            different devices, empty inputs, ``dropout_p != 0``, unknown ``fix``, bad ``softmax_scale``;
+            ``seqlens_k`` not of shape (batch,), not on q's device, or with a value outside
+            [1, seqlen_k].
     """
     _check_tensors(q, k, v)
     device_type = q.device.type
@@ -252,6 +323,8 @@ def gproj_attn_func(
         raise ValueError(f"softmax_scale must be a positive finite float or None, got {softmax_scale!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if seqlens_k is not None:
+        seqlens_k = _check_seqlens_k(seqlens_k, q, k)
     with torch.autocast(device_type, enabled=False):
-        o, _, _ = _attn_fwd(q, k, v, float(softmax_scale), causal, fix, stats_name or "attention")
+        o, _, _ = _attn_fwd(q, k, v, float(softmax_scale), causal, fix, stats_name or "attention", seqlens_k)
     return o

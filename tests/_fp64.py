@@ -9,10 +9,13 @@ import torch
 from torch import Tensor
 
 
-def attention_fp64(q: Tensor, k: Tensor, v: Tensor, do: Tensor, softmax_scale: float, causal: bool):
+def attention_fp64(
+    q: Tensor, k: Tensor, v: Tensor, do: Tensor, softmax_scale: float, causal: bool, key_mask: Tensor | None = None
+):
     """Return o, dq, dk, dv (float64) and dS = P ∘ (dP − D) (batch, nheads, Nq, Nk) in float64.
 
     Layout (batch, seqlen, nheads, headdim); GQA by repeating k/v heads; causal bottom-right aligned.
+    ``key_mask``: optional boolean (batch, Nk), True = key visible (and-ed with the causal mask).
     """
     q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
     group = q.shape[2] // k.shape[2]
@@ -22,6 +25,8 @@ def attention_fp64(q: Tensor, k: Tensor, v: Tensor, do: Tensor, softmax_scale: f
     if causal:
         visible = torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)
         s = s.masked_fill(~visible, -math.inf)
+    if key_mask is not None:
+        s = s.masked_fill(~key_mask[:, None, None, :], -math.inf)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     p.retain_grad()
     o = torch.einsum("bhij,bjhd->bihd", p, vv)

@@ -170,3 +170,62 @@ def test_bf16_forward_and_backward_close_to_fp64(causal, shape):
     for x, ref in ((o, o64), (dq, dq64), (dk, dk64), (dv, dv64)):
         assert median_head_error(x, ref) < 1e-2
         assert math.isfinite(x.float().abs().max().item())
+
+
+def _right_padding(lens, nk):
+    return torch.arange(nk)[None, :] < torch.tensor(lens)[:, None]  # (batch, nk), True = valid key
+
+
+@pytest.mark.parametrize("fix", reference.FIXES)
+@pytest.mark.parametrize("causal, nq", [(False, 48), (True, 48), (True, 30)])
+def test_key_padding_matches_fp64_with_explicit_mask(fix, causal, nq):
+    """seqlens_k against float64 autograd with an explicit boolean key mask (and-ed with the causal
+    mask): bf16 inputs within bf16 accuracy (median per-head error < 1e-2, as the unpadded test
+    above); fp32 inputs (no rounding emulation, the corrections at fp32 rounding) to 1e-5; padded
+    keys get exactly zero dk and dv; a batch row with one valid key is included."""
+    lens, nk, h, hk, d = [48, 19, 1], 48, 4, 2, 32
+    mask = _right_padding(lens, nk)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, nq, h, d, generator=g)
+    k = torch.randn(3, nk, hk, d, generator=g) + 2
+    v, do = torch.randn(3, nk, hk, d, generator=g), torch.randn(3, nq, h, d, generator=g)
+    scale = d**-0.5
+    for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
+        qd, kd, vd, dod = (x.to(dtype) for x in (q, k, v, do))
+        o64, dq64, dk64, dv64, _ = attention_fp64(qd, kd, vd, dod, scale, causal, key_mask=mask)
+        qd, kd, vd = (x.detach().clone().requires_grad_() for x in (qd, kd, vd))
+        o = gproj_attn_func(qd, kd, vd, causal=causal, fix=fix, seqlens_k=torch.tensor(lens))
+        o.backward(dod)
+        # Batch row 2 sees one key: there dS ≡ 0, so its dq and dk are 0 in exact arithmetic (no
+        # relative error to take); they are compared in absolute terms below.
+        for x, ref in ((o, o64), (qd.grad[:2], dq64[:2]), (kd.grad[:2], dk64[:2]), (vd.grad, dv64)):
+            if dtype == torch.float32:
+                assert ((x.double() - ref).norm() / ref.norm()).item() < tol, (dtype, fix)
+            else:
+                assert median_head_error(x, ref) < tol, (dtype, fix)
+        if fix != "none":  # the projections zero the single-key row's dS (fix="none" keeps its residual)
+            assert qd.grad[2].abs().max() <= 1e-6 * qd.grad.abs().max(), (dtype, fix)
+            assert kd.grad[2].abs().max() <= 1e-6 * kd.grad.abs().max(), (dtype, fix)
+        pad = ~mask
+        assert not kd.grad[pad].any() and not vd.grad[pad].any()
+        assert torch.isfinite(o).all() and torch.isfinite(qd.grad).all()
+
+
+def test_key_padding_equals_truncated_keys():
+    """Batch row b padded to length L computes exactly what the op computes on its first L keys alone
+    (non-causal; causal with Nq == L: the bottom-right alignment of the truncated call is then the
+    same as the padded one's only when Nq == Nk, so Nq == Nk == L here)."""
+    torch.manual_seed(6)
+    q = torch.randn(2, 40, 2, 32).bfloat16()
+    k, v = (torch.randn(2, 40, 2, 32) + 1).bfloat16(), torch.randn(2, 40, 2, 32).bfloat16()
+    do = torch.randn(2, 40, 2, 32).bfloat16()
+    lens = torch.tensor([40, 23])
+    qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = gproj_attn_func(qq, kk, vv, seqlens_k=lens)
+    out.backward(do)
+    q1, k1, v1 = (x[1:].detach().clone().requires_grad_() for x in (q, k[:, :23], v[:, :23]))
+    out1 = gproj_attn_func(q1, k1, v1)
+    out1.backward(do[1:])
+    assert torch.equal(out[1:], out1)
+    assert torch.equal(qq.grad[1:], q1.grad)
+    assert torch.equal(kk.grad[1:, :23], k1.grad) and torch.equal(vv.grad[1:, :23], v1.grad)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -23,6 +25,83 @@ def test_gradcheck_fp64(fix, causal):
     k = torch.randn(1, 7, 2, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 7, 2, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda q, k, v: gproj_attn_func(q, k, v, causal=causal, fix=fix), (q, k, v))
+
+
+@pytest.mark.parametrize("fix", ["none", "gproj", "gproj_uniform"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck_fp64_with_seqlens_k(fix, causal):
+    """Key padding per batch row (lengths 7 = none, 3, 1), Nq < Nk and Nq == Nk, GQA."""
+    torch.manual_seed(0)
+    for nq in (5, 7):
+        q = torch.randn(3, nq, 4, 8, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(3, 7, 2, 8, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(3, 7, 2, 8, dtype=torch.float64, requires_grad=True)
+        lens = torch.tensor([7, 3, 1])
+        assert torch.autograd.gradcheck(
+            lambda q, k, v: gproj_attn_func(q, k, v, causal=causal, fix=fix, seqlens_k=lens), (q, k, v)
+        )
+
+
+def test_seqlens_k_full_length_equals_no_padding():
+    torch.manual_seed(6)
+    q, k, v = (x.requires_grad_() for x in _qkv(2, 20, 2, 16, dtype=torch.bfloat16))
+    for causal in (False, True):
+        o = gproj_attn_func(q, k, v, causal=causal, seqlens_k=torch.tensor([20, 20], dtype=torch.int32))
+        assert torch.equal(o, gproj_attn_func(q, k, v, causal=causal))
+        g = torch.autograd.grad(o.float().sum(), (q, k, v))
+        g0 = torch.autograd.grad(gproj_attn_func(q, k, v, causal=causal).float().sum(), (q, k, v))
+        assert all(torch.equal(a, b) for a, b in zip(g, g0))
+
+
+def test_stats_with_seqlens_k_exclude_single_key_rows():
+    """A batch row with one valid key has dS ≡ 0: its rows are excluded from the violation, as the
+    single-key rows of a causal mask are; the others are still recorded."""
+    torch.manual_seed(7)
+    q, k, v = (x.requires_grad_() for x in _qkv(2, 32, 2, 32, dtype=torch.bfloat16))
+    RECORDER.drain()
+    with RECORDER.recording():
+        o = gproj_attn_func(q, k + 20, v, fix="none", stats_name="pad", seqlens_k=torch.tensor([1, 32]))
+        o.float().square().sum().backward()
+    s = RECORDER.drain()["pad"]
+    assert 0 < s["violation_median"] <= s["violation_max"] < 1
+    with RECORDER.recording():
+        o = gproj_attn_func(q, k + 20, v, fix="none", stats_name="one", seqlens_k=torch.tensor([1, 1]))
+        o.float().square().sum().backward()
+    s = RECORDER.drain()["one"]
+    assert math.isnan(s["violation_median"]) and s["violation_max"] == 0.0
+
+
+def test_compile_fullgraph_with_seqlens_k():
+    torch.manual_seed(8)
+    q, k, v = (x.requires_grad_() for x in _qkv(2, 24, 2, 16, dtype=torch.bfloat16))
+    lens = torch.tensor([24, 9])
+    eager = gproj_attn_func(q, k, v, causal=True, seqlens_k=lens)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, lens: gproj_attn_func(q, k, v, causal=True, seqlens_k=lens), fullgraph=True)
+    out = compiled(q, k, v, lens)
+    assert torch.equal(out, eager)
+    (dk,) = torch.autograd.grad(out.float().sum(), k)
+    (dk_eager,) = torch.autograd.grad(eager.float().sum(), k)
+    assert torch.equal(dk, dk_eager) and not dk[1, 9:].any()
+
+
+@pytest.mark.parametrize(
+    "seqlens_k, exc, words",
+    [
+        ([8, 8], TypeError, r"seqlens_k must be None or an int32/int64 torch.Tensor of shape \(batch,\), got list"),
+        (torch.tensor([8.0, 8.0]), TypeError, "seqlens_k must be an int32 or int64 tensor.*torch.float32"),
+        (torch.tensor([8, 8], dtype=torch.int16), TypeError, "seqlens_k must be an int32 or int64"),
+        (torch.tensor([8]), ValueError, r"seqlens_k must have shape \(batch,\) = \(2,\), got \(1,\)"),
+        (torch.tensor([[8, 8]]), ValueError, r"seqlens_k must have shape \(batch,\)"),
+        (torch.tensor([8, 0]), ValueError, r"seqlens_k values must lie in \[1, seqlen_k=8\].*min 0"),
+        (torch.tensor([9, 8]), ValueError, r"seqlens_k values must lie in \[1, seqlen_k=8\].*max 9"),
+        (torch.tensor([8, 8], device="meta"), ValueError, "seqlens_k must be on q's device cpu"),
+    ],
+)
+def test_bad_seqlens_k_names_the_argument(seqlens_k, exc, words):
+    q, k, v = _qkv(2, 8, 4, 16)
+    with pytest.raises(exc, match=words):
+        gproj_attn_func(q, k, v, seqlens_k=seqlens_k)
 
 
 def test_fp32_matches_fp64_reference():

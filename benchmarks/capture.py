@@ -16,8 +16,9 @@ the same two are logged every ``--log-every`` steps during training (fp32 forwar
 
 Defaults: 4 layers, 2 heads, n_embd 128 (head dim 64), block 256, batch 8; layers 0, 1, 3 captured on 4
 validation sequences (3.15 MB a run). ``.captures/`` is git-ignored (.git/info/exclude).
-Usage (what benchmarks/NOTES.md ran, ~3.5 min on 2 shared CPU cores, one thread):
+Usage (what benchmarks/NOTES.md ran, ~4.5 min on 2 busy CPU cores, one thread):
     python benchmarks/capture.py --out .captures/h --steps 150 --run healthy:muon_lr=0.02,lr=3e-3
+    python benchmarks/capture.py --out .captures/m --steps 150 --run moderate:muon_lr=0.2,lr=0.02,weight_decay=0
     python benchmarks/capture.py --out .captures/u60 --steps 60 --run unstable:muon_lr=1.0,lr=0.1,weight_decay=0
     python benchmarks/capture.py --out .captures/u150 --steps 150 \
         --run unstable_150steps:muon_lr=1.0,lr=0.1,weight_decay=0

@@ -143,6 +143,30 @@ def test_all_true_padding_mask_is_served_and_padding_falls_back(op_spy):
     assert len(op_spy.calls) == 2
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_right_padding_mask_is_served_with_seqlens_k(name, op_spy):
+    """A right-padded attention_mask: transformers' sdpa_mask builds causal & padding as a boolean
+    (batch, 1, Nq, Nk) mask; its values are checked and the call served with seqlens_k. Every query
+    row (padded ones included) still sees key 0, so the original's output is defined everywhere and
+    the whole logits and all gradients are compared."""
+    model, swapped = _build(name)
+    swap_attention(swapped)
+    ids = _inputs(name)["input_ids"]
+    padded = torch.ones_like(ids)
+    padded[0, 6:] = 0  # right padding: batch row 0 has 6 valid tokens
+    inputs = dict(input_ids=ids, attention_mask=padded)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        out, grads = _forward_backward(swapped, inputs)
+    out_ref, grads_ref = _forward_backward(model, inputs)
+    assert rel_err(out, out_ref) <= TOL
+    assert grads.keys() == grads_ref.keys()
+    for key in grads_ref:
+        assert rel_err(grads[key], grads_ref[key]) <= TOL, key
+    assert len(op_spy.calls) == 2
+    assert all(c["causal"] and c["seqlens_k"].tolist() == [6, 9] for c in op_spy.calls)
+
+
 def test_training_dropout_falls_back(op_spy):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(

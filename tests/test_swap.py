@@ -135,9 +135,70 @@ def _random_bool(n, m, d):
     return mask.to(d)
 
 
+def _left_padding(n, m, d):  # batch 0 has its first two keys padded
+    mask = torch.ones(2, 1, 1, m, dtype=torch.bool, device=d)
+    mask[0, ..., :2] = False
+    return mask
+
+
+def _padding_hole(n, m, d):  # batch 1 has key 3 masked, keys after it visible
+    mask = torch.ones(2, 1, 1, m, dtype=torch.bool, device=d)
+    mask[1, ..., 3] = False
+    return mask
+
+
+def _no_valid_key(n, m, d):  # batch 0 sees no key at all
+    mask = torch.ones(2, 1, 1, m, dtype=torch.bool, device=d)
+    mask[0] = False
+    return mask
+
+
+# SDPA key-padding masks served with seqlens_k: name -> (SDPAAttention kwargs, causal, seqlens_k for Nk = 8)
+SDPA_PADDED = {
+    "key_padding": (dict(attn_mask=_key_padding), False, [6, 8]),
+    "key_padding_is_causal": (dict(attn_mask=_key_padding, is_causal=True), True, [6, 8]),
+    "causal_and_key_padding_mask": (dict(attn_mask=lambda n, m, d: _key_padding(n, m, d) & _tril(n, m, d)), True, [6, 8]),
+    "key_padding_per_query_rows": (dict(attn_mask=lambda n, m, d: _key_padding(n, m, d).expand(2, 1, n, m)), False, [6, 8]),
+    "key_padding_broadcast_batch": (dict(attn_mask=lambda n, m, d: (torch.arange(m, device=d) < 3).view(1, 1, 1, m)), False, [3, 3]),
+}
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+@pytest.mark.parametrize("case", list(SDPA_PADDED))
+def test_sdpa_right_key_padding_is_served(case, dtype, tol, op_spy):
+    """Right key padding (alone, with is_causal, or as one causal & padding mask) runs the op with
+    seqlens_k. No query row is fully masked in these patterns (each batch row keeps >= 1 key and
+    causal rows see key 0), so SDPA's output is defined on every row and all rows are compared."""
+    kwargs, causal, lengths = SDPA_PADDED[case]
+    torch.manual_seed(0)
+    model = Block(SDPAAttention(32, 4, **kwargs)).to(dtype)
+    swapped = copy.deepcopy(model)
+    report = swap_attention(swapped)
+    x = torch.randn(2, 8, 32, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        _assert_close(model, swapped, [x], tol)
+    assert len(op_spy.calls) == 1 and report.sites["attn"].served == 1
+    call = op_spy.calls[0]
+    assert call["causal"] is causal and call["seqlens_k"].tolist() == lengths
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+def test_sdpa_cross_attention_key_padding(dtype, tol, op_spy):
+    torch.manual_seed(0)
+    model = SDPAAttention(32, 4, attn_mask=_key_padding).to(dtype)
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    x, memory = torch.randn(2, 5, 32, dtype=dtype), torch.randn(2, 9, 32, dtype=dtype)
+    _assert_close(model, swapped, [x, memory], tol)
+    assert op_spy.calls[0]["causal"] is False and op_spy.calls[0]["seqlens_k"].tolist() == [7, 9]
+
+
 SDPA_FALLBACK = {
     "float_mask": (dict(attn_mask=_float_causal), "attn_mask of dtype torch.float32"),
-    "key_padding_mask": (dict(attn_mask=_key_padding), "key-padding attn_mask that masks keys"),
+    "left_key_padding": (dict(attn_mask=_left_padding), "key-padding attn_mask that is not right padding"),
+    "key_padding_hole": (dict(attn_mask=_padding_hole), "key-padding attn_mask that is not right padding"),
+    "key_padding_no_valid_key": (dict(attn_mask=_no_valid_key), "key-padding attn_mask that is not right padding"),
     "arbitrary_bool_mask": (dict(attn_mask=_random_bool), "boolean attn_mask is not the causal mask"),
     "dropout": (dict(dropout_p=0.5), "dropout_p=0.5"),
     "is_causal_nq_ne_nk": (dict(is_causal=True), "is_causal with Nq=5 != Nk=9"),
@@ -279,7 +340,7 @@ def test_catch_all_keeps_left_alone_mha_and_mha_fallbacks_original(op_spy):
     assert not isinstance(model["kept"], GProjMultiheadAttention)
     x = torch.randn(2, 5, 32)
     kpm = torch.zeros(2, 5, dtype=torch.bool)
-    kpm[:, -1] = True
+    kpm[:, 0] = True  # left padding: falls back
     for name, kwargs in [("kept", {}), ("swapped", dict(key_padding_mask=kpm))]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", GProjFallbackWarning)
@@ -370,9 +431,51 @@ def test_mha_key_padding_mask_that_masks_nothing_is_served(op_spy):
     assert len(op_spy.calls) == 2
 
 
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("inputs", ["self_causal", "self", "cross", "unbatched"])
+def test_mha_right_key_padding_is_served(inputs, batch_first, dtype, tol, op_spy):
+    """A boolean key_padding_mask (True = ignore) that masks a suffix of each row's keys runs the op
+    with seqlens_k, alone or with the causal mask. Every query row keeps >= 1 visible key (padded
+    query rows of self-attention too), so all rows are compared."""
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(32, 4, batch_first=batch_first).to(dtype).eval()
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    n, s = 6, (9 if inputs == "cross" else 6)
+    batch = 1 if inputs == "unbatched" else 2
+    kpm = torch.arange(s)[None, :] >= torch.tensor([s - 2, 1][:batch])[:, None]
+    lengths = [s - 2, 1][:batch]
+    if inputs == "unbatched":
+        kpm = kpm[0]
+    shape = (n, 32) if inputs == "unbatched" else ((2, n, 32) if batch_first else (n, 2, 32))
+    mshape = (s, 32) if inputs == "unbatched" else ((2, s, 32) if batch_first else (s, 2, 32))
+    query, memory = torch.randn(shape, dtype=dtype), torch.randn(mshape, dtype=dtype)
+    extra = dict(attn_mask=torch.ones(n, n, dtype=torch.bool).triu(1)) if inputs == "self_causal" else {}
+
+    class Call(nn.Module):
+        def __init__(self, mha):
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, q, m):
+            m = m if inputs == "cross" else q
+            return self.mha(q, m, m, key_padding_mask=kpm, need_weights=False, **extra)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        _assert_close(Call(model), Call(swapped), [query, memory], tol)
+    assert len(op_spy.calls) == 1
+    call = op_spy.calls[0]
+    assert call["causal"] is (inputs == "self_causal") and call["seqlens_k"].tolist() == lengths
+
+
 MHA_FALLBACK = {
     "need_weights_default": (dict(), "need_weights=True"),
-    "key_padding_mask": (dict(need_weights=False, key_padding_mask=torch.tensor([[False] * 5 + [True]] * 2)), "key_padding_mask"),
+    "left_key_padding_mask": (dict(need_weights=False, key_padding_mask=torch.tensor([[True] + [False] * 5] * 2)),
+                              "key_padding_mask that is not boolean right padding"),
+    "float_key_padding_mask": (dict(need_weights=False, key_padding_mask=torch.tensor([[0.0] * 5 + [float("-inf")]] * 2)),
+                               "key_padding_mask that is not boolean right padding"),
     "non_causal_mask": (dict(need_weights=False, attn_mask=torch.eye(6, dtype=torch.bool)), "not the causal mask"),
     "dropout_training": (dict(need_weights=False), "dropout=0.5 while training"),
 }
@@ -530,3 +633,23 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="`model` must be a torch.nn.Module"):
         swap_attention(lambda x: x)
     assert "forward" not in model.blocks[0].attn.__dict__
+
+
+def test_fp32_remediation_keeps_the_key_padding(op_spy):
+    """A site with compute_dtype=float32 (the monitors' "fp32" remediation) serves a padded bf16 call
+    with SDPA in fp32 under the same causal & padding mask: equal to the original run in fp32."""
+    torch.manual_seed(0)
+    mask = lambda n, m, d: _key_padding(n, m, d) & _tril(n, m, d)  # noqa: E731
+    model = SDPAAttention(32, 4, attn_mask=mask)
+    swapped = copy.deepcopy(model).bfloat16()
+    report = swap_attention(swapped)
+    report.sites[""].compute_dtype = torch.float32
+    x = torch.randn(2, 8, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        out = swapped(x.bfloat16())
+    assert op_spy.calls == [] and report.sites[""].served == 1
+    q, k, v = (t.float() for t in swapped.qkv(x.bfloat16()))
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask(8, 8, x.device)).bfloat16()
+    expected = swapped.proj(expected.transpose(1, 2).reshape(2, 8, 32))
+    assert torch.equal(out, expected)

@@ -145,7 +145,7 @@ def swap_attention(
                 report.rows.append(SwapRow(path, original, None, reason))
                 continue
             report.sites[path] = hf.swap_module(module, path, fix, site=old)
-            notes = again + ["padding masks, dropout, softcap run sdpa_attention_forward (warns once)"]
+            notes = again + ["left padding and other non-causal masks, dropout, softcap run sdpa_attention_forward (warns once)"]
             if implementation != "sdpa":
                 notes.append(f"its masks are now built as for 'sdpa', not {implementation!r}")
             report.rows.append(SwapRow(path, original, f"{replacement} via AttentionInterface 'gproj'", "; ".join(notes)))
@@ -167,7 +167,7 @@ def swap_attention(
                 report.rows.append(SwapRow(path, original, None, reason))
                 continue
             report.sites[path] = mha.swap_module(module, path, fix, site=old)
-            calls = "need_weights=True, key_padding_mask masking keys, non-causal masks"
+            calls = "need_weights=True, key_padding_mask other than right padding, non-causal masks"
             if module.dropout > 0:
                 calls += f", training (dropout={module.dropout})"
             notes = again + [f"calls with {calls} run the original (warns once)"]

@@ -170,19 +170,35 @@ class Site:
                 stacklevel=4,
             )
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale=None, causal: bool = False) -> torch.Tensor:
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        softmax_scale=None,
+        causal: bool = False,
+        seqlens_k: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Serve one call in the op layout (batch, seqlen, nheads, headdim): :func:`gproj_attn_func`
         with this site's ``fix`` and name, or, with ``compute_dtype`` set, SDPA in that dtype (autocast
-        off, bottom-right causal mask, GQA heads repeated) cast back to q's dtype."""
+        off, bottom-right causal mask and the key padding ``j < seqlens_k[b]`` as one boolean mask, GQA
+        heads repeated) cast back to q's dtype. ``seqlens_k``: None or an integer (batch,) tensor of
+        key lengths (right padding), passed to the op only when given."""
         if self.compute_dtype is None or q.dtype == self.compute_dtype:
+            extra = {} if seqlens_k is None else {"seqlens_k": seqlens_k}
             return gproj_attn_func()(
-                q, k, v, softmax_scale=softmax_scale, causal=causal, fix=self.fix, stats_name=self.name or "attention"
+                q, k, v, softmax_scale=softmax_scale, causal=causal, fix=self.fix, stats_name=self.name or "attention",
+                **extra,
             )
         dt, group = self.compute_dtype, q.shape[2] // k.shape[2]
         qs, ks, vs = (t.transpose(1, 2).to(dt) for t in (q, k, v))
         if group > 1:
             ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
         mask = causal_bool(q.shape[1], k.shape[1], q.device) if causal else None
+        if seqlens_k is not None:
+            keys = torch.arange(k.shape[1], device=q.device)[None, :] < seqlens_k.to(q.device)[:, None]
+            keys = keys[:, None, None, :]
+            mask = keys if mask is None else keys & mask
         with torch.autocast(q.device.type, enabled=False):
             o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=softmax_scale)
         return o.transpose(1, 2).to(q.dtype)

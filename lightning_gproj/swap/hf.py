@@ -13,10 +13,12 @@ unless the model is a ``transformers`` model (it is imported then).
 
 Served, as ``sdpa_attention_forward`` would compute it: mask None (causal from ``is_causal`` /
 ``module.is_causal``, with its crop of keys to Nq for a causal Nq < Nk prefill), boolean masks
-that are all True or exactly the bottom-right causal mask, ``scaling``, GQA
+that are all True, exactly the bottom-right causal mask, right key padding, or (Nq == Nk) causal &
+right key padding — what ``sdpa_mask`` builds from a right-padded ``attention_mask`` — checked value
+by value and served with ``seqlens_k``; ``scaling``, GQA
 (``num_key_value_groups``: k/v keep their heads), dropout 0. Falls back to
-``sdpa_attention_forward`` with one :class:`GProjFallbackWarning` per module for padding masks,
-float masks, dropout > 0 (training with ``attention_dropout``), ``softcap``, ``position_bias``,
+``sdpa_attention_forward`` with one :class:`GProjFallbackWarning` per module for left padding and
+other mask patterns, float masks, dropout > 0 (training with ``attention_dropout``), ``softcap``, ``position_bias``,
 attention sinks (``s_aux``), and head dims the op does not take.
 """
 
@@ -73,8 +75,12 @@ def _sdpa_forward():
 
 
 def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
-    """``(reason, (q, k, v, scale, causal))`` in the op layout; reason None when the op serves the
-    call as ``sdpa_attention_forward`` would compute it. query, key, value: (batch, heads, seqlen, dim)."""
+    """``(reason, (q, k, v, scale, causal, seqlens_k))`` in the op layout; reason None when the op
+    serves the call as ``sdpa_attention_forward`` would compute it. query, key, value: (batch, heads,
+    seqlen, dim). A boolean 4-D mask is served when its values equal what the op applies: all True,
+    the causal mask, right key padding, or (Nq == Nk) causal & right key padding — the mask
+    ``sdpa_mask`` builds for a right-padded ``attention_mask`` — with ``seqlens_k`` the per-row count
+    of valid keys (:func:`lightning_gproj.swap.sdpa.plan` checks the values)."""
     for name in _REFUSED:
         if kwargs.get(name) is not None:
             return f"{name} is set", None
@@ -90,16 +96,18 @@ def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling,
             # as sdpa_attention_forward: an empty-cache prefill keeps the first Nq keys, top-left causal
             key, value = key[:, :, :n_q], value[:, :, :n_q]
     elif not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
-        return f"attention_mask of dtype {getattr(attention_mask, 'dtype', type(attention_mask).__name__)} (only boolean causal masks are served)", None
-    reason, causal_mask = sdpa.plan(
+        return f"attention_mask of dtype {getattr(attention_mask, 'dtype', type(attention_mask).__name__)} (only boolean causal / right-padding masks are served)", None
+    reason, causal_mask, seqlens_k = sdpa.plan(
         (query, key, value),
         dict(attn_mask=attention_mask, dropout_p=0.0, is_causal=causal, scale=scaling, enable_gqa=True),
     )
     if reason is not None:
-        if attention_mask is not None and "not the causal mask" in reason:
-            reason = "an attention_mask with padding or another pattern than causal"
+        if attention_mask is not None and ("not the causal mask" in reason or "not right padding" in reason):
+            reason = "an attention_mask with left padding or another pattern than causal & right padding"
         return reason, None
-    return None, (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling, causal or causal_mask)
+    return None, (
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling, causal or causal_mask, seqlens_k,
+    )
 
 
 def gproj_attention_forward(
@@ -124,9 +132,9 @@ def gproj_attention_forward(
         with Guard():
             return _sdpa_forward()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     site.served += 1
-    q, k, v, scale, causal = call
+    q, k, v, scale, causal, seqlens_k = call
     with Guard():  # an enclosing SDPAMode must not take the SDPA call of an fp32 remediation
-        return site.attention(q, k, v, softmax_scale=scale, causal=causal), None
+        return site.attention(q, k, v, softmax_scale=scale, causal=causal, seqlens_k=seqlens_k), None
 
 
 def _set_implementation(model: nn.Module, name: str) -> None:

@@ -46,6 +46,18 @@ def _is_causal_mha_mask(mask: torch.Tensor, n_q: int, n_k: int) -> bool:
     return bool((mask == expected).all())
 
 
+def right_padding_lengths(key_padding_mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """Key lengths L (int64, (N,)) if a boolean ``key_padding_mask`` (N, S) (True = ignore) is right
+    padding — row b False on keys j < L[b] and True after, L[b] >= 1 — else None. Reads the values."""
+    if key_padding_mask.dtype != torch.bool or key_padding_mask.dim() != 2:
+        return None
+    lengths = (~key_padding_mask).sum(dim=-1)
+    expected = torch.arange(key_padding_mask.shape[-1], device=key_padding_mask.device)[None, :] >= lengths[:, None]
+    if not bool((lengths >= 1).all()) or not bool((key_padding_mask == expected).all()):
+        return None
+    return lengths
+
+
 def _masks_keys(key_padding_mask: torch.Tensor) -> bool:
     """True unless the ``key_padding_mask`` masks nothing (bool: no True; float: all zeros), in
     which case the call equals the call without it."""
@@ -61,7 +73,9 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
     as in ``nn.MultiheadAttention``: query (L, N, E), or (N, L, E) with ``batch_first``, or (L, E)
     unbatched; key/value likewise with S for L. Returns ``(output, None)``.
 
-    Served: ``need_weights=False``, no ``key_padding_mask`` (or one that masks nothing), ``attn_mask`` None or the causal mask
+    Served: ``need_weights=False``, no ``key_padding_mask``, one that masks nothing, or a boolean one
+    that is right padding (each batch row masks a suffix of the keys and keeps at least one; served
+    with ``seqlens_k``, alone or with the causal mask), ``attn_mask`` None or the causal mask
     (``is_causal=True`` with a mask, trusted as the original does on this path; or a mask whose
     values are exactly causal), dropout inactive (eval mode or ``dropout=0``), causal only with L == S,
     head dim (embed_dim / num_heads) a multiple of 8 up to the op's ``MAX_HEAD_DIM``.
@@ -73,30 +87,44 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
     _gproj_site: Site
 
     def _plan(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
+        """``(reason, causal, seqlens_k)``: reason None when the op serves the call."""
         if need_weights:
-            return "need_weights=True (the weights need the full attention matrix; pass need_weights=False)", False
+            return "need_weights=True (the weights need the full attention matrix; pass need_weights=False)", False, None
+        seqlens_k = None
         if key_padding_mask is not None and _masks_keys(key_padding_mask):
-            return "key_padding_mask that masks keys (the op takes no key-padding mask)", False
+            kpm = key_padding_mask.unsqueeze(0) if key_padding_mask.dim() == 1 else key_padding_mask
+            seqlens_k = right_padding_lengths(kpm)
+            if seqlens_k is None:
+                return (
+                    "key_padding_mask that is not boolean right padding (each row must mask a suffix of the "
+                    "keys and keep at least one)"
+                ), False, None
         if self.training and self.dropout > 0.0:
-            return f"dropout={self.dropout} while training (the op has no dropout)", False
+            return f"dropout={self.dropout} while training (the op has no dropout)", False, None
         if query.dim() not in (2, 3) or query.dim() != key.dim() or key.dim() != value.dim():
-            return f"input dims query {query.dim()}, key {key.dim()}, value {value.dim()}", False
+            return f"input dims query {query.dim()}, key {key.dim()}, value {value.dim()}", False, None
         if not (query.dtype == key.dtype == value.dtype):
-            return "query/key/value differ in dtype", False
+            return "query/key/value differ in dtype", False, None
         reason = op_reason(self.head_dim, query.numel(), key.numel())
         if reason is not None:
-            return reason, False
+            return reason, False, None
         seq = 1 if (self.batch_first and query.dim() == 3) else 0
         n_q, n_k = query.shape[seq], key.shape[seq]
+        if seqlens_k is not None:
+            batch = 1 if query.dim() == 2 else query.shape[1 - seq]
+            if seqlens_k.shape[0] != batch or key_padding_mask.shape[-1] != n_k:
+                return f"key_padding_mask of shape {tuple(key_padding_mask.shape)}", False, None
+            if seqlens_k.device != query.device:
+                return "key_padding_mask on another device", False, None
         if attn_mask is None:
             if is_causal:
-                return "is_causal without attn_mask", False  # the original raises; let it
-            return None, False
+                return "is_causal without attn_mask", False, None  # the original raises; let it
+            return None, False, seqlens_k
         if n_q != n_k:
-            return f"attn_mask with L={n_q} != S={n_k} (causal alignment differs)", False
+            return f"attn_mask with L={n_q} != S={n_k} (causal alignment differs)", False, None
         if is_causal or _is_causal_mha_mask(attn_mask, n_q, n_k):
-            return None, True
-        return "attn_mask is not the causal mask", False
+            return None, True, seqlens_k
+        return "attn_mask is not the causal mask", False, None
 
     def forward(
         self,
@@ -110,7 +138,7 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
         is_causal: bool = False,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         site = self._gproj_site
-        reason, causal = self._plan(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
+        reason, causal, seqlens_k = self._plan(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
         if reason is not None:
             site.fallback(reason)
             with Guard():  # an enclosing catch-all must not serve the original's inner SDPA call
@@ -135,7 +163,8 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
             q, k, v = F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
         n, n_q = q.shape[0], q.shape[1]
         o = site.attention(
-            q.unflatten(-1, (h, e // h)), k.unflatten(-1, (h, e // h)), v.unflatten(-1, (h, e // h)), causal=causal
+            q.unflatten(-1, (h, e // h)), k.unflatten(-1, (h, e // h)), v.unflatten(-1, (h, e // h)), causal=causal,
+            seqlens_k=seqlens_k,
         )
         out = F.linear(o.reshape(n, n_q, e), self.out_proj.weight, self.out_proj.bias)
         if not self.batch_first or unbatched:

@@ -86,79 +86,121 @@ def _autocast_unifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
     return all(t.dtype in allowed for t in (q, k, v))
 
 
-def plan(args: tuple, kwargs: dict) -> tuple[Optional[str], bool]:
-    """Decide how to serve one SDPA call: ``(reason, causal)``; ``reason`` is None when the op can
-    reproduce SDPA exactly (up to rounding) with ``causal``, else it says why not.
+def key_padding_lengths(mask: torch.Tensor, n_q: int, n_k: int, causal: bool) -> Optional[torch.Tensor]:
+    """Per-batch key lengths L (int64, (mask batch,)) if the boolean SDPA mask (True = attend),
+    broadcast over heads and queries, equals ``j < L[b]`` (right key padding; with ``causal``
+    (Nq == Nk): on and below the diagonal, where the causal mask lets the row see), with every
+    L[b] >= 1; else None.
+
+    ``mask`` is 4-D (batch or 1, heads or 1, Nq or 1, Nk). The last query row sees every key under
+    either rule, so L is read there and the whole mask is then compared with the one L implies.
+    Reads the mask's values (a device sync).
+    """
+    lengths = mask[:, 0, -1, :].sum(dim=-1)  # (batch or 1,)
+    if not bool((lengths >= 1).all()):
+        return None
+    expected = (torch.arange(n_k, device=mask.device)[None, :] < lengths[:, None])[:, None, None, :]
+    if causal:
+        visible = causal_bool(n_q, n_k, mask.device)
+        ok = bool(((mask == expected) | ~visible).all())
+    else:
+        ok = bool((mask == expected).all())
+    return lengths if ok else None
+
+
+def plan(args: tuple, kwargs: dict) -> tuple[Optional[str], bool, Optional[torch.Tensor]]:
+    """Decide how to serve one SDPA call: ``(reason, causal, seqlens_k)``; ``reason`` is None when the
+    op can reproduce SDPA exactly (up to rounding) with ``causal`` and key lengths ``seqlens_k``
+    (None: no key padding; else an int64 (batch,) tensor on the inputs' device), else it says why not.
 
     Served: 4-D q, k, v of one dtype (or fp32 mixed with the autocast dtype under autocast) and
     device, equal batch, equal headdim for v (a multiple of 8
-    up to the op's ``MAX_HEAD_DIM``), ``dropout_p == 0``,
-    ``attn_mask`` None (``is_causal`` only with Nq == Nk: SDPA's mask is top-left aligned, the op's
-    bottom-right) or a bool mask broadcastable to (batch, heads, Nq, Nk) — key-padding masks
-    (batch, 1, 1, Nk) included — whose values are exactly all-True or the causal mask (Nq <= Nk),
-    ``scale``, GQA with ``enable_gqa=True``. Reading a mask's values synchronizes with the device.
+    up to the op's ``MAX_HEAD_DIM``), ``dropout_p == 0``, ``scale``, GQA with ``enable_gqa=True``, and
+    ``attn_mask`` / ``is_causal`` one of:
+
+    * no mask (``is_causal`` only with Nq == Nk: SDPA's mask is top-left aligned, the op's bottom-right);
+    * a bool mask broadcastable to (batch, heads, Nq, Nk) whose values are exactly all-True or the
+      causal mask (Nq <= Nk);
+    * a bool right key-padding mask — broadcast from (batch, 1, 1, Nk) (or (1, 1, 1, Nk)), each batch
+      row True on a non-empty prefix of the keys and False after it — served as ``seqlens_k``; with
+      ``is_causal=True``, or as a (batch, 1, Nq, Nk) mask equal to causal & padding, when Nq == Nk
+      (``is_causal`` with a mask: SDPA in torch 2.13 applies both, causal & mask, on CPU);
+    * ``is_causal=True`` with an all-True mask (Nq == Nk).
+
+    Left padding, holes, rows with no valid key and anything else fall back. Reading a mask's values
+    synchronizes with the device.
     """
     try:
         q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = _signature(*args, **kwargs)
     except TypeError as err:
-        return f"unrecognized arguments ({err})", False
+        return f"unrecognized arguments ({err})", False, None
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        return "query/key/value are not all tensors", False
+        return "query/key/value are not all tensors", False, None
     if not (q.dim() == k.dim() == v.dim() == 4):
-        return f"inputs are not 4-D (query {tuple(q.shape)}, key {tuple(k.shape)})", False
+        return f"inputs are not 4-D (query {tuple(q.shape)}, key {tuple(k.shape)})", False, None
     if not (q.device == k.device == v.device):
-        return "query/key/value differ in device", False
+        return "query/key/value differ in device", False, None
     if not (q.dtype == k.dtype == v.dtype) and not _autocast_unifies(q, k, v):
-        return f"query/key/value differ in dtype ({q.dtype}, {k.dtype}, {v.dtype})", False
+        return f"query/key/value differ in dtype ({q.dtype}, {k.dtype}, {v.dtype})", False, None
     if not isinstance(dropout_p, (int, float)) or dropout_p != 0.0:
-        return f"dropout_p={dropout_p} (the op has no dropout)", False
+        return f"dropout_p={dropout_p} (the op has no dropout)", False, None
     (b, h_q, n_q, d), (bk, h_k, n_k, dk) = q.shape, k.shape
     if not (b == bk == v.shape[0]) or v.shape[1] != h_k or v.shape[2] != n_k or dk != d:
-        return f"shapes need broadcasting or differ (query {tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)})", False
+        return f"shapes need broadcasting or differ (query {tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)})", False, None
     if v.shape[3] != d:
-        return f"value headdim {v.shape[3]} differs from query headdim {d}", False
+        return f"value headdim {v.shape[3]} differs from query headdim {d}", False, None
     if h_k != h_q and not (enable_gqa and h_q % h_k == 0):
-        return f"key heads {h_k} != query heads {h_q} without enable_gqa", False
+        return f"key heads {h_k} != query heads {h_q} without enable_gqa", False, None
     reason = op_reason(d, q.numel(), k.numel(), scale)
     if reason is not None:
-        return reason, False
+        return reason, False, None
+    if is_causal and n_q != n_k:
+        return (
+            f"is_causal with Nq={n_q} != Nk={n_k} (SDPA aligns the causal mask top-left, the op "
+            f"bottom-right)"
+        ), False, None
     if mask is None:
-        if is_causal and n_q != n_k:
-            return (
-                f"is_causal with Nq={n_q} != Nk={n_k} (SDPA aligns the causal mask top-left, the op "
-                f"bottom-right)"
-            ), False
-        return None, bool(is_causal)
-    if is_causal:
-        return "attn_mask together with is_causal", False
+        return None, bool(is_causal), None
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        return f"attn_mask of dtype {getattr(mask, 'dtype', type(mask).__name__)} (only boolean causal masks are served)", False
+        return f"attn_mask of dtype {getattr(mask, 'dtype', type(mask).__name__)} (only boolean causal / key-padding masks are served)", False, None
     # broadcast to (batch, heads, Nq, Nk) as SDPA does; (batch, 1, 1, Nk) is a key-padding mask
     shape = (1,) * (4 - mask.dim()) + tuple(mask.shape) if 1 <= mask.dim() <= 4 else None
     if shape is None or shape[3] != n_k or any(s not in (1, t) for s, t in zip(shape[:3], (b, h_q, n_q))):
-        return f"attn_mask of shape {tuple(mask.shape)}", False
+        return f"attn_mask of shape {tuple(mask.shape)}", False, None
     if mask.device != q.device:
-        return "attn_mask on another device", False
+        return "attn_mask on another device", False, None
     if bool(mask.all()):
-        return None, False
-    if n_q <= n_k and bool((mask == causal_bool(n_q, n_k, mask.device)).all()):
-        return None, True
+        return None, bool(is_causal), None
+    if not is_causal and n_q <= n_k and bool((mask == causal_bool(n_q, n_k, mask.device)).all()):
+        return None, True, None
+    mask4 = mask.reshape(shape)
+    for causal in ((True,) if is_causal else (False, True)):
+        if causal and n_q != n_k:
+            continue
+        lengths = key_padding_lengths(mask4, n_q, n_k, causal)
+        if lengths is not None:
+            lengths = lengths.expand(b) if lengths.shape[0] != b else lengths
+            return None, causal, (None if bool((lengths == n_k).all()) else lengths)
     if shape[2] == 1:
-        return "key-padding attn_mask that masks keys (the op takes no key-padding mask)", False
-    return "boolean attn_mask is not the causal mask", False
+        return "key-padding attn_mask that is not right padding (each batch row True on a non-empty prefix of the keys)", False, None
+    if is_causal:
+        return "attn_mask together with is_causal (the mask is not key padding)", False, None
+    return "boolean attn_mask is not the causal mask (nor causal & right key padding)", False, None
 
 
 def attend(site: Site, args: tuple, kwargs: dict) -> torch.Tensor:
     """Serve one SDPA call with the op, or fall back to the original SDPA (warning once per site)."""
     if site.keep:
         return SDPA(*args, **kwargs)
-    reason, causal = plan(args, kwargs)
+    reason, causal, seqlens_k = plan(args, kwargs)
     if reason is not None:
         site.fallback(reason)
         return SDPA(*args, **kwargs)
     q, k, v, _, _, _, scale, _ = _signature(*args, **kwargs)
     site.served += 1
-    o = site.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=causal)
+    o = site.attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=causal, seqlens_k=seqlens_k
+    )
     return o.transpose(1, 2)
 
 

@@ -233,12 +233,14 @@ class _RankRows(torchmetrics.Metric):
 #: Statistics alerted on by default (the others are logged only; see ``detect``).
 DEFAULT_DETECT = ("leak_ratio", "c2_residual", "key_bias_grad_ratio", "probe_leak_ratio", "probe_dq_error")
 #: Default detector floors (see ``ChangeDetector(floor=...)``): below these, values are rounding level
-#: (GProj: C2 residual 1e-7–1e-5, DESIGN.md §8; an uncorrected bf16 kernel: 0.6–4.9%), and their relative
-#: jumps must not alert.
+#: and their relative jumps must not alert. C2 residual: rounding dK itself to bf16 gives ~1.6e-3 even
+#: with GProj (measured on examples/gpt.py, bf16-mixed; 1e-7–1e-5 on fp32 accumulators, DESIGN.md §8),
+#: an uncorrected bf16 kernel 0.3–4.9%. Key-bias gradient ratio: 3e-5–2e-4 in a 150-step GProj run of
+#: examples/gpt.py.
 DEFAULT_FLOORS = {
     "leak_ratio": 1e-3,
-    "c2_residual": 1e-3,
-    "key_bias_grad_ratio": 1e-4,
+    "c2_residual": 3e-3,
+    "key_bias_grad_ratio": 1e-3,
     "probe_leak_ratio": 1e-3,
     "probe_dq_error": 1e-3,
 }
@@ -370,7 +372,7 @@ class ZeroSumMonitor(Monitor):
         cusum_warn: Optional[float] = 15.0,
         cusum_critical: Optional[float] = None,
         cusum_drift: float = 1.0,
-        min_log_sigma: float = 0.02,
+        min_log_sigma: float = 0.25,
         slope_window: int = 10,
         slope_horizon: int = 100,
         slope_warn: Optional[float] = None,

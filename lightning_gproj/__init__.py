@@ -7,7 +7,7 @@ Public API::
 See README.md and docs/design.md.
 """
 
-from lightning_gproj.callbacks import GradNormMonitor, ZeroSumMonitor
+from lightning_gproj.callbacks import Alert, GradNormMonitor, ZeroSumMonitor
 from lightning_gproj.fabric import GProjFabricPlugin
 from lightning_gproj.ops import FIXES, gproj_attn_func
 from lightning_gproj.plugin import GProjPlugin
@@ -15,6 +15,7 @@ from lightning_gproj.stats import RECORDER, StatsRecorder
 from lightning_gproj.swap import GProjFallbackWarning, SwapReport, swap_attention, unswap_attention
 
 __all__ = [
+    "Alert",
     "FIXES",
     "GProjFabricPlugin",
     "GProjFallbackWarning",

@@ -55,8 +55,20 @@ class GProjFabricPlugin(Precision):
     _gproj_base: type = Precision
     _gproj_refuse = ((TrainerPrecision, "is a Trainer precision plugin; use lightning_gproj.GProjPlugin with the Trainer"),)
 
-    def __new__(cls, *args: Any, base: Optional[type] = None, **kwargs: Any) -> "GProjFabricPlugin":
-        return super().__new__(_plugin._new(cls, GProjFabricPlugin, PRECISIONS, args, kwargs, base))
+    # The same parameters as __init__, spelled out: LightningCLI/jsonargparse read a class's
+    # signature from __new__ when it defines one, and would otherwise refuse `precision`, `fix`, ...
+    def __new__(
+        cls,
+        precision: str = "bf16-mixed",
+        fix: str = "gproj",
+        include: Union[None, str, Sequence[str]] = None,
+        exclude: Union[None, str, Sequence[str]] = None,
+        catch_all: bool = False,
+        base: Optional[type] = None,
+        device: Optional[str] = None,
+        **base_kwargs: Any,
+    ) -> "GProjFabricPlugin":
+        return super().__new__(_plugin._new(cls, GProjFabricPlugin, PRECISIONS, (), {"precision": precision}, base))
 
     def __init__(
         self,

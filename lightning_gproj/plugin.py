@@ -189,8 +189,20 @@ class GProjPlugin(Precision):
 
     _gproj_base: type = Precision
 
-    def __new__(cls, *args: Any, base: Optional[type] = None, **kwargs: Any) -> "GProjPlugin":
-        return super().__new__(_new(cls, GProjPlugin, PRECISIONS, args, kwargs, base))
+    # The same parameters as __init__, spelled out: LightningCLI/jsonargparse read a class's
+    # signature from __new__ when it defines one, and would otherwise refuse `precision`, `fix`, ...
+    def __new__(
+        cls,
+        precision: str = "bf16-mixed",
+        fix: str = "gproj",
+        include: Union[None, str, Sequence[str]] = None,
+        exclude: Union[None, str, Sequence[str]] = None,
+        catch_all: bool = False,
+        base: Optional[type] = None,
+        device: Optional[str] = None,
+        **base_kwargs: Any,
+    ) -> "GProjPlugin":
+        return super().__new__(_new(cls, GProjPlugin, PRECISIONS, (), {"precision": precision}, base))
 
     def __init__(
         self,

@@ -237,11 +237,15 @@ DEFAULT_DETECT = ("leak_ratio", "c2_residual", "key_bias_grad_ratio", "probe_lea
 #: with GProj (measured on examples/gpt.py, bf16-mixed; 1e-7–1e-5 on fp32 accumulators, DESIGN.md §8),
 #: an uncorrected bf16 kernel 0.3–4.9%. Key-bias gradient ratio: 1e-5–2e-4 in a 150-step GProj run of
 #: examples/gpt.py, up to 1.1e-3 in its fix="none" twin (benchmarks/monitor_pair.py).
+#: Leak ratio: 4e-4–6e-2 over the 150 steps of the healthy GProj demo (examples/configs/gpt_demo.yaml,
+#: CPU, 2026-11-29; a floor of 1e-3 raised a false warning there at step 100); an uncorrected kernel on an
+#: unstable run leaks 8–14% of dQ (DESIGN.md §4), so 1e-2 keeps a 3x warning below that. Tuned on that one
+#: healthy run: provisional until the reproduction traces (issue 6) exist.
 DEFAULT_FLOORS = {
-    "leak_ratio": 1e-3,
+    "leak_ratio": 1e-2,
     "c2_residual": 3e-3,
     "key_bias_grad_ratio": 3e-4,
-    "probe_leak_ratio": 1e-3,
+    "probe_leak_ratio": 1e-2,
     "probe_dq_error": 1e-3,
 }
 

@@ -164,14 +164,19 @@ def _record_backward_stats(
 ) -> None:
     """Zero-sum violation ρ_i = |r_i| / Σ_j |dS̃_ij| and leak ratio λ (DESIGN.md §8)."""
     r, abs_ds, leak = extras["r"], extras["abs_dS"], extras["leak"]
-    # ρ_i is undefined where the rounded dS row is all zero (no visible key, underflow) and where the
-    # row sees a single key: there dS ≡ 0 in exact arithmetic, so any computed value gives ρ_i = 1.
+    # ρ_i is undefined where the row sees a single key (dS ≡ 0 in exact arithmetic, so any computed
+    # value gives ρ_i = 1) and ill-conditioned where the row's exact dS is (near) zero for another
+    # reason — one-hot attention, common in a trained causal LM — where Σ_j |dS̃_ij| is rounding noise
+    # and ρ_i → 1 again. Rows whose Σ_j |dS̃_ij| is under 10⁻³ of the median row's are left out, so the
+    # max reports real rows (in the demo every layer's max was 1 without this cut).
     # n_keys: keys row i of batch row b sees, (batch, 1, nq) or (nq,).
     nq = r.shape[-1]
     n_keys = torch.arange(nq, device=r.device) + (nk - nq) + 1 if causal else torch.full((nq,), nk, device=r.device)
     if seqlens_k is not None:
         n_keys = torch.minimum(n_keys[None, None, :], seqlens_k.to(device=r.device, dtype=torch.long)[:, None, None])
     defined = (abs_ds > 0) & (n_keys > 1)
+    if defined.any():
+        defined &= abs_ds >= 1e-3 * abs_ds[defined].median()
     rho = torch.where(defined, r.abs() / abs_ds.clamp(min=torch.finfo(abs_ds.dtype).tiny), float("nan"))
     values = {"violation_median": rho.nanmedian(), "violation_max": rho.nan_to_num(0.0).amax()}
     if fix != "gproj_uniform":

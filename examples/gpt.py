@@ -191,11 +191,11 @@ class GPT(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)  # mean over ranks under DDP/FSDP
         return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self.log("val_loss", self.loss(batch), prog_bar=True, on_epoch=True)
+        self.log("val_loss", self.loss(batch), prog_bar=True, on_epoch=True, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:

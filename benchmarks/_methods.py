@@ -7,14 +7,15 @@ incoming gradient do to (o, dq, dk, dv), and offers separate forward / backward 
   ``gproj_fold`` is fix="gproj" with the dK term folded into dS (DESIGN.md §4.1).
 - ``cudnn``, ``sdpa_flash``: torch SDPA restricted to one backend (GQA: k, v repeated, autograd sums).
 - ``fa4``: flash-attn-4's CuTe kernels (``flash_attn.cute.flash_attn_func``, Hopper path) if importable.
+
+Also the float64 reference and the error metrics that benchmarks/fidelity.py and
+benchmarks/captured_fidelity.py compare the methods with. The kernels are imported when an ``Ours`` is
+made, so this module imports with torch alone (captured_fidelity.py loads the kernels itself first).
 """
 
 from __future__ import annotations
 
 import torch
-
-from lightning_gproj.kernels import attention_bwd as B
-from lightning_gproj.kernels import attention_fwd as F
 
 OURS = {
     "gproj": dict(fix="gproj", dk_fold=False),
@@ -47,6 +48,8 @@ class Ours:
     """Forward/backward closures over our kernels (stats optional)."""
 
     def __init__(self, name, q, k, v, do, causal, want_stats=False, grad_dtype=None):
+        from lightning_gproj.kernels import attention_bwd, attention_fwd
+        self.F, self.B = attention_fwd, attention_bwd
         self.kw = OURS[name]
         self.q, self.k, self.v, self.do, self.causal = q, k, v, do, causal
         self.tau = q.shape[-1] ** -0.5
@@ -55,13 +58,13 @@ class Ours:
         self.state = None
 
     def fwd(self):
-        self.state = F.forward(self.q, self.k, self.v, self.tau, self.causal)
+        self.state = self.F.forward(self.q, self.k, self.v, self.tau, self.causal)
         return self.state
 
     def bwd(self):
         o, m, l2 = self.state
-        return B.backward(self.do, self.q, self.k, self.v, o, m, l2, self.tau, self.causal, self.kw["fix"],
-                          self.want_stats, dk_fold=self.kw["dk_fold"], grad_dtype=self.grad_dtype)
+        return self.B.backward(self.do, self.q, self.k, self.v, o, m, l2, self.tau, self.causal, self.kw["fix"],
+                               self.want_stats, dk_fold=self.kw["dk_fold"], grad_dtype=self.grad_dtype)
 
     def fwd_bwd(self):
         self.fwd()
@@ -146,3 +149,41 @@ def env_info() -> dict:
     return info
 
 
+def f64_reference(q, k, v, do, tau, causal):
+    """Plain softmax attention and its autograd gradients in float64 on the same bf16 inputs: (o, dq, dk, dv)."""
+    b, nq, h, d = q.shape
+    nk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    qh = q64.transpose(1, 2)
+    kh = k64.transpose(1, 2).repeat_interleave(g, dim=1)
+    vh = v64.transpose(1, 2).repeat_interleave(g, dim=1)
+    s = tau * qh @ kh.transpose(-1, -2)
+    if causal:
+        rows = torch.arange(nq, device=q.device)[:, None]
+        cols = torch.arange(nk, device=q.device)[None, :]
+        s = s.masked_fill(cols > rows + (nk - nq), float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    o = (p @ vh).transpose(1, 2)
+    dq, dk, dv = torch.autograd.grad(o, (q64, k64, v64), do.double())
+    return o.detach(), dq, dk, dv
+
+
+def frob_pairs(x, ref):
+    """Relative Frobenius error per (sequence, head): a flat tensor of B·H values; x, ref (B, N, H, d)."""
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm(dim=(1, 3)) / ref.norm(dim=(1, 3)).clamp(min=1e-300)).flatten().cpu()
+
+
+def row_errors(x, ref):
+    """Row-relative errors ‖x_i − x_ref,i‖ / ‖x_ref,i‖, flat; rows whose reference is exactly 0 skipped."""
+    x, ref = x.double(), ref.double()
+    num, den = (x - ref).norm(dim=-1), ref.norm(dim=-1)
+    keep = den > 0
+    return (num[keep] / den[keep]).cpu()
+
+
+def c2_pairs(dk):
+    """‖Σ_j dK_j‖ / ‖dK‖_F per (sequence, head): a flat tensor; dk (B, N, H, d)."""
+    dk = dk.double()
+    return (dk.sum(dim=1).norm(dim=-1) / dk.norm(dim=(1, 3)).clamp(min=1e-300)).flatten().cpu()

@@ -46,6 +46,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+import _methods as M  # noqa: E402
 
 REF_METHODS = ["ref:none", "ref:gproj", "ref:gproj_uniform", "ref:gproj_fold",
                "ref:none@fp32", "ref:gproj@fp32", "ref:gproj_uniform@fp32", "ref:gproj_fold@fp32"]
@@ -80,46 +81,9 @@ def import_kernels():
     pkg.kernels = mod
 
 
-def f64_reference(q, k, v, do, tau, causal):
-    b, nq, h, d = q.shape
-    nk, hk = k.shape[1], k.shape[2]
-    g = h // hk
-    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
-    qh = q64.transpose(1, 2)
-    kh = k64.transpose(1, 2).repeat_interleave(g, dim=1)
-    vh = v64.transpose(1, 2).repeat_interleave(g, dim=1)
-    s = tau * qh @ kh.transpose(-1, -2)
-    if causal:
-        rows = torch.arange(nq, device=q.device)[:, None]
-        cols = torch.arange(nk, device=q.device)[None, :]
-        s = s.masked_fill(cols > rows + (nk - nq), float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    o = (p @ vh).transpose(1, 2)
-    dq, dk, dv = torch.autograd.grad(o, (q64, k64, v64), do.double())
-    return o.detach(), dq, dk, dv
-
-
-def frob_pairs(x, ref):
-    """Relative Frobenius error per (sequence, head): a flat tensor of B·H values; x, ref (B, N, H, d)."""
-    x, ref = x.double(), ref.double()
-    return ((x - ref).norm(dim=(1, 3)) / ref.norm(dim=(1, 3)).clamp(min=1e-300)).flatten().cpu()
-
-
 def pair_norms(ref):
     """(B·H,) reference norms per (sequence, head)."""
     return ref.double().norm(dim=(1, 3)).flatten().cpu()
-
-
-def row_errors(x, ref):
-    x, ref = x.double(), ref.double()
-    num, den = (x - ref).norm(dim=-1), ref.norm(dim=-1)
-    keep = den > 0
-    return (num[keep] / den[keep]).cpu()
-
-
-def c2_pairs(dk):
-    dk = dk.double()
-    return (dk.sum(dim=1).norm(dim=-1) / dk.norm(dim=(1, 3)).clamp(min=1e-300)).flatten().cpu()
 
 
 def run_method(name, q, k, v, do, tau, causal):
@@ -131,7 +95,6 @@ def run_method(name, q, k, v, do, tau, causal):
         o, m, l2 = R.forward(q, k, v, tau, causal)
         dq, dk, dv, _ = R.backward(do, q, k, v, o, m, l2, tau, causal, fix, False, dk_fold=fold, grad_dtype=gd)
         return o, dq, dk, dv
-    import _methods as M
     kw = {"grad_dtype": gd} if gd is not None else {}
     o, dq, dk, dv, _ = M.make(name, q, k, v, do, causal, **kw).run()
     torch.cuda.synchronize()
@@ -301,7 +264,7 @@ def main():
         refs, norms = {}, {}
         for layer, t in sorted(cap["layers"].items()):
             q, k, v, do = (t[n].to(dev) for n in ("q", "k", "v", "do"))
-            refs[layer] = f64_reference(q, k, v, do, tau, causal)
+            refs[layer] = M.f64_reference(q, k, v, do, tau, causal)
             norms[layer] = {n: pair_norms(r) for n, r in zip(("o", "dq", "dk", "dv"), refs[layer])}
         top = {n: max(nm[n].max().item() for nm in norms.values()) for n in ("o", "dq", "dk", "dv")}
         pair_log = {}
@@ -321,10 +284,10 @@ def main():
                 except Exception as e:  # noqa: BLE001
                     print(f"{run} layer {layer} {mname}: FAILED {type(e).__name__}: {e}", flush=True)
                     continue
-                raw = {n: frob_pairs(x, r) for n, x, r in zip(("o", "dq", "dk", "dv"), out, ref)}
+                raw = {n: M.frob_pairs(x, r) for n, x, r in zip(("o", "dq", "dk", "dv"), out, ref)}
                 pair_log[str(layer)]["err"][mname] = {n: x.tolist() for n, x in raw.items()}
                 errs = {n: e[live[n]] for n, e in raw.items()}
-                rows, c2 = row_errors(out[1], ref[1]), c2_pairs(out[2])[live["dk"]]
+                rows, c2 = M.row_errors(out[1], ref[1]), M.c2_pairs(out[2])[live["dk"]]
                 for n in errs:
                     acc[mname][n].append(errs[n])
                     acc[mname][n + "_all"].append(raw[n])

@@ -38,46 +38,6 @@ import _methods as M  # noqa: E402
 METHODS = ["gproj", "gproj_fold", "none", "gproj_uniform", "cudnn", "sdpa_flash", "fa4"]
 
 
-def f64_reference(q, k, v, do, tau, causal):
-    b, nq, h, d = q.shape
-    nk, hk = k.shape[1], k.shape[2]
-    g = h // hk
-    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
-    qh = q64.transpose(1, 2)
-    kh = k64.transpose(1, 2).repeat_interleave(g, dim=1)
-    vh = v64.transpose(1, 2).repeat_interleave(g, dim=1)
-    s = tau * qh @ kh.transpose(-1, -2)
-    if causal:
-        rows = torch.arange(nq, device=q.device)[:, None]
-        cols = torch.arange(nk, device=q.device)[None, :]
-        s = s.masked_fill(cols > rows + (nk - nq), float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    o = (p @ vh).transpose(1, 2)
-    dq, dk, dv = torch.autograd.grad(o, (q64, k64, v64), do.double())
-    return o.detach(), dq, dk, dv
-
-
-def frob_per_head(x, ref):
-    """Median over (batch, head) of the relative Frobenius error; x, ref: (B, N, H, d)."""
-    x, ref = x.double(), ref.double()
-    num = (x - ref).norm(dim=(1, 3))
-    den = ref.norm(dim=(1, 3))
-    return (num / den.clamp(min=1e-300)).median().item()
-
-
-def row_median(x, ref):
-    x, ref = x.double(), ref.double()
-    num = (x - ref).norm(dim=-1)
-    den = ref.norm(dim=-1)
-    keep = den > 0
-    return (num[keep] / den[keep]).median().item() if keep.any() else float("nan")
-
-
-def c2_residual(dk):
-    dk = dk.double()
-    return (dk.sum(dim=1).norm(dim=-1) / dk.norm(dim=(1, 3)).clamp(min=1e-300)).median().item()
-
-
 def make_inputs(b, n, h, hk, d, mu, sigma, seed, dev):
     g = torch.Generator(device=dev).manual_seed(seed)
     q = (sigma * torch.randn(b, n, h, d, generator=g, device=dev)).bfloat16()
@@ -93,7 +53,7 @@ def measure_setting(setting, methods, dev):
     b, n, h, hk, d = setting["b"], setting["n"], setting["h"], setting["hk"], setting["d"]
     q, k, v, do = make_inputs(b, n, h, hk, d, setting["mu"], setting["sigma"], setting["seed"], dev)
     tau = d ** -0.5
-    o64, dq64, dk64, dv64 = f64_reference(q, k, v, do, tau, setting["causal"])
+    o64, dq64, dk64, dv64 = M.f64_reference(q, k, v, do, tau, setting["causal"])
     rows = []
     for name in methods:
         row = {**setting, "method": name}
@@ -101,9 +61,10 @@ def measure_setting(setting, methods, dev):
             meth = M.make(name, q, k, v, do, setting["causal"], **({"want_stats": True} if name in M.OURS else {}))
             o, dq, dk, dv, extras = meth.run()
             for nm, x, ref in (("o", o, o64), ("dq", dq, dq64), ("dk", dk, dk64), ("dv", dv, dv64)):
-                row[f"{nm}_frob"] = frob_per_head(x, ref)
-                row[f"{nm}_rowmed"] = row_median(x, ref)
-            row["c2"] = c2_residual(dk)
+                row[f"{nm}_frob"] = M.frob_pairs(x, ref).median().item()
+                rowerr = M.row_errors(x, ref)
+                row[f"{nm}_rowmed"] = rowerr.median().item() if rowerr.numel() else float("nan")
+            row["c2"] = M.c2_pairs(dk).median().item()
             row["nan"] = any(bool(torch.isnan(x).any().item()) for x in (o, dq, dk, dv))
             if extras:
                 a = extras["abs_dS"]

@@ -161,6 +161,21 @@ def check_bool(name: str, value: Any) -> bool:
     return value
 
 
+def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
+    """Return ``value`` if it is one of ``choices``, else raise ValueError naming ``name``."""
+    if value not in choices:
+        raise ValueError(f"`{name}` must be one of {choices}, got {value!r}")
+    return value
+
+
+def check_callable(name: str, value: Any, accepted: str) -> Callable[..., Any] | None:
+    """Return ``value`` if it is None or callable, else raise ValueError naming ``name`` (``accepted``
+    describes the call, e.g. ``"a callable name -> layer"``)."""
+    if value is not None and not callable(value):
+        raise ValueError(f"`{name}` must be {accepted} or None, got {value!r}")
+    return value
+
+
 def check_prefix(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value or value.endswith("/"):
         raise ValueError(f"`{name}` must be a non-empty string without a trailing '/', got {value!r}")

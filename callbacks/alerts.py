@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 import lightning.pytorch as pl
 import torch
 
+from ._base import check_callable, check_choice
 from .detectors import LEVELS, level_rank
 
 log = logging.getLogger("lightning_gproj.alerts")
@@ -116,8 +117,7 @@ def remediate(module: torch.nn.Module, layers: Sequence[str], remediation: str) 
     """Switch the swapped attention of ``layers`` (all swapped layers when empty) inside ``module``:
     ``"gproj"`` sets ``site.fix = "gproj"``, ``"fp32"`` sets ``site.compute_dtype = torch.float32``.
     Returns the paths switched (those already in that state included)."""
-    if remediation not in REMEDIATIONS:
-        raise ValueError(f"`remediation` must be one of {REMEDIATIONS}, got {remediation!r}")
+    check_choice("remediation", remediation, REMEDIATIONS)
     switched = []
     for path, site in attention_sites(module).items():
         if layers and not any(_matches(path, layer) for layer in layers):
@@ -154,14 +154,11 @@ class AlertDispatcher:
         remediation: str = "gproj",
         checkpoint_dir: Optional[str] = None,
     ) -> None:
-        if on_alert is not None and not callable(on_alert):
-            raise ValueError(f"`on_alert` must be a callable alert -> None or None, got {on_alert!r}")
+        check_callable("on_alert", on_alert, "a callable alert -> None")
         if isinstance(actions, str) or not all(isinstance(a, str) and a in ACTIONS for a in actions):
             raise ValueError(f"`actions` must be a sequence of {ACTIONS}, got {actions!r}")
-        if action_level not in LEVELS:
-            raise ValueError(f"`action_level` must be one of {LEVELS}, got {action_level!r}")
-        if remediation not in REMEDIATIONS:
-            raise ValueError(f"`remediation` must be one of {REMEDIATIONS}, got {remediation!r}")
+        check_choice("action_level", action_level, LEVELS)
+        check_choice("remediation", remediation, REMEDIATIONS)
         if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
             raise ValueError(f"`checkpoint_dir` must be a path or None, got {checkpoint_dir!r}")
         self.source = source

@@ -29,6 +29,7 @@ from .detectors import MAD_TO_STD, ChangeDetector, Detection, RobustBaseline
 from ._base import (
     Monitor,
     check_bool,
+    check_callable,
     check_int,
     check_prefix,
     finite_max,
@@ -205,8 +206,7 @@ class GradNormMonitor(Monitor):
         self.warn_ratio, self.critical_ratio = warn_ratio, critical_ratio
         self.top_k = check_int("top_k", top_k, 1)
         self.log_layers = check_bool("log_layers", log_layers)
-        if layer_of is not None and not callable(layer_of):
-            raise ValueError(f"`layer_of` must be a callable name -> layer or None, got {layer_of!r}")
+        check_callable("layer_of", layer_of, "a callable name -> layer")
         self.layer_of = default_layer_of if layer_of is None else layer_of
         self.prefix = check_prefix("prefix", prefix)
         self.print_summary = check_bool("print_summary", print_summary)

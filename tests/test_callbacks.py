@@ -33,6 +33,9 @@ from lightning_gproj.callbacks import (
     find_key_biases,
 )
 
+#: Each test starts and ends with the global recorder off and empty (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("recorder_off")
+
 E, H, N, B = 8, 2, 5, 2  # embedding, heads, sequence length, batch
 
 
@@ -76,16 +79,6 @@ def loader(n_batches: int, shape: tuple[int, ...], seed: int = 0) -> torch.utils
     g = torch.Generator().manual_seed(seed)
     data = torch.randn(n_batches, *shape, generator=g)
     return torch.utils.data.DataLoader(list(data), batch_size=None)
-
-
-@pytest.fixture(autouse=True)
-def _recorder_off():
-    """Each test starts and ends with the global recorder off and empty."""
-    stats.RECORDER.enabled = False
-    stats.RECORDER.drain()
-    yield
-    stats.RECORDER.enabled = False
-    stats.RECORDER.drain()
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

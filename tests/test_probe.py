@@ -18,9 +18,12 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from lightning_gproj import GProjPlugin, gproj_attn_func, stats
+from lightning_gproj import GProjPlugin, gproj_attn_func
 from lightning_gproj.callbacks import ZeroSumMonitor, probe_backward, reference_dq
 from lightning_gproj.callbacks.capture import slice_call
+
+#: Each test starts and ends with the global recorder off and empty (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("recorder_off")
 
 E, H, D, N, B = 32, 4, 8, 16, 2
 
@@ -44,15 +47,6 @@ def fit(module, callbacks, tmp_path, max_steps, **kwargs):
     )
     trainer.fit(module)
     return read_metrics(logger.log_dir)
-
-
-@pytest.fixture(autouse=True)
-def _recorder_off():
-    stats.RECORDER.enabled = False
-    stats.RECORDER.drain()
-    yield
-    stats.RECORDER.enabled = False
-    stats.RECORDER.drain()
 
 
 class Attention(nn.Module):

@@ -177,6 +177,11 @@ class ChangeDetector:
         self.slope_horizon = check_int("slope_horizon", slope_horizon, 1)
         self.slope_warn = _check_threshold("slope_warn", slope_warn, 1.0)
         self.slope_critical = _check_threshold("slope_critical", slope_critical, 1.0)
+        for low, high in (("warn_ratio", "critical_ratio"), ("cusum_warn", "cusum_critical"),
+                          ("slope_warn", "slope_critical")):
+            lo, hi = getattr(self, low), getattr(self, high)
+            if lo is not None and hi is not None and lo > hi:
+                raise ValueError(f"`{low}` ({lo:g}) must not exceed `{high}` ({hi:g})")
         self.ema_decay = check_float(
             "ema_decay", ema_decay, above=0.0, below=1.0, accepted="a number in the open interval (0, 1)"
         )

@@ -241,6 +241,8 @@ DEFAULT_DETECT = ("leak_ratio", "c2_residual", "key_bias_grad_ratio", "probe_lea
 #: CPU, 2026-11-29; a floor of 1e-3 raised a false warning there at step 100); an uncorrected kernel on an
 #: unstable run leaks 8–14% of dQ (DESIGN.md §4), so 1e-2 keeps a 3x warning below that. Tuned on that one
 #: healthy run: provisional until the reproduction traces (issue 6) exist.
+#: Every statistic name ZeroSumMonitor logs (the names ``detect`` and ``floors`` accept).
+STATISTICS = _SUMMARY_STATS + ("key_bias_grad_norm", "probe_dq_error_max")
 DEFAULT_FLOORS = {
     "leak_ratio": 1e-2,
     "c2_residual": 3e-3,
@@ -407,11 +409,17 @@ class ZeroSumMonitor(Monitor):
         self.probe_layers = None if probe_layers is None else tuple(probe_layers)
         if isinstance(detect, str) or not all(isinstance(d, str) and d for d in detect):
             raise ValueError(f"`detect` must be a sequence of statistic names such as {DEFAULT_DETECT}, got {detect!r}")
+        unknown = [d for d in detect if d not in STATISTICS]
+        if unknown:
+            raise ValueError(f"`detect` has unknown statistic names {unknown}; accepted: {STATISTICS}")
         self.detect = tuple(detect)
         if floors is not None and not (
             isinstance(floors, dict) and all(isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in floors.items())
         ):
             raise ValueError(f"`floors` must be None or a dict statistic -> number >= 0, got {floors!r}")
+        unknown = [k for k in (floors or {}) if k not in STATISTICS]
+        if unknown:
+            raise ValueError(f"`floors` has unknown statistic names {unknown}; accepted: {STATISTICS}")
         #: Detector floor per statistic (DEFAULT_FLOORS updated with ``floors``).
         self.floors = {**DEFAULT_FLOORS, **(floors or {})}
         self.detector_args = dict(

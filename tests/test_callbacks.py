@@ -578,6 +578,34 @@ def test_constructor_rejects_bad_arguments(cls, kwargs, argument):
         cls(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "argument", "bad"),
+    [({"detect": ("leak_ratio", "nope")}, "detect", "nope"), ({"floors": {"leek_ratio": 1e-2}}, "floors", "leek_ratio")],
+)
+def test_zero_sum_rejects_unknown_statistic_names(kwargs, argument, bad):
+    with pytest.raises(ValueError, match=f"`{argument}`") as info:
+        ZeroSumMonitor(**kwargs)
+    message = str(info.value)
+    assert repr(bad) in message and "'leak_ratio'" in message and "'probe_dq_error_max'" in message
+    assert ZeroSumMonitor(detect=("probe_dq_error_max",), floors={"c2_residual": 0.0}).detect == ("probe_dq_error_max",)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "argument"),
+    [
+        (GradNormMonitor, {"warn_ratio": 10, "critical_ratio": 4}, "warn_ratio"),
+        (ZeroSumMonitor, {"warn_ratio": 10, "critical_ratio": 4}, "warn_ratio"),
+        (ZeroSumMonitor, {"cusum_warn": 30, "cusum_critical": 20}, "cusum_warn"),
+        (GradNormMonitor, {"slope_warn": 5, "slope_critical": 2}, "slope_warn"),
+    ],
+)
+def test_constructor_rejects_warn_above_critical(cls, kwargs, argument):
+    with pytest.raises(ValueError, match=f"`{argument}`.*must not exceed"):
+        cls(**kwargs)
+    equal = {k: min(kwargs.values()) for k in kwargs}  # warn == critical stays accepted
+    cls(**equal)
+
+
 def _break_zero_sum(monitor: ZeroSumMonitor, monkeypatch) -> None:
     def drain():
         raise RuntimeError("drain failed")

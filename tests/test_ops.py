@@ -179,7 +179,8 @@ def test_compile_fullgraph_has_no_graph_break():
         (lambda q, k, v: (q, k, v[:, :5]), ValueError, "same shape"),
         (lambda q, k, v: (q, k[:, :, :3], v[:, :, :3]), ValueError, "multiple"),
         (lambda q, k, v: (q, k.double(), v), TypeError, "dtype"),
-        (lambda q, k, v: (q.long(), k, v), TypeError, "q must be a floating-point"),
+        (lambda q, k, v: (q.long(), k, v), TypeError, "q must be a bf16, fp16, fp32 or fp64 tensor"),
+        (lambda q, k, v: (q.to(torch.float8_e4m3fn), k, v), TypeError, "q must be a bf16"),
         (lambda q, k, v: (q[0], k, v), ValueError, "q must be 4-D"),
         (lambda q, k, v: (q.numpy(), k, v), TypeError, "q must be a torch.Tensor"),
         (lambda q, k, v: (q[..., :12], k[..., :12], v[..., :12]), ValueError, "headdim"),
@@ -199,9 +200,16 @@ def test_bad_input_names_the_argument(make, exc, words):
         ({"fix": "fast"}, "fix must be one of"),
         ({"softmax_scale": -1.0}, "softmax_scale"),
         ({"softmax_scale": float("nan")}, "softmax_scale"),
+        ({"softmax_scale": 3e38}, "softmax_scale"),  # τ·log2e would overflow fp32: NaN, not an error, before
     ],
 )
 def test_bad_options_name_the_argument(kwargs, words):
     q, k, v = _qkv(1, 8, 2, 16)
     with pytest.raises(ValueError, match=words):
         gproj_attn_func(q, k, v, **kwargs)
+
+
+def test_stats_name_must_be_a_string():
+    q, k, v = _qkv(1, 8, 2, 16)
+    with pytest.raises(TypeError, match="stats_name"):
+        gproj_attn_func(q, k, v, stats_name=5)

@@ -88,10 +88,30 @@ def _new(cls: type, root: type, precisions: dict, args: tuple, kwargs: dict, bas
     return _gproj_class(base, root)
 
 
+def check_device(device: Any) -> Optional[str]:
+    """Return ``device`` if it is None or a device type ``torch.autocast`` accepts ("cpu", "cuda",
+    "xpu", "mps", ...), else raise ValueError naming ``device``."""
+    if device is None:
+        return None
+    ok = isinstance(device, str) and device.isidentifier()  # a type: "cuda", not "cuda:0"
+    if ok:
+        try:
+            torch.autocast(device_type=device, enabled=False)
+        except (RuntimeError, ValueError):
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"`device` must be None or a device type torch.autocast accepts (e.g. 'cpu', 'cuda', 'xpu', 'mps'), "
+            f"got {device!r}"
+        )
+    return device
+
+
 def _init(plugin: Any, mixed: type, precisions: dict, precision: str, fix: str, include: Any, exclude: Any,
           catch_all: bool, device: Optional[str], base_kwargs: dict) -> None:
     """``__init__`` of both plugins: GProj settings, then the base's own constructor."""
     _check_precision(precision, precisions)
+    check_device(device)
     _gproj_init(plugin, fix, include, exclude, catch_all)
     base_cls = plugin._gproj_base
     if issubclass(base_cls, mixed):

@@ -100,3 +100,9 @@ def test_classes_bases_and_pickling():
         GProjFabricPlugin(base=type(GProjPlugin("32-true")))
     with pytest.raises(ValueError, match="`precision` must be one of"):
         GProjFabricPlugin("bf16")
+
+
+def test_device_is_validated():
+    with pytest.raises(ValueError, match="`device` must be None or a device type torch.autocast accepts .*got 'tpu'"):
+        GProjFabricPlugin("bf16-mixed", device="tpu")
+    assert GProjFabricPlugin("bf16-mixed", device="cpu").device == "cpu"

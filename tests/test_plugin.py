@@ -204,6 +204,9 @@ def test_plugin_pickles_and_names_its_base():
         (dict(catch_all="yes"), TypeError, "`catch_all` must be a bool"),
         (dict(base=nn.Module), TypeError, "`base` must be a subclass of lightning.pytorch.plugins.precision.Precision"),
         (dict(precision="bf16-mixed", base=Precision), ValueError, "is not what the base Precision runs"),
+        (dict(device="tpu"), ValueError, r"`device` must be None or a device type torch.autocast accepts .*got 'tpu'"),
+        (dict(device="cuda:0"), ValueError, "`device` must be None"),
+        (dict(device=0), ValueError, "`device` must be None"),
     ],
 )
 def test_bad_arguments(kwargs, error, match):

@@ -204,7 +204,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     logdir = Path(args.logdir)
     out = Path(args.out) if args.out else (logdir.parent if logdir.is_file() else logdir) / "dashboard.png"
-    render(series, out, grad_prefix=args.grad_prefix, zero_sum_prefix=args.zero_sum_prefix, title=str(args.logdir))
+    if not out.parent.is_dir():
+        print(f"error: output directory {str(out.parent)!r} does not exist", file=sys.stderr)
+        return 2
+    try:
+        render(series, out, grad_prefix=args.grad_prefix, zero_sum_prefix=args.zero_sum_prefix, title=str(args.logdir))
+    except OSError as exc:
+        print(f"error: cannot write {str(out)!r}: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote {out} ({len(series)} metrics, {len(alert_steps(series))} alert(s))")
     return 0
 

@@ -103,6 +103,12 @@ def test_clear_errors(tmp_path, monkeypatch, capsys):
     assert main([str(tmp_path / "missing")]) == 2
     assert "no such log directory" in capsys.readouterr().err
 
+    missing_out = tmp_path / "nonexist" / "dir" / "x.png"
+    assert main([str(tmp_path / "two" / "version_0"), "-o", str(missing_out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and f"output directory {str(missing_out.parent)!r} does not exist" in err
+    assert not missing_out.parent.exists()
+
     tb = tmp_path / "tb"
     tb.mkdir()
     (tb / "events.out.tfevents.1.host").write_bytes(b"")

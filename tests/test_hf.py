@@ -174,7 +174,9 @@ def test_training_dropout_falls_back(op_spy):
         attention_dropout=0.3)
     model = transformers.LlamaForCausalLM(config).train()
     swapped = copy.deepcopy(model)
-    swap_attention(swapped)
+    report = swap_attention(swapped)
+    assert report.rows[0].reason.startswith("attention dropout p=0.3: falls back while training; ")
+    assert "attention dropout p=0.3: falls back while training" in report.table()
     ids = _inputs("llama")["input_ids"]
     with pytest.warns(GProjFallbackWarning, match=r"model.layers.0.self_attn \(LlamaAttention\).*dropout=0.3"):
         torch.manual_seed(3)
@@ -183,6 +185,18 @@ def test_training_dropout_falls_back(op_spy):
     assert torch.equal(out, model(ids).logits) and op_spy.calls == []
     swapped.eval()  # HF passes dropout=0.0 in eval: served
     assert rel_err(swapped(ids).logits, model.eval()(ids).logits) <= TOL and len(op_spy.calls) == 1
+
+
+def test_gpt2_default_attn_pdrop_is_noted_at_swap_time():
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    assert config.attn_pdrop == 0.1  # the default
+    report = swap_attention(transformers.GPT2LMHeadModel(config))
+    assert [r.module_path for r in report.swapped] == ["transformer.h.0.attn", "transformer.h.1.attn"]
+    assert all(r.reason.startswith("attention dropout p=0.1: falls back while training; ") for r in report.rows)
+    config.attn_pdrop = 0.0
+    report = swap_attention(transformers.GPT2LMHeadModel(config))
+    assert len(report.swapped) == 2 and not any("attention dropout" in r.reason for r in report.rows)
+    assert not any("attention dropout" in r.reason for r in swap_attention(MODELS["llama"][0]()).rows)  # dropout 0
 
 
 def test_fabric_plugin_swaps_a_transformers_model(op_spy):

@@ -488,7 +488,8 @@ def test_mha_fallback_warns_once_and_matches_original(case, op_spy):
     model = nn.Sequential()
     model.add_module("mha", nn.MultiheadAttention(32, 4, batch_first=True, dropout=0.5 if "dropout" in case else 0.0))
     swapped = copy.deepcopy(model)
-    swap_attention(swapped)
+    report = swap_attention(swapped)
+    assert report.rows[0].reason.startswith("attention dropout p=0.5: falls back while training; ") == ("dropout" in case)
     x = torch.randn(2, 6, 32)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -584,6 +585,7 @@ def test_idempotent_and_unswap(dtype, tol, op_spy):
     assert wrapper.original is None and wrapper.site is site  # not wrapped twice
     assert type(swapped.blocks[1].attn) is GProjMultiheadAttention
     assert all(r.reason.startswith("already swapped") for r in report.rows)
+    assert report.table() == "GProj attention swap (fix='gproj_uniform'): model already converted (2 modules)"
     tokens = torch.randint(0, 11, (2, 7))
     out = swapped(tokens)
     assert [c["fix"] for c in op_spy.calls] == ["gproj_uniform"] * 2
@@ -653,3 +655,11 @@ def test_fp32_remediation_keeps_the_key_padding(op_spy):
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask(8, 8, x.device)).bfloat16()
     expected = swapped.proj(expected.transpose(1, 2).reshape(2, 8, 32))
     assert torch.equal(out, expected)
+
+
+def test_first_conversion_prints_the_full_table():
+    model = TinyModel()
+    report = swap_attention(model)
+    assert not report.reconverted and report.table().startswith("GProj attention swap (fix='gproj'): 2 swapped, 0 left alone\n")
+    again = swap_attention(model, exclude="blocks.1*")  # a left-alone row: the full table again
+    assert not again.reconverted and "1 swapped, 1 left alone" in again.table() and "already swapped" in again.table()

@@ -46,8 +46,18 @@ class SwapReport:
         """Rows whose module keeps its original attention."""
         return [row for row in self.rows if row.replacement is None]
 
+    @property
+    def reconverted(self) -> bool:
+        """True when every row is a module swapped by an earlier call ("already swapped")."""
+        return bool(self.rows) and all(
+            r.replacement is not None and r.reason.startswith("already swapped") for r in self.rows
+        )
+
     def table(self) -> str:
-        """A plain-text table: module path | original | replacement (or "left alone") | note."""
+        """A plain-text table: module path | original | replacement (or "left alone") | note; one line
+        when every row is "already swapped" (a re-conversion of a converted model; see ``rows``)."""
+        if self.reconverted:
+            return f"GProj attention swap (fix={self.fix!r}): model already converted ({len(self.rows)} modules)"
         header = ("module", "original", "replacement", "note")
         lines = [(display_path(r.module_path), r.original, r.replacement or "left alone", r.reason) for r in self.rows]
         if not lines:
@@ -145,7 +155,8 @@ def swap_attention(
                 report.rows.append(SwapRow(path, original, None, reason))
                 continue
             report.sites[path] = hf.swap_module(module, path, fix, site=old)
-            notes = again + ["left padding and other non-causal masks, dropout, softcap run sdpa_attention_forward (warns once)"]
+            dropout = hf.dropout_note(module)
+            notes = again + ([dropout] if dropout else []) + ["left padding and other non-causal masks, dropout, softcap run sdpa_attention_forward (warns once)"]
             if implementation != "sdpa":
                 notes.append(f"its masks are now built as for 'sdpa', not {implementation!r}")
             report.rows.append(SwapRow(path, original, f"{replacement} via AttentionInterface 'gproj'", "; ".join(notes)))
@@ -168,9 +179,8 @@ def swap_attention(
                 continue
             report.sites[path] = mha.swap_module(module, path, fix, site=old)
             calls = "need_weights=True, key_padding_mask other than right padding, non-causal masks"
-            if module.dropout > 0:
-                calls += f", training (dropout={module.dropout})"
-            notes = again + [f"calls with {calls} run the original (warns once)"]
+            dropout = [f"attention dropout p={module.dropout:g}: falls back while training"] if module.dropout > 0 else []
+            notes = again + dropout + [f"calls with {calls} run the original (warns once)"]
             report.rows.append(SwapRow(path, original, f"GProjMultiheadAttention, {replacement}", "; ".join(notes)))
         elif sdpa.calls_sdpa(module):
             original = f"{type(module).__name__}: F.scaled_dot_product_attention"

@@ -59,6 +59,30 @@ def is_attention_module(module: nn.Module) -> bool:
     return False
 
 
+#: Where transformers attention modules keep their attention-probability dropout (a float or an
+#: nn.Dropout), then the config keys for it.
+_DROPOUT_ATTRS = ("attention_dropout", "attn_dropout", "dropout")
+_DROPOUT_CONFIG = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
+def dropout_p(module: nn.Module) -> float:
+    """The attention dropout probability ``module`` passes while training (0.0 when none is found)."""
+    sources = [(module, a) for a in _DROPOUT_ATTRS] + [(getattr(module, "config", None), k) for k in _DROPOUT_CONFIG]
+    for owner, attr in sources:
+        value = getattr(owner, attr, None)
+        if isinstance(value, nn.Dropout):
+            value = value.p
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return 0.0
+
+
+def dropout_note(module: nn.Module) -> Optional[str]:
+    """A swap-table note for an attention module with dropout > 0 (every training call falls back)."""
+    p = dropout_p(module)
+    return f"attention dropout p={p:g}: falls back while training" if p > 0 else None
+
+
 def register() -> None:
     """Register ``"gproj"`` in ``transformers``' attention and mask interfaces (idempotent)."""
     from transformers import AttentionInterface

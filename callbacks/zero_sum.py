@@ -134,6 +134,17 @@ def _fused_parts(weight: torch.Tensor, bias: torch.Tensor) -> tuple[tuple[int, i
     return None
 
 
+def uses_rotary(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds a rotary position embedding (a submodule whose class name contains
+    "Rotary", as in Hugging Face's ``LlamaRotaryEmbedding`` / ``Qwen2RotaryEmbedding``).
+
+    RoPE rotates the key bias differently at every position, so it is no longer a shared key offset:
+    its gradient is not Σ_j dK_j and is legitimately non-zero (a float64 check on a 1-layer Qwen2 gave
+    ‖∂b_k‖/‖∂W_k‖ = 0.058, against 7e-17 for GPT-2). The key-bias signals are switched off then.
+    """
+    return any("rotary" in type(m).__name__.lower() for m in module.modules())
+
+
 def find_key_biases(module: torch.nn.Module) -> list[KeyBias]:
     """Key biases of ``module`` by the name heuristic above (see :data:`SEPARATE_KEY_MODULES`).
 
@@ -508,6 +519,12 @@ class ZeroSumMonitor(Monitor):
     @guarded
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.key_biases = find_key_biases(pl_module) if self.key_bias else []
+        if self.key_biases and uses_rotary(pl_module):
+            rank_zero_info(
+                "ZeroSumMonitor: the model uses rotary embeddings, so a key bias is not a shared key offset "
+                "and its gradient need not vanish; key-bias signals are off (the C2 residual still applies)."
+            )
+            self.key_biases = []
         self._names = {id(m): path for path, m in pl_module.named_modules()}
 
     @guarded

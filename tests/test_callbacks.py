@@ -724,3 +724,26 @@ def test_monitors_pickle_and_drive_the_recorder_of_their_process():
     zero_sum, grad_norm = pickle.loads(pickle.dumps([ZeroSumMonitor(), GradNormMonitor()]))
     assert zero_sum.recorder is stats.RECORDER
     assert grad_norm.window == 100
+
+
+def test_key_bias_signals_off_for_rotary_models():
+    """Under RoPE a key bias is rotated per position, so its gradient is not Σ_j dK_j and need not
+    vanish (Qwen2): the monitor must not watch it there, but still does on the same model without RoPE."""
+    from lightning_gproj.callbacks.zero_sum import uses_rotary
+
+    class RotaryEmbedding(nn.Module):
+        pass
+
+    class Attn(nn.Module):
+        def __init__(self, rotary: bool):
+            super().__init__()
+            self.q_proj, self.k_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.rotary = RotaryEmbedding() if rotary else nn.Identity()
+
+    for rotary in (False, True):
+        model = nn.Sequential(Attn(rotary))
+        assert uses_rotary(model) is rotary
+        assert len(find_key_biases(model)) == 1  # the name heuristic finds k_proj.bias either way
+        monitor = ZeroSumMonitor(every_n_steps=1)
+        monitor.on_train_start(None, model)
+        assert len(monitor.key_biases) == (0 if rotary else 1)

@@ -189,9 +189,22 @@ class GPT(L.LightningModule):
         logits = self(x)
         return F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), y.reshape(-1))
 
+    def on_train_start(self) -> None:
+        # b_k(0) of every key bias, for the drift ‖b_k(t) - b_k(0)‖ logged at each step
+        self._key_bias_init = {
+            f"blocks.{i}.attn": b.attn.key_bias.detach().float().clone()
+            for i, b in enumerate(self.blocks) if b.attn.key_bias is not None
+        }
+
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)  # mean over ranks under DDP/FSDP
+        init = getattr(self, "_key_bias_init", {})
+        for i, block in enumerate(self.blocks):
+            name = f"blocks.{i}.attn"
+            if name in init:  # before this step's update: b_k(t) at step t
+                drift = (block.attn.key_bias.detach().float() - init[name].to(loss.device)).norm()
+                self.log(f"key_bias_drift/{name}", drift)
         return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:

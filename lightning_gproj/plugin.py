@@ -141,11 +141,26 @@ def _gproj_init(plugin: Any, fix: str, include: Any, exclude: Any, catch_all: bo
     plugin.report: Optional[SwapReport] = None
 
 
+#: Values accepted for ``GProjPlugin(attention_dtype=...)``: None (the op) or fp32 attention.
+ATTENTION_DTYPES: dict[Optional[str], Optional[torch.dtype]] = {None: None, "fp32": torch.float32}
+
+
+def check_attention_dtype(attention_dtype: object) -> Optional[str]:
+    """Return ``attention_dtype`` if it is one of :data:`ATTENTION_DTYPES`, else raise ValueError."""
+    if not (attention_dtype is None or isinstance(attention_dtype, str)) or attention_dtype not in ATTENTION_DTYPES:
+        raise ValueError(f"`attention_dtype` must be one of {tuple(ATTENTION_DTYPES)}, got {attention_dtype!r}")
+    return attention_dtype
+
+
 def _convert(plugin: Any, module: nn.Module) -> None:
     """Swap, report on rank zero, and remember the module (for the autocast device)."""
     plugin.report = swap_attention(
         module, fix=plugin.fix, include=plugin.include, exclude=plugin.exclude, catch_all=plugin.catch_all
     )
+    dtype = ATTENTION_DTYPES[getattr(plugin, "attention_dtype", None)]
+    if dtype is not None:  # every swapped site runs SDPA in fp32 (Site.compute_dtype), `fix` unused
+        for site in plugin.report.sites.values():
+            site.compute_dtype = dtype
     rank_zero_info(plugin.report.table())
     plugin._gproj_module = weakref.ref(module)
 
@@ -188,6 +203,10 @@ class GProjPlugin(Precision):
         base: the Lightning precision class to derive from, e.g. ``FSDPPrecision`` under
             ``FSDPStrategy`` or ``DeepSpeedPrecision`` under DeepSpeed. Default: from ``precision``
             (``MixedPrecision``, ``HalfPrecision``, ``Precision`` or ``DoublePrecision``).
+        attention_dtype: None (default: swapped attention runs the op with ``fix``) or ``"fp32"``: every
+            swapped module runs its attention as fp32 SDPA (q, k, v cast up, output cast back; the
+            monitors' "fp32" remediation, :attr:`Site.compute_dtype`) while the rest of the model
+            keeps the base precision: the fp32-attention arm of an A/B/C comparison.
         device: ``torch.autocast`` device for ``MixedPrecision``. Default None: the device type of
             the converted module's parameters at each forward (the Trainer's accelerator); before
             conversion (and for the ``"16-mixed"`` grad scaler) ``"cuda"`` if available, else ``"cpu"``.
@@ -198,7 +217,7 @@ class GProjPlugin(Precision):
     :meth:`convert_module`, :attr:`report` holds the :class:`~lightning_gproj.swap.SwapReport`.
 
     Raises:
-        ValueError: unknown ``precision`` or ``fix``, or a ``precision`` the base does not take.
+        ValueError: unknown ``precision``, ``fix`` or ``attention_dtype``, or a ``precision`` the base does not take.
         TypeError: ``base`` is not a Lightning ``Precision`` subclass; bad ``include``/``exclude``.
 
     Example::
@@ -220,6 +239,7 @@ class GProjPlugin(Precision):
         catch_all: bool = False,
         base: Optional[type] = None,
         device: Optional[str] = None,
+        attention_dtype: Optional[str] = None,
         **base_kwargs: Any,
     ) -> "GProjPlugin":
         return super().__new__(_new(cls, GProjPlugin, PRECISIONS, (), {"precision": precision}, base))
@@ -233,8 +253,10 @@ class GProjPlugin(Precision):
         catch_all: bool = False,
         base: Optional[type] = None,
         device: Optional[str] = None,
+        attention_dtype: Optional[str] = None,
         **base_kwargs: Any,
     ) -> None:
+        self.attention_dtype = check_attention_dtype(attention_dtype)
         _init(self, MixedPrecision, PRECISIONS, precision, fix, include, exclude, catch_all, device, base_kwargs)
 
     @classmethod

@@ -115,3 +115,14 @@ def test_demo_config_parses():
     cli = gpt.main(["--config", str(REPO / "examples" / "configs" / "gpt_demo.yaml"),
                     "--trainer.logger=false"], run=False)
     assert isinstance(cli.model, gpt.GPT)
+
+
+def test_repro_stress_config_parses_with_each_arm():
+    cfg = str(REPO / "examples" / "configs" / "repro_stress.yaml")
+    cli = gpt.main(["--config", cfg, "--trainer.logger=false"], run=False)
+    assert cli.model.hparams.key_bias and cli.model.hparams.optimizer == "muon" and not cli.model.hparams.qk_norm
+    plugin = cli.trainer.precision_plugin
+    assert (plugin.fix, plugin.attention_dtype) == ("none", None)
+    cli = gpt.main(["--config", cfg, "--trainer.logger=false", "--trainer.plugins.init_args.attention_dtype=fp32"],
+                   run=False)
+    assert cli.trainer.precision_plugin.attention_dtype == "fp32"

@@ -212,3 +212,23 @@ def test_plugin_pickles_and_names_its_base():
 def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         GProjPlugin(**kwargs)
+
+
+def test_attention_dtype_fp32_runs_swapped_attention_in_fp32_under_bf16_mixed(op_spy, monkeypatch, tmp_path):
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        if not torch.is_autocast_enabled("cpu"):  # Site.attention's fp32 call runs with autocast off
+            seen.append((q.dtype, k.dtype, v.dtype))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    plugin = GProjPlugin("bf16-mixed", fix="none", attention_dtype="fp32")
+    _, swapped = _fit(plugin, tmp_path=tmp_path, steps=3)
+    assert not op_spy.calls  # the op is not used
+    assert all(site.compute_dtype == torch.float32 for site in plugin.report.sites.values())
+    assert len(seen) == 6 and set(seen) == {(torch.float32,) * 3}  # 3 steps x 2 attention layers
+    assert swapped.losses[-1] < swapped.losses[0]
+    with pytest.raises(ValueError, match=r"`attention_dtype` must be one of \(None, 'fp32'\)"):
+        GProjPlugin(attention_dtype="bf16")

@@ -140,3 +140,35 @@ def to16(x, dtype: tl.constexpr, INTERP: tl.constexpr):
             return x.to(dtype)
     else:
         return x.to(dtype)
+
+
+@triton.jit
+def load_kv(K, V, cols, stride_kn, stride_vn, offs_d, offs_dk, offs_dv, N_K,
+            HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load the K and V tiles of key rows ``cols``: masked past the row's valid key count ``N_K`` when
+    MASKED (tile edge, key padding), and past HEAD_DIM when the head dim is padded (not EVEN_D)."""
+    k_ptrs = K + cols[:, None] * stride_kn + offs_dk[None, :]
+    v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :]
+    if MASKED:
+        kv_mask = cols[:, None] < N_K
+        if not EVEN_D:
+            kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return k, v
+
+
+@triton.jit
+def visible(offs_m, cols, N_K, CAUSAL_OFF, CAUSAL: tl.constexpr):
+    """(rows, cols) mask of the keys each query row sees: cols < N_K and, if CAUSAL, the bottom-right
+    aligned causal bound cols <= row + (Nk − Nq)."""
+    valid = cols[None, :] < N_K
+    if CAUSAL:
+        valid = valid & (cols[None, :] <= offs_m[:, None] + CAUSAL_OFF)
+    return valid

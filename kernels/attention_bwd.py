@@ -42,12 +42,13 @@ import triton
 import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, autotune_enabled, check_seqlens, interpreting, mma, padded_head_dim, supports, to16,
+    INTERPRET, LOG2E, autotune_enabled, check_seqlens, interpreting, load_kv, mma, padded_head_dim, supports,
+    to16, visible,
 )
+from lightning_gproj.kernels.reference import FIXES
 
 __all__ = ["backward", "supports", "FIXES", "DEFAULT_DK_FOLD"]
 
-FIXES = ("none", "gproj", "gproj_uniform")
 
 #: Default schedule of the P-weighted dK term (False: its own GEMM; True: folded into dS before its
 #: rounding). Chosen by the measurements in benchmarks/NOTES.md (fidelity bar of DESIGN.md §6 first).
@@ -114,27 +115,12 @@ def _dq_inner(
     BLOCK_M: tl.constexpr = q.shape[0]
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k_ptrs = K + cols[:, None] * stride_kn + offs_dk[None, :]
-        v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :]
-        if MASKED:
-            kv_mask = cols[:, None] < N_K
-            if not EVEN_D:
-                kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        k, v = load_kv(K, V, cols, stride_kn, stride_vn, offs_d, offs_dk, offs_dv, N_K, HEAD_DIM, MASKED, EVEN_D)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
         # The forward's exponent: (s − m) exact 0 at the row max, then scale, then normalize.
         p = tl.math.exp2((s - m[:, None]) * c - l2[:, None])
         if MASKED:
-            valid = cols[None, :] < N_K
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= offs_m[:, None] + CAUSAL_OFF)
+            valid = visible(offs_m, cols, N_K, CAUSAL_OFF, CAUSAL)
             p = tl.where(valid, p, 0.0)
         dp = mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
         ds = p * (dp - Di[:, None])
@@ -409,56 +395,17 @@ def _cumsum_seq(x):
     return x.permute(0, 2, 3, 1).contiguous().cumsum(dim=-1).permute(0, 3, 1, 2)
 
 
-def _apply_uniform_corrections(dq, dk, q, k, r, tau, causal):
+def _apply_uniform_corrections(dq, dk, q, k, r, tau, causal, seqlens_k=None):
     """Orthogonal-projection corrections (DESIGN.md §4 "uniform"), in place on fp32 dq, dk; O(N·d).
 
     dq_i −= τ r_i k̄_i with k̄_i the mean of the keys row i sees; dk_j −= τ Σ_{i sees j} (r_i/n_i) q_i,
-    summed over the query heads of each kv head. Causal rows see a prefix of the keys (bottom-right
-    aligned), so k̄ is a prefix mean and the dk sum a suffix sum: both are contiguous slices, no
-    gathers or boolean indexing.
+    summed over the query heads of each kv head. Row i of batch row b sees the key prefix j < n_bi,
+    n_bi = min(i + Nk − Nq + 1, L_b) (causal, clamped at 0) or L_b, with L_b = seqlens_k[b] (Nk when
+    ``seqlens_k`` is None): k̄_bi is a gathered prefix mean, and the dk correction of a valid key j a
+    suffix sum over rows i >= j − (Nk − Nq) (all rows when not causal); masked keys get none.
 
-    dq: (B, Nq, H, d) fp32; dk: (B, Nk, Hk, d) fp32; q, k: the 16-bit inputs; r: (B, H, Nq) fp32.
-    """
-    b, nq, h, d = q.shape
-    nk, hk = k.shape[1], k.shape[2]
-    g = h // hk
-    rt = r.transpose(1, 2).reshape(b, nq, hk, g)  # (B, Nq, Hk, G)
-    dq5 = dq.view(b, nq, hk, g, d)
-    q5 = q.view(b, nq, hk, g, d) if q.is_contiguous() else q.reshape(b, nq, hk, g, d)
-    if not causal:
-        kbar = k.float().mean(dim=1)  # (B, Hk, d)
-        dq5.sub_(tau * rt[..., None] * kbar[:, None, :, None, :])
-        w = torch.einsum("bnkg,bnkgd->bkd", rt / nk, q5.float())  # (B, Hk, d)
-        dk.sub_(tau * w[:, None])
-        return
-    off = nk - nq
-    i0 = max(0, -off)  # rows before i0 see no key (Nq > Nk)
-    if i0 >= nq:
-        return
-    n = torch.arange(i0 + off + 1, nq + off + 1, device=q.device, dtype=torch.float32)  # n_i, i >= i0
-    prefix = _cumsum_seq(k.float())[:, i0 + off:]  # Σ_{j <= i+off} k_j for i >= i0: (B, Nq-i0, Hk, d)
-    kbar = prefix / n[None, :, None, None]
-    dq5[:, i0:].sub_(tau * rt[:, i0:, ..., None] * kbar[:, :, :, None, :])
-    w = torch.einsum("bnkg,bnkgd->bnkd", rt[:, i0:] / n[None, :, None, None], q5[:, i0:].float())
-    # Suffix sums S_i = Σ_{i' >= i} w_i' (over rows i >= i0), as total − prefix + w.
-    csum = _cumsum_seq(w)
-    suffix = csum[:, -1:] - csum + w
-    # Key j is seen by rows i >= max(j − off, i0).
-    if off >= 0:
-        dk[:, : off + 1].sub_(tau * suffix[:, :1])
-        if nk > off + 1:
-            dk[:, off + 1:].sub_(tau * suffix[:, 1:])
-    else:
-        dk.sub_(tau * suffix)
-
-
-def _apply_uniform_corrections_padded(dq, dk, q, k, r, tau, causal, seqlens_k):
-    """:func:`_apply_uniform_corrections` with per-batch key lengths ``seqlens_k`` (batch,) int.
-
-    Row i of batch row b sees the key prefix j < n_bi, n_bi = min(i + Nk − Nq + 1, seqlens_k[b])
-    (causal, clamped at 0) or seqlens_k[b]: k̄_bi is a gathered prefix mean, and the dk correction of
-    a valid key j a suffix sum over rows i >= j − (Nk − Nq) (all rows when not causal); masked keys
-    get none. O(N·d) memory per batch row.
+    dq: (B, Nq, H, d) fp32; dk: (B, Nk, Hk, d) fp32; q, k: the 16-bit inputs; r: (B, H, Nq) fp32;
+    seqlens_k: None or (B,) int.
     """
     b, nq, h, d = q.shape
     nk, hk = k.shape[1], k.shape[2]
@@ -467,7 +414,10 @@ def _apply_uniform_corrections_padded(dq, dk, q, k, r, tau, causal, seqlens_k):
     rt = r.transpose(1, 2).reshape(b, nq, hk, g)  # (B, Nq, Hk, G)
     dq5 = dq.view(b, nq, hk, g, d)
     q5 = q.view(b, nq, hk, g, d) if q.is_contiguous() else q.reshape(b, nq, hk, g, d)
-    lens = seqlens_k.to(device=dev, dtype=torch.int64)
+    if seqlens_k is None:
+        lens = torch.full((b,), nk, device=dev, dtype=torch.int64)
+    else:
+        lens = seqlens_k.to(device=dev, dtype=torch.int64)
     off = nk - nq
     if causal:
         n = torch.minimum(torch.arange(nq, device=dev)[None, :] + off + 1, lens[:, None]).clamp(min=0)
@@ -590,10 +540,8 @@ def backward(
         INTERP=INTERPRET,
     )
 
-    if uniform and has_seqlens:
-        _apply_uniform_corrections_padded(dq, dk, q, k, r, tau, bool(causal), seqlens_k)
-    elif uniform:
-        _apply_uniform_corrections(dq, dk, q, k, r, tau, bool(causal))
+    if uniform:
+        _apply_uniform_corrections(dq, dk, q, k, r, tau, bool(causal), seqlens_k)
     dq, dk = dq.to(gdt), dk.to(gdt)
 
     extras = {}

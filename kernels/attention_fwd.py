@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, autotune_enabled, check_seqlens, interpreting, mma, padded_head_dim, supports, to16,
+    INTERPRET, LOG2E, autotune_enabled, check_seqlens, interpreting, load_kv, mma, padded_head_dim, supports,
+    to16, visible,
 )
 
 __all__ = ["forward", "supports"]
@@ -67,25 +68,10 @@ def _fwd_inner(
     mask cols < N_K, where N_K is the batch row's valid key count (seqlen_k, or seqlens_k[b])."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k_ptrs = K + cols[:, None] * stride_kn + offs_dk[None, :]
-        v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :]
-        if MASKED:
-            kv_mask = cols[:, None] < N_K
-            if not EVEN_D:
-                kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        k, v = load_kv(K, V, cols, stride_kn, stride_vn, offs_d, offs_dk, offs_dv, N_K, HEAD_DIM, MASKED, EVEN_D)
         s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), INTERP)  # raw fp32, unscaled
         if MASKED:
-            valid = cols[None, :] < N_K
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= offs_m[:, None] + CAUSAL_OFF)
+            valid = visible(offs_m, cols, N_K, CAUSAL_OFF, CAUSAL)
             s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; use 0 as its shift (its p are all 0 anyway).

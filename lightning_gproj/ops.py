@@ -90,21 +90,14 @@ def _attn_fwd(
     fix: str,
     stats_name: str,
     seqlens_k: Optional[Tensor] = None,
+    compute_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     # ``fix`` does not change the forward; it is an input so that the backward formula can read it.
+    q, k, v = _cast(compute_dtype, q, k, v)
     if seqlens_k is not None:
         _check_seqlens_values(seqlens_k, k.shape[1])
     if RECORDER.enabled:
-        if seqlens_k is None:
-            mean_key = k.float().mean(dim=1)
-        else:  # over each batch row's valid keys
-            valid = torch.arange(k.shape[1], device=k.device)[None, :] < seqlens_k[:, None].long()
-            mean_key = (k.float() * valid[:, :, None, None]).sum(dim=1) / seqlens_k.float()[:, None, None]
-        RECORDER.record(
-            stats_name,
-            mean_key_norm=mean_key.norm(dim=-1).mean(),
-            mean_query_norm=q.float().mean(dim=1).norm(dim=-1).mean(),
-        )
+        record_forward_stats(stats_name, q, k, seqlens_k)
     if _use_triton(q, k, v):
         from lightning_gproj.kernels import attention_fwd
 
@@ -113,12 +106,34 @@ def _attn_fwd(
     return o.contiguous(), m, log2l
 
 
+def record_forward_stats(name: str, q: Tensor, k: Tensor, seqlens_k: Optional[Tensor] = None) -> None:
+    """Record the mean-key and mean-query norms (DESIGN.md §8) of one call under ``name``: ‖mean_j k_j‖
+    per (batch, kv head), over each batch row's valid keys, averaged; the same for q. q, k in the op
+    layout (batch, seqlen, nheads, headdim)."""
+    if seqlens_k is None:
+        mean_key = k.float().mean(dim=1)
+    else:  # over each batch row's valid keys
+        valid = torch.arange(k.shape[1], device=k.device)[None, :] < seqlens_k[:, None].long()
+        mean_key = (k.float() * valid[:, :, None, None]).sum(dim=1) / seqlens_k.float()[:, None, None]
+    RECORDER.record(
+        name,
+        mean_key_norm=mean_key.norm(dim=-1).mean(),
+        mean_query_norm=q.float().mean(dim=1).norm(dim=-1).mean(),
+    )
+
+
 @_attn_fwd.register_fake
-def _(q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k=None):
+def _(q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k=None, compute_dtype=None):
     batch, nq, nheads, _ = q.shape
-    stat_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype or q.dtype
+    stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     row = q.new_empty((batch, nheads, nq), dtype=stat_dtype)
-    return q.new_empty(q.shape[:-1] + (v.shape[-1],)), row, torch.empty_like(row)
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],), dtype=dtype), row, torch.empty_like(row)
+
+
+def _cast(compute_dtype: Optional[torch.dtype], *tensors: Tensor) -> tuple[Tensor, ...]:
+    """The tensors in ``compute_dtype`` (as they are when it is None)."""
+    return tensors if compute_dtype is None else tuple(t.to(compute_dtype) for t in tensors)
 
 
 @torch.library.custom_op("lightning_gproj::attn_bwd", mutates_args=())
@@ -135,17 +150,25 @@ def _attn_bwd(
     fix: str,
     stats_name: str,
     seqlens_k: Optional[Tensor] = None,
+    compute_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    # With compute_dtype set the inputs were cast in the forward (fp32 inputs under autocast): cast
+    # them again, and return the fp32 accumulators, so that a gradient headed for an fp32 input is
+    # not rounded to 16 bits on the way (that rounding alone breaks Σ_j dK_j = 0 by ~√N·2⁻⁹).
+    q, k, v = _cast(compute_dtype, q, k, v)
+    grad_dtype = None if compute_dtype is None else torch.float32
     want_stats = RECORDER.enabled
     if _use_triton(q, k, v):
         from lightning_gproj.kernels import attention_bwd
 
         dq, dk, dv, extras = attention_bwd.backward(
-            do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, seqlens_k=seqlens_k
+            do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, grad_dtype=grad_dtype,
+            seqlens_k=seqlens_k,
         )
     else:
         dq, dk, dv, extras = reference.backward(
-            do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, seqlens_k=seqlens_k
+            do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, seqlens_k=seqlens_k,
+            grad_dtype=grad_dtype,
         )
     if want_stats:
         _record_backward_stats(stats_name, fix, causal, k.shape[1], dq, extras, seqlens_k)
@@ -153,8 +176,9 @@ def _attn_bwd(
 
 
 @_attn_bwd.register_fake
-def _(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, stats_name, seqlens_k=None):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, stats_name, seqlens_k=None, compute_dtype=None):
+    dtype = None if compute_dtype is None else torch.float32
+    return tuple(torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device) for x in (q, k, v))
 
 
 def _record_backward_stats(
@@ -192,19 +216,22 @@ def _record_backward_stats(
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k = inputs
+    q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k, compute_dtype = inputs
     o, m, log2l = output
     ctx.save_for_backward(q, k, v, o, m, log2l, seqlens_k)
     ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name = softmax_scale, causal, fix, stats_name
+    ctx.compute_dtype = compute_dtype
 
 
 def _backward(ctx, do, _dm, _dlog2l):
     # m and log2l are row statistics for the backward; nothing differentiates through them.
     q, k, v, o, m, log2l, seqlens_k = ctx.saved_tensors
     dq, dk, dv = _attn_bwd(
-        do.contiguous(), q, k, v, o, m, log2l, ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name, seqlens_k
+        do.contiguous(), q, k, v, o, m, log2l, ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name, seqlens_k,
+        ctx.compute_dtype,
     )
-    return dq, dk, dv, None, None, None, None, None
+    # Each gradient in its input's dtype (fp32 for an fp32 input, unrounded; see _attn_bwd).
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 _attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -218,11 +245,11 @@ def _check_tensors(q: object, k: object, v: object) -> None:
             raise TypeError(f"{name} must be a bf16, fp16, fp32 or fp64 tensor, got {x.dtype}")
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, compute_dtype: Optional[torch.dtype]) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4:
             raise ValueError(f"{name} must be 4-D (batch, seqlen, nheads, headdim), got shape {tuple(x.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
+    if compute_dtype is None and not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
@@ -304,8 +331,12 @@ def gproj_attn_func(
     Dtypes: bf16 / fp16 follow the FA3-class rounding model (DESIGN.md §3) — on CUDA through the Triton
     kernels, elsewhere through the PyTorch reference. fp32 and fp64 run the reference in that dtype with
     no rounding emulation (exact-arithmetic gradients up to the dtype's rounding; on CUDA with one
-    warning, since it is slow). Under autocast, fp32 inputs are first cast to the autocast dtype, as
-    ``F.scaled_dot_product_attention`` does.
+    warning, since it is slow). Under autocast, fp32 inputs are cast to the autocast dtype inside the op,
+    as ``F.scaled_dot_product_attention`` casts them, and o comes out in that dtype; the gradients are
+    returned in each input's own dtype, and for fp32 inputs they are the kernel's fp32 accumulators,
+    never rounded to 16 bits (a bf16 copy of dK alone breaks Σ_j dK_j = 0 by ~√seqlen_k · 2⁻⁹ ‖dK‖,
+    the residual that drove the key bias in docs/reproduction.md). The op then keeps the fp32 inputs
+    for its backward instead of 16-bit copies.
 
     Raises:
         TypeError: q, k or v not a tensor, not floating point, or of different dtypes; ``seqlens_k``
@@ -320,9 +351,10 @@ def gproj_attn_func(
     if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type) and torch.float32 in (
         q.dtype, k.dtype, v.dtype
     ):
-        dtype = torch.get_autocast_dtype(device_type)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    _check_inputs(q, k, v)
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = None
+    _check_inputs(q, k, v, compute_dtype)
     if fix not in FIXES:
         raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
     if dropout_p != 0.0:
@@ -343,5 +375,7 @@ def gproj_attn_func(
     if seqlens_k is not None:
         seqlens_k = _check_seqlens_k(seqlens_k, q, k)
     with torch.autocast(device_type, enabled=False):
-        o, _, _ = _attn_fwd(q, k, v, float(softmax_scale), causal, fix, stats_name or "attention", seqlens_k)
+        o, _, _ = _attn_fwd(
+            q, k, v, float(softmax_scale), causal, fix, stats_name or "attention", seqlens_k, compute_dtype
+        )
     return o

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_gproj import RECORDER, gproj_attn_func
+from lightning_gproj.kernels import reference
 from _fp64 import attention_fp64
 
 
@@ -213,3 +214,33 @@ def test_stats_name_must_be_a_string():
     q, k, v = _qkv(1, 8, 2, 16)
     with pytest.raises(TypeError, match="stats_name"):
         gproj_attn_func(q, k, v, stats_name=5)
+
+
+def test_autocast_fp32_inputs_get_unrounded_fp32_gradients():
+    """Under autocast an fp32 k gets the fp32 accumulators as its gradient: Σ_j dK_j = 0 (C2,
+    DESIGN.md §2) holds to fp32 rounding with fix="gproj", where a bf16 copy of the same dK breaks it
+    by ~√N·2⁻⁹; a bf16 v next to it still gets a bf16 gradient."""
+    torch.manual_seed(5)
+    q, k, v = _qkv(2, 96, 2, 32)
+    k = k + 30.0  # a large mean key, where the zero-sum leak matters
+    v = v.bfloat16()
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    do = torch.randn(2, 96, 2, 32, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = gproj_attn_func(q, k, v, causal=True, fix="gproj")
+    assert o.dtype == torch.bfloat16
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do.bfloat16())
+    assert (dq.dtype, dk.dtype, dv.dtype) == (torch.float32, torch.float32, torch.bfloat16)
+
+    def c2(dk):
+        return (dk.double().sum(dim=1).norm() / dk.double().norm()).item()
+
+    assert c2(dk) < 1e-5
+    assert c2(dk.bfloat16()) > 1e-4  # the rounding the fp32 gradient avoids
+    # Same values as the reference's fp32 accumulators on the bf16-cast inputs.
+    qb, kb, vb = q.detach().bfloat16(), k.detach().bfloat16(), v.detach()
+    o_ref, m, log2l = reference.forward(qb, kb, vb, 32**-0.5, True)
+    _, dk_ref, _, _ = reference.backward(do.bfloat16(), qb, kb, vb, o_ref, m, log2l, 32**-0.5, True, "gproj",
+                                         grad_dtype=torch.float32)
+    assert torch.equal(o, o_ref)
+    assert torch.equal(dk, dk_ref)

@@ -663,3 +663,27 @@ def test_first_conversion_prints_the_full_table():
     assert not report.reconverted and report.table().startswith("GProj attention swap (fix='gproj'): 2 swapped, 0 left alone\n")
     again = swap_attention(model, exclude="blocks.1*")  # a left-alone row: the full table again
     assert not again.reconverted and "1 swapped, 1 left alone" in again.table() and "already swapped" in again.table()
+
+
+def test_fp32_compute_site_records_the_mean_key_norm():
+    """A site running fp32 SDPA (compute_dtype, the plugin's attention_dtype="fp32") still records the
+    forward statistics a monitor compares across arms: ‖mean_j k_j‖ averaged over (batch, head)."""
+    from lightning_gproj import RECORDER
+
+    class Attend(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    model = nn.Module()
+    model.add_module("attn", Attend())
+    report = swap_attention(model)
+    report.sites["attn"].compute_dtype = torch.float32
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 4, 6, 8, dtype=torch.float64).unbind(0)  # (batch, nheads, seqlen, d)
+    k = k + 5.0
+    RECORDER.drain()
+    with RECORDER.recording():
+        model.attn(q.float(), k.float(), v.float())
+    stats = RECORDER.drain()["attn"]
+    assert float(stats["mean_key_norm"]) == pytest.approx(k.mean(dim=2).norm(dim=-1).mean().item(), rel=1e-5)
+    assert float(stats["mean_query_norm"]) == pytest.approx(q.mean(dim=2).norm(dim=-1).mean().item(), rel=1e-5)

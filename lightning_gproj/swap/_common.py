@@ -13,6 +13,7 @@ from typing import Iterable, NamedTuple, Optional, Sequence
 import torch
 
 from lightning_gproj import ops
+from lightning_gproj.stats import RECORDER
 
 #: Values accepted for ``fix`` (see DESIGN.md §4): P-weighted projection, none (A/B baseline), uniform.
 FIXES = ("gproj", "none", "gproj_uniform")
@@ -190,6 +191,8 @@ class Site:
                 q, k, v, softmax_scale=softmax_scale, causal=causal, fix=self.fix, stats_name=self.name or "attention",
                 **extra,
             )
+        if RECORDER.enabled:  # the op's forward statistics, so a monitor sees this site's mean key too
+            ops.record_forward_stats(self.name or "attention", q, k, seqlens_k)
         dt, group = self.compute_dtype, q.shape[2] // k.shape[2]
         qs, ks, vs = (t.transpose(1, 2).to(dt) for t in (q, k, v))
         if group > 1:

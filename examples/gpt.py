@@ -124,6 +124,8 @@ class GPT(L.LightningModule):
             blocks, AdamW on embeddings, biases and norms); falls back to AdamW with a warning when the
             installed torch has no ``torch.optim.Muon``.
         lr, weight_decay, betas: AdamW settings. muon_lr, muon_momentum: Muon settings.
+        key_bias_lr: AdamW learning rate of the key biases (default ``lr``; no weight decay); the dose
+            knob of the reproduction in docs/reproduction.md.
         warmup_steps: linear warm-up, then cosine decay to ``min_lr_ratio * lr`` over the run.
     """
 
@@ -143,6 +145,7 @@ class GPT(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         muon_lr: float = 0.02,
         muon_momentum: float = 0.95,
+        key_bias_lr: float | None = None,
         warmup_steps: int = 20,
         min_lr_ratio: float = 0.1,
     ):
@@ -240,8 +243,12 @@ class GPT(L.LightningModule):
 
             warnings.warn(f"torch {torch.__version__} has no torch.optim.Muon; using AdamW", stacklevel=2)
             use_muon = False
+        key_biases = {id(b.attn.key_bias) for b in self.blocks if b.attn.key_bias is not None}
         adamw_groups = [{"params": decay, "weight_decay": hp.weight_decay},
-                        {"params": no_decay, "weight_decay": 0.0}]
+                        {"params": [p for p in no_decay if id(p) not in key_biases], "weight_decay": 0.0}]
+        if key_biases:
+            adamw_groups.append({"params": [p for p in no_decay if id(p) in key_biases], "weight_decay": 0.0,
+                                 "lr": hp.lr if hp.key_bias_lr is None else hp.key_bias_lr})
         if use_muon:
             adamw = torch.optim.AdamW(adamw_groups, lr=hp.lr, betas=hp.betas)
             muon = torch.optim.Muon(hidden, lr=hp.muon_lr, momentum=hp.muon_momentum,

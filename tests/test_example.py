@@ -126,3 +126,27 @@ def test_repro_stress_config_parses_with_each_arm():
     cli = gpt.main(["--config", cfg, "--trainer.logger=false", "--trainer.plugins.init_args.attention_dtype=fp32"],
                    run=False)
     assert cli.trainer.precision_plugin.attention_dtype == "fp32"
+
+
+@pytest.mark.parametrize("key_bias_lr", [None, 0.25])
+def test_key_bias_lr_gives_the_key_biases_their_own_adamw_group(key_bias_lr):
+    model = gpt.GPT(n_layer=2, n_head=2, n_embd=32, block_size=32, key_bias=True, lr=1e-3, key_bias_lr=key_bias_lr)
+    model.trainer = type("T", (), {"estimated_stepping_batches": 20})()
+    opt = model.configure_optimizers()["optimizer"]
+    key_biases = {id(b.attn.key_bias) for b in model.blocks}
+    groups = [g for g in opt.param_groups if any(id(p) in key_biases for p in g["params"])]
+    assert len(groups) == 1 and {id(p) for p in groups[0]["params"]} == key_biases
+    assert groups[0]["weight_decay"] == 0.0
+    assert groups[0]["initial_lr"] == (1e-3 if key_bias_lr is None else key_bias_lr)
+    # every trainable parameter is optimized exactly once
+    ids = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(ids) == sorted({id(p) for p in model.parameters()})
+
+
+def test_repro_h200_config_parses():
+    cli = gpt.main(["--config", str(REPO / "examples" / "configs" / "repro_h200.yaml"), "--trainer.logger=false",
+                    "--trainer.accelerator=cpu"], run=False)
+    hp = cli.model.hparams
+    assert hp.key_bias and hp.optimizer == "muon" and not hp.qk_norm and hp.weight_decay == 0.0
+    assert cli.datamodule.hparams.block_size == hp.block_size == 1024
+    assert sum(p.numel() for p in cli.model.parameters()) > 10_000_000

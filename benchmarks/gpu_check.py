@@ -69,6 +69,23 @@ def main():
             x = torch.full((1, 1000, 2, 128), cval, device=dev, dtype=torch.bfloat16)
             o, m, l2 = F.forward(x, x, x, 128 ** -0.5, causal)
             print(f"constant {cval} causal={causal}: nan={torch.isnan(o).any().item()} exact={(o.float() == cval).all().item()}")
+    # The op under autocast with an fp32 k (a key bias added in fp32): the Triton backward returns the
+    # fp32 accumulators, so Σ_j dK_j = 0 (C2) holds to fp32 rounding with fix="gproj".
+    from lightning_gproj import gproj_attn_func
+    for causal in (False, True):
+        q = torch.randn(2, 1024, 8, 128, device=dev, requires_grad=True)
+        k = (torch.randn(2, 1024, 8, 128, device=dev) + 30.0).requires_grad_()
+        v = torch.randn(2, 1024, 8, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        do = torch.randn(2, 1024, 8, 128, device=dev, dtype=torch.bfloat16)
+        c2 = {}
+        for fix in ("none", "gproj"):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                o = gproj_attn_func(q, k, v, causal=causal, fix=fix)
+            dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+            c2[fix] = (dk.double().sum(1).norm() / dk.double().norm()).item()
+            c2[fix + "@bf16"] = (dk.bfloat16().double().sum(1).norm() / dk.double().norm()).item()
+        print(f"autocast fp32 k, causal={causal}: grads {dq.dtype}/{dk.dtype}/{dv.dtype}; C2 "
+              + " ".join(f"{n}={x:.1e}" for n, x in c2.items()), flush=True)
     if args.quick_speed:
         from triton.testing import do_bench
         import torch.nn.functional as Fn

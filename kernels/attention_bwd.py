@@ -17,8 +17,9 @@ Three launches (DESIGN.md §3, §4, §4.1):
 3. dK/dV pass, one program per (key block, batch·kv-head), looping over the query heads of its GQA
    group and over query blocks: dV += P̃ᵀ·dO, dK += dS̃ᵀ·Q. For fix="gproj" the P-weighted dK term
    −P̃ᵀ(ρ∘Q) is either
-   * "gemm" (default): its own GEMM, P̃ᵀ·bf16(−ρ∘Q) (the reference keeps ρ∘Q in fp32; rounding that
-     operand changes the *correction* by a relative 2^-9 only), or
+   * "gemm" (default): its own GEMM, bf16(−ρ∘P̃)ᵀ·Q, as in kernels/reference.py (rounding the
+     operand changes the *correction* by a relative 2^-9 only; rounding ρ∘P̃ rather than ρ∘Q keeps
+     Σ_j dK_j at the fp32 level, see the comment in _dkdv_inner), or
    * "fold": folded into dS before its rounding, dS' = P∘(dP − (D + r)) — zero extra GEMMs
      (``dk_fold=True``; DESIGN.md §4.1 table: slightly less accurate dK).
    The choice of default is recorded in benchmarks/NOTES.md with the measurements behind it.
@@ -285,9 +286,12 @@ def _dkdv_inner(
         dsT = pT * (dpT - Di[None, :])
         dk = mma(to16(dsT, k.dtype, INTERP), q, dk, INTERP)
         if DK_MODE == 2:
-            # Own GEMM: −P̃ᵀ(ρ∘Q) (here r holds ρ). ρ∘Q is rounded to the input dtype as the B operand.
-            rq = to16(q.to(tl.float32) * (-r)[:, None], k.dtype, INTERP)
-            dk = mma(p16, rq, dk, INTERP)
+            # Own GEMM: −(ρ∘P̃)ᵀQ (here r holds ρ), with ρ∘P̃ rounded to the input dtype as the A operand.
+            # Its rounding errors change sign along the keys and mostly cancel in Σ_j dK_j (C2); rounding
+            # ρ∘Q instead left one error per query row, summed over keys with weight Σ_j P̃_ij, and C2 at
+            # ~7e-6 on the H200 against ~5e-7 here (benchmarks/NOTES.md, run 5).
+            rp = to16(p16.to(tl.float32) * (-r)[None, :], k.dtype, INTERP)
+            dk = mma(rp, q, dk, INTERP)
     return dk, dv
 
 

@@ -227,7 +227,8 @@ def backward(
         else:
             dk += ds16.transpose(-1, -2) @ qh[:, :, i0:i1]
             if fix == "gproj":
-                dk -= p16.transpose(-1, -2) @ (rho_blk[..., None] * qh[:, :, i0:i1])
+                # −(ρ∘P̃)ᵀQ with ρ∘P̃ rounded, as the kernel's A operand (kernels/attention_bwd.py).
+                dk -= rnd(rho_blk[..., None] * p16).transpose(-1, -2) @ qh[:, :, i0:i1]
 
     extras: dict[str, Tensor] = {}
     if want_stats:

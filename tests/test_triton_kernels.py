@@ -80,7 +80,7 @@ def test_backward_rounds_at_the_reference_points(measured):
     the fp32 accumulation order of the GEMM reductions. That perturbs the pre-rounding fp32 values by
     ~1e-7 relative, so a 16-bit rounding flips by one ulp only for the rare values within ~1e-7 of a
     rounding boundary; the gradients then agree to ~1e-5..1e-4 relative (measured ≤ 8e-5; fix="gproj"
-    dk also rounds ρ∘Q to 16 bits as a GEMM operand, which the reference keeps in fp32: ≤ 1.5e-4).
+    dk also rounds the N×M tile ρ∘P̃, whose ρ comes from a differently ordered fp32 sum: ≤ 2e-4).
     A kernel that rounded at a different point (e.g. kept dS or P in fp32, or rounded P·K) would differ
     from the reference by the order of the rounding error itself, i.e. ≳ 0.3× the error against
     float64. The bounds below — 5e-4 absolute and 0.15× the reference's own error against float64 —
@@ -124,12 +124,13 @@ def test_conservation_of_key_gradient(measured):
     """C2 (DESIGN.md §2): ‖Σ_j dK_j‖ / ‖dK‖_F of the fp32 accumulators (grad_dtype=torch.float32).
 
     The projections make every corrected row of dS sum to zero, so dK sums to zero up to fp32 rounding
-    (measured ≤ 6e-6); the uncorrected kernel leaves the 16-bit rounding of dS in it (≥ 3e-4 here).
+    and the 16-bit rounding of the correction operand ρ∘P̃ (measured ≤ 3.8e-6; ≤ 5.6e-6 when ρ∘Q was
+    the rounded operand); the uncorrected kernel leaves the 16-bit rounding of dS in it (≥ 3e-4 here).
     The fold variant re-rounds the folded dS, so it does not restore C2 exactly (reported, not bounded).
     """
     for c in _cases(measured):
         bw = c["bwd"]
-        assert bw["gproj"]["c2_residual_fp32"] <= 2e-5, c["shape"]
+        assert bw["gproj"]["c2_residual_fp32"] <= 1e-5, c["shape"]
         assert bw["gproj_uniform"]["c2_residual_fp32"] <= 2e-5, c["shape"]
         assert bw["none"]["c2_residual_fp32"] >= 1e-4, c["shape"]
         assert bw["none"]["c2_residual_fp32"] >= 10 * bw["gproj"]["c2_residual_fp32"], c["shape"]

@@ -85,8 +85,15 @@ def main():
             dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
             c2[fix] = (dk.double().sum(1).norm() / dk.double().norm()).item()
             c2[fix + "@bf16"] = (dk.bfloat16().double().sum(1).norm() / dk.double().norm()).item()
+        # Triton vs reference.py on the same bf16 inputs, fp32 gradients (same rounding points: ~1e-4)
+        qb, kb, vb = q.detach().bfloat16(), k.detach().bfloat16(), v.detach()
+        o_r, m_r, l_r = R.forward(qb, kb, vb, 128 ** -0.5, causal)
+        g = B.backward(do, qb, kb, vb, o_r, m_r, l_r, 128 ** -0.5, causal, "gproj", False, grad_dtype=torch.float32)
+        g_r = R.backward(do, qb, kb, vb, o_r, m_r, l_r, 128 ** -0.5, causal, "gproj", False, grad_dtype=torch.float32)
         print(f"autocast fp32 k, causal={causal}: grads {dq.dtype}/{dk.dtype}/{dv.dtype}; C2 "
-              + " ".join(f"{n}={x:.1e}" for n, x in c2.items()), flush=True)
+              + " ".join(f"{n}={x:.1e}" for n, x in c2.items())
+              + "; gproj Triton vs reference (fp32 grads) dq/dk/dv "
+              + "/".join(f"{rel(a, b_):.1e}" for a, b_ in zip(g[:3], g_r[:3])), flush=True)
     if args.quick_speed:
         from triton.testing import do_bench
         import torch.nn.functional as Fn

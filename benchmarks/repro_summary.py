@@ -17,18 +17,31 @@ import glob
 import json
 import math
 import os
+import re
 import sys
 
 
+def _version(path: str) -> tuple[int, str]:
+    match = re.search(r"version_(\d+)", path)
+    return (int(match.group(1)) if match else -1, path)
+
+
 def load(logdir: str) -> dict[str, dict[int, float]]:
-    path = logdir if logdir.endswith(".csv") else sorted(glob.glob(os.path.join(logdir, "**", "metrics.csv"), recursive=True))[-1]
+    """Metric -> {step: value} from a metrics.csv, or from every metrics.csv under a logger folder: the
+    version_N folders of a run resumed from its checkpoints, merged in version order (a later version
+    wins a step logged twice)."""
+    paths = [logdir] if logdir.endswith(".csv") else sorted(
+        glob.glob(os.path.join(logdir, "**", "metrics.csv"), recursive=True), key=_version)
+    if not paths:
+        raise FileNotFoundError(f"no metrics.csv under {logdir}")
     series: dict[str, dict[int, float]] = {}
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            step = int(row["step"])
-            for k, v in row.items():
-                if k not in ("step", "epoch") and v not in ("", None):
-                    series.setdefault(k, {})[step] = float(v)
+    for path in paths:
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                step = int(row["step"])
+                for k, v in row.items():
+                    if k not in ("step", "epoch") and v not in ("", None):
+                        series.setdefault(k, {})[step] = float(v)
     return series
 
 

@@ -152,6 +152,8 @@ class GPT(L.LightningModule):
         super().__init__()
         if optimizer not in ("adamw", "muon"):
             raise ValueError(f"optimizer must be 'adamw' or 'muon', got {optimizer!r}")
+        if key_bias_lr is not None and not key_bias_lr > 0:
+            raise ValueError(f"key_bias_lr must be None (use lr) or a positive float, got {key_bias_lr!r}")
         self.save_hyperparameters()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(VOCAB_SIZE, n_embd)
@@ -193,11 +195,20 @@ class GPT(L.LightningModule):
         return F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), y.reshape(-1))
 
     def on_train_start(self) -> None:
-        # b_k(0) of every key bias, for the drift ‖b_k(t) - b_k(0)‖ logged at each step
-        self._key_bias_init = {
-            f"blocks.{i}.attn": b.attn.key_bias.detach().float().clone()
-            for i, b in enumerate(self.blocks) if b.attn.key_bias is not None
-        }
+        # b_k(0) of every key bias, for the drift ‖b_k(t) - b_k(0)‖; restored from a checkpoint on resume
+        if not getattr(self, "_key_bias_init", None):
+            self._key_bias_init = {
+                f"blocks.{i}.attn": b.attn.key_bias.detach().float().clone()
+                for i, b in enumerate(self.blocks) if b.attn.key_bias is not None
+            }
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if getattr(self, "_key_bias_init", None):
+            checkpoint["key_bias_init"] = {k: v.cpu() for k, v in self._key_bias_init.items()}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if "key_bias_init" in checkpoint:
+            self._key_bias_init = dict(checkpoint["key_bias_init"])
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
@@ -390,11 +401,12 @@ class GPTCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.block_size", "data.block_size")
         parser.add_argument("--validate_first", type=bool, default=True,
-                            help="run validation at step 0 before fit")
+                            help="run validation at step 0 before fit (skipped when resuming from --ckpt_path)")
 
     def before_fit(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        if config.get("validate_first", True):
+        # Not when resuming: validate() would run on the freshly initialized weights, before fit restores them.
+        if config.get("validate_first", True) and not config.get("ckpt_path"):
             self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
 
     def after_fit(self) -> None:

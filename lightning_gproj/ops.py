@@ -28,6 +28,8 @@ FIXES = reference.FIXES
 MAX_HEAD_DIM = 256
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+#: Input dtypes autocast casts to its dtype (as for F.scaled_dot_product_attention).
+_AUTOCAST_ELIGIBLE = (torch.bfloat16, torch.float16, torch.float32)
 #: τ·log2(e) must stay finite in fp32, where the kernels scale the exponent.
 _MAX_SOFTMAX_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)
 
@@ -331,15 +333,17 @@ def gproj_attn_func(
     Dtypes: bf16 / fp16 follow the FA3-class rounding model (DESIGN.md §3) — on CUDA through the Triton
     kernels, elsewhere through the PyTorch reference. fp32 and fp64 run the reference in that dtype with
     no rounding emulation (exact-arithmetic gradients up to the dtype's rounding; on CUDA with one
-    warning, since it is slow). Under autocast, fp32 inputs are cast to the autocast dtype inside the op,
-    as ``F.scaled_dot_product_attention`` casts them, and o comes out in that dtype; the gradients are
-    returned in each input's own dtype, and for fp32 inputs they are the kernel's fp32 accumulators,
-    never rounded to 16 bits (a bf16 copy of dK alone breaks Σ_j dK_j = 0 by ~√seqlen_k · 2⁻⁹ ‖dK‖,
+    warning, since it is slow). Under autocast, fp16 / bf16 / fp32 inputs are cast to the autocast dtype
+    inside the op, as autocast casts the inputs of ``F.scaled_dot_product_attention`` (so they may
+    differ in dtype; an fp64 input among them raises TypeError), and o comes out in that dtype; the
+    gradients are returned in each input's own dtype, computed from the kernel's fp32 accumulators: for
+    fp32 inputs they are those accumulators, never rounded to 16 bits (a bf16 copy of dK alone breaks Σ_j dK_j = 0 by ~√seqlen_k · 2⁻⁹ ‖dK‖,
     the residual that drove the key bias in docs/reproduction.md). The op then keeps the fp32 inputs
     for its backward instead of 16-bit copies.
 
     Raises:
-        TypeError: q, k or v not a tensor, not floating point, or of different dtypes; ``seqlens_k``
+        TypeError: q, k or v not a tensor, not floating point, or of different dtypes (under autocast:
+            after the cast above); ``seqlens_k``
             not None / a tensor, or not int32 / int64.
         ValueError: wrong rank, mismatched batch / seqlen_k / heads / head dim, unsupported head dim,
             different devices, empty inputs, ``dropout_p != 0``, unknown ``fix``, bad ``softmax_scale``;
@@ -348,12 +352,18 @@ def gproj_attn_func(
     """
     _check_tensors(q, k, v)
     device_type = q.device.type
-    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type) and torch.float32 in (
-        q.dtype, k.dtype, v.dtype
-    ):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    else:
-        compute_dtype = None
+    compute_dtype = None
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        # As autocast casts SDPA's inputs: every fp16 / bf16 / fp32 input to the autocast dtype, fp64 kept.
+        autocast_dtype = torch.get_autocast_dtype(device_type)
+        cast = [x.dtype in _AUTOCAST_ELIGIBLE for x in (q, k, v)]
+        if any(c and x.dtype != autocast_dtype for c, x in zip(cast, (q, k, v))):
+            compute_dtype = autocast_dtype
+        if compute_dtype is not None and not all(cast):
+            raise TypeError(
+                f"q, k, v must share one dtype after autocast casts fp16/bf16/fp32 inputs to {autocast_dtype}; "
+                f"got q {q.dtype}, k {k.dtype}, v {v.dtype} (fp64 inputs are not cast)"
+            )
     _check_inputs(q, k, v, compute_dtype)
     if fix not in FIXES:
         raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")

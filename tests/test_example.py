@@ -150,3 +150,28 @@ def test_repro_h200_config_parses():
     assert hp.key_bias and hp.optimizer == "muon" and not hp.qk_norm and hp.weight_decay == 0.0
     assert cli.datamodule.hparams.block_size == hp.block_size == 1024
     assert sum(p.numel() for p in cli.model.parameters()) > 10_000_000
+
+
+def test_resume_keeps_the_key_bias_drift_origin_and_skips_step0_validation(tmp_path):
+    """A run resumed from a checkpoint measures key_bias_drift from b_k(0) of the first run (zeros at
+    init), not from the restored value, and does not validate the fresh weights as "step 0"."""
+    import csv
+
+    args = TINY + ["--model.key_bias=true", "--model.key_bias_lr=0.1", "--trainer.accelerator=cpu",
+                   "--trainer.log_every_n_steps=1", "--trainer.val_check_interval=100",
+                   "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+                   "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+                   f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.logger.init_args.name=run"]
+    gpt.main(["fit"] + args + ["--trainer.max_steps=3", "--trainer.callbacks+=ModelCheckpoint",
+                               "--trainer.callbacks.every_n_train_steps=3"])
+    ckpt = next((tmp_path / "run" / "version_0" / "checkpoints").glob("*.ckpt"))
+    b3 = torch.load(ckpt, weights_only=False)["state_dict"]["blocks.0.attn.key_bias"].double()
+    gpt.main(["fit"] + args + ["--trainer.max_steps=6", f"--ckpt_path={ckpt}"])
+    rows = list(csv.DictReader(open(tmp_path / "run" / "version_1" / "metrics.csv")))
+    assert not any(r.get("val_loss") for r in rows)  # no validation of the unrestored weights
+    drift = {int(r["step"]): float(r["key_bias_drift/blocks.0.attn"]) for r in rows
+             if r.get("key_bias_drift/blocks.0.attn")}
+    assert sorted(drift) == [3, 4, 5]
+    # step 3 logs b_k before the 4th update, i.e. the checkpoint's b_k; b_k(0) = 0 at init
+    assert b3.norm().item() > 0
+    assert drift[3] == pytest.approx(b3.norm().item(), rel=1e-5)

@@ -244,3 +244,34 @@ def test_autocast_fp32_inputs_get_unrounded_fp32_gradients():
                                          grad_dtype=torch.float32)
     assert torch.equal(o, o_ref)
     assert torch.equal(dk, dk_ref)
+
+
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (torch.float32, torch.float16, torch.float32),
+        (torch.bfloat16, torch.bfloat16, torch.float16),
+        (torch.float16, torch.float16, torch.float16),
+        (torch.float32, torch.float64, torch.float32),
+        (torch.float64, torch.float64, torch.float64),
+    ],
+)
+def test_autocast_dtypes_follow_sdpa(dtypes):
+    """Under autocast the op accepts and casts exactly what autocast lets SDPA accept (fp16 / bf16 / fp32
+    cast to the autocast dtype, fp64 kept), returns o in SDPA's dtype, and each gradient in its input's."""
+    torch.manual_seed(6)
+    q, k, v = (x.to(dt).requires_grad_() for x, dt in zip(_qkv(1, 12, 2, 16, dtype=torch.float64), dtypes))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        try:
+            ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        except RuntimeError:
+            ref = None
+        if ref is None:
+            with pytest.raises(TypeError, match="must share one dtype after autocast casts fp16/bf16/fp32 inputs"):
+                gproj_attn_func(q, k, v)
+            return
+        o = gproj_attn_func(q, k, v)
+    assert o.dtype == ref.dtype
+    assert (o.transpose(1, 2).double() - ref.double()).norm() <= 2e-2 * ref.double().norm()
+    grads = torch.autograd.grad(o.float().sum(), (q, k, v))
+    assert [g.dtype for g in grads] == list(dtypes)

@@ -154,9 +154,9 @@ def _attn_bwd(
     seqlens_k: Optional[Tensor] = None,
     compute_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    # With compute_dtype set the inputs were cast in the forward (fp32 inputs under autocast): cast
-    # them again, and return the fp32 accumulators, so that a gradient headed for an fp32 input is
-    # not rounded to 16 bits on the way (that rounding alone breaks Σ_j dK_j = 0 by ~√N·2⁻⁹).
+    # With compute_dtype set the forward cast the inputs (under autocast): cast them again, and return
+    # the fp32 accumulators, so that a gradient headed for an fp32 input is not rounded to 16 bits on
+    # the way (that rounding alone breaks Σ_j dK_j = 0 by ~√N·2⁻⁹); _backward casts to each input's dtype.
     q, k, v = _cast(compute_dtype, q, k, v)
     grad_dtype = None if compute_dtype is None else torch.float32
     want_stats = RECORDER.enabled
@@ -337,9 +337,9 @@ def gproj_attn_func(
     inside the op, as autocast casts the inputs of ``F.scaled_dot_product_attention`` (so they may
     differ in dtype; an fp64 input among them raises TypeError), and o comes out in that dtype; the
     gradients are returned in each input's own dtype, computed from the kernel's fp32 accumulators: for
-    fp32 inputs they are those accumulators, never rounded to 16 bits (a bf16 copy of dK alone breaks Σ_j dK_j = 0 by ~√seqlen_k · 2⁻⁹ ‖dK‖,
-    the residual that drove the key bias in docs/reproduction.md). The op then keeps the fp32 inputs
-    for its backward instead of 16-bit copies.
+    fp32 inputs they are those accumulators, never rounded to 16 bits (a bf16 copy of dK alone breaks
+    Σ_j dK_j = 0 by ~√seqlen_k · 2⁻⁹ ‖dK‖, the residual that drove the key bias in
+    docs/reproduction.md). The op then keeps the uncast inputs for its backward, not 16-bit copies.
 
     Raises:
         TypeError: q, k or v not a tensor, not floating point, or of different dtypes (under autocast:

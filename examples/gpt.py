@@ -287,9 +287,15 @@ class GPT(L.LightningModule):
 # --------------------------------------------------------------------------------------------------
 
 
-def stdlib_source_files() -> list[Path]:
-    """The standard library's top-level ``.py`` files of the running interpreter, sorted."""
-    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+def stdlib_source_files(subpackages: bool = False) -> list[Path]:
+    """The standard library's ``.py`` files of the running interpreter, sorted: the top-level ones
+    (~5 MB for CPython 3.11/3.12), or with ``subpackages`` every one below it as well (its test suite
+    included, ~160 MB; installed packages under ``site-packages`` / ``dist-packages`` excluded)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not subpackages:
+        return sorted(root.glob("*.py"))
+    return sorted(f for f in root.rglob("*.py")
+                  if not {"site-packages", "dist-packages"} & set(f.relative_to(root).parts))
 
 
 def _expand(paths: list[str | os.PathLike]) -> list[Path]:
@@ -327,6 +333,8 @@ class ByteDataModule(L.LightningDataModule):
 
     Args:
         path: file(s) or folder(s) of your own text; ``None`` uses the standard library's ``.py`` files.
+        stdlib_subpackages: with ``path=None``, also the ``.py`` files of the standard library's
+            subpackages (~160 MB instead of ~5 MB; see :func:`stdlib_source_files`).
         block_size: context length; samples are ``block_size + 1`` bytes (inputs and shifted targets).
         max_bytes: files are read in sorted order until this many bytes (the last one is cut), which
             keeps the run fast and deterministic.
@@ -340,6 +348,7 @@ class ByteDataModule(L.LightningDataModule):
         block_size: int = 128,
         batch_size: int = 32,
         max_bytes: int = 2_000_000,
+        stdlib_subpackages: bool = False,
         val_every: int = 10,
         train_samples: int = 100_000,
         val_samples: int = 256,
@@ -354,7 +363,7 @@ class ByteDataModule(L.LightningDataModule):
     def _read(self) -> tuple[bytes, bytes]:
         hp = self.hparams
         if hp.path is None:
-            files = stdlib_source_files()
+            files = stdlib_source_files(hp.stdlib_subpackages)
         else:
             files = _expand([hp.path] if isinstance(hp.path, (str, os.PathLike)) else list(hp.path))
         self.train_files, self.val_files = [], []

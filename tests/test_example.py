@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -51,6 +52,21 @@ def test_datamodule_uses_stdlib_and_splits_by_file():
     dm2 = gpt.ByteDataModule(block_size=32, batch_size=4, max_bytes=300_000, val_every=5)
     dm2.setup("fit")
     assert torch.equal(next(iter(dm2.train_dataloader())), batch)
+
+
+def test_stdlib_subpackages_lists_every_stdlib_py_file_but_installed_packages():
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    expected = sorted(
+        Path(d, f) for d, dirs, files in os.walk(stdlib)
+        for f in files if f.endswith(".py") and not {"site-packages", "dist-packages"} & set(Path(d).relative_to(stdlib).parts)
+    )
+    listing = [f.resolve() for f in gpt.stdlib_source_files(subpackages=True)]
+    assert sorted(listing) == [f.resolve() for f in expected]
+    top = [f.resolve() for f in gpt.stdlib_source_files()]
+    assert set(top) < set(listing) and len(listing) > 10 * len(top)
+    dm = gpt.ByteDataModule(block_size=32, batch_size=4, max_bytes=3_000_000, stdlib_subpackages=True)
+    dm.setup("fit")
+    assert any(f.resolve().parent != stdlib for f in dm.train_files + dm.val_files)
 
 
 def test_datamodule_takes_user_text(tmp_path):

@@ -46,7 +46,7 @@ from lightning_gproj.kernels._triton_utils import (
     INTERPRET, LOG2E, autotune_enabled, check_seqlens, interpreting, load_kv, mma, padded_head_dim, supports,
     to16, visible,
 )
-from lightning_gproj.kernels.reference import FIXES
+from lightning_gproj.kernels.reference import FIXES, project_key_sum_
 
 __all__ = ["backward", "supports", "FIXES", "DEFAULT_DK_FOLD"]
 
@@ -546,6 +546,8 @@ def backward(
 
     if uniform:
         _apply_uniform_corrections(dq, dk, q, k, r, tau, bool(causal), seqlens_k)
+    if gproj and gdt == torch.float32:
+        project_key_sum_(dk, seqlens_k)  # C2 to fp32 rounding, as kernels/reference.py
     dq, dk = dq.to(gdt), dk.to(gdt)
 
     extras = {}

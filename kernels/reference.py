@@ -254,7 +254,34 @@ def backward(
         dk = dk.view(batch, nheads_k, group, nk, d).sum(dim=2)
         dv = dv.view(batch, nheads_k, group, nk, dv.shape[-1]).sum(dim=2)
     out = grad_dtype or dtype
-    return dq.transpose(1, 2).to(out), dk.transpose(1, 2).to(out), dv.transpose(1, 2).to(out), extras
+    dk = dk.transpose(1, 2).to(out)
+    if fix == "gproj" and out in (torch.float32, torch.float64):
+        project_key_sum_(dk, seqlens_k)
+    return dq.transpose(1, 2).to(out), dk, dv.transpose(1, 2).to(out), extras
+
+
+def project_key_sum_(dk: Tensor, seqlens_k: Tensor | None = None) -> Tensor:
+    """In place: subtract from every valid key's gradient the mean over the valid keys, per batch row
+    and kv head, so that Σ_j dK_j = 0 (C2, DESIGN.md §2) holds to the rounding of this step.
+
+    The exact gradient satisfies C2, so this orthogonal projection never moves dk away from it. It
+    cleans up what fix="gproj" leaves when dk is returned in fp32: the 16-bit rounding of the dK
+    correction's operand and, in the kernels, single-ulp differences between the dQ pass (where ρ is
+    computed) and the dK pass (benchmarks/NOTES.md, run 6). Used only for fp32 / fp64 dk: a 16-bit
+    dk's own storage rounding breaks C2 by far more (~√N·2⁻⁹).
+
+    Args:
+        dk: (batch, seqlen_k, nheads_k, headdim), fp32 or fp64, any strides; modified and returned.
+        seqlens_k: None, or (batch,) integer key lengths (right padding): masked keys keep dk = 0.
+    """
+    if seqlens_k is None:
+        mean = dk.sum(dim=1, keepdim=True, dtype=torch.float64) / dk.shape[1]
+        return dk.sub_(mean.to(dk.dtype))
+    valid = (torch.arange(dk.shape[1], device=dk.device)[None, :] < seqlens_k.to(dk.device)[:, None].long())
+    valid = valid[:, :, None, None]
+    total = (dk * valid).sum(dim=1, keepdim=True, dtype=torch.float64)
+    mean = total / seqlens_k.to(device=dk.device, dtype=torch.float64)[:, None, None, None]
+    return dk.sub_(mean.to(dk.dtype) * valid)
 
 
 def _uniform_corrections(qh: Tensor, kh: Tensor, r: Tensor, causal: bool, n_valid: int) -> tuple[Tensor, Tensor]:

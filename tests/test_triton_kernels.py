@@ -123,17 +123,20 @@ def test_backward_against_float64_autograd(measured):
 def test_conservation_of_key_gradient(measured):
     """C2 (DESIGN.md §2): ‖Σ_j dK_j‖ / ‖dK‖_F of the fp32 accumulators (grad_dtype=torch.float32).
 
-    The projections make every corrected row of dS sum to zero, so dK sums to zero up to fp32 rounding
-    and the 16-bit rounding of the correction operand ρ∘P̃ (measured ≤ 3.8e-6; ≤ 5.6e-6 when ρ∘Q was
-    the rounded operand); the uncorrected kernel leaves the 16-bit rounding of dS in it (≥ 3e-4 here).
-    The fold variant re-rounds the folded dS, so it does not restore C2 exactly (reported, not bounded).
+    The projections make every corrected row of dS sum to zero, and fix="gproj" (fold or not) ends an
+    fp32 dk with reference.project_key_sum_, so dK sums to zero up to the fp32 rounding of that last
+    subtraction: a few u = 2⁻²⁴ ≈ 6e-8 (measured ≤ 5.7e-8; 1.3–3.8e-6 before the projection, from the
+    16-bit correction operand and cross-pass ulp differences). The uncorrected kernel leaves the 16-bit
+    rounding of dS in it (≥ 3e-4 here).
     """
+    u = 2.0**-24
     for c in _cases(measured):
         bw = c["bwd"]
-        assert bw["gproj"]["c2_residual_fp32"] <= 1e-5, c["shape"]
-        assert bw["gproj_uniform"]["c2_residual_fp32"] <= 2e-5, c["shape"]
+        assert "gproj" in bw and "gproj_uniform" in bw
+        for fix in ("gproj", "gproj_fold", "gproj_uniform"):
+            if fix in bw:  # the fold variant runs on a subset of the cases
+                assert bw[fix]["c2_residual_fp32"] <= 4 * u, (c["shape"], fix)
         assert bw["none"]["c2_residual_fp32"] >= 1e-4, c["shape"]
-        assert bw["none"]["c2_residual_fp32"] >= 10 * bw["gproj"]["c2_residual_fp32"], c["shape"]
 
 
 def test_padded_keys_get_zero_gradients(measured):

@@ -12,37 +12,32 @@ growth (peak after step 500 over the median of steps 100–500), with each arm's
 
 from __future__ import annotations
 
-import csv
 import glob
 import json
 import math
 import os
-import re
 import sys
 
-
-def _version(path: str) -> tuple[int, str]:
-    match = re.search(r"version_(\d+)", path)
-    return (int(match.group(1)) if match else -1, path)
+from lightning_gproj.report import load_logs
 
 
 def load(logdir: str) -> dict[str, dict[int, float]]:
-    """Metric -> {step: value} from a metrics.csv, or from every metrics.csv under a logger folder: the
-    version_N folders of a run resumed from its checkpoints, merged in version order (a later version
-    wins a step logged twice)."""
-    paths = [logdir] if logdir.endswith(".csv") else sorted(
-        glob.glob(os.path.join(logdir, "**", "metrics.csv"), recursive=True), key=_version)
-    if not paths:
-        raise FileNotFoundError(f"no metrics.csv under {logdir}")
+    """Metric -> {step: value} of one arm: :func:`lightning_gproj.report.load_logs` of the folder, or,
+    where it holds several ``version_N`` folders (a run resumed from its checkpoints logs each segment
+    to a new version), of each version in order, merged (a later version wins a step logged twice)."""
+    versions = sorted(glob.glob(os.path.join(logdir, "version_*")), key=_version_number)
+    if len(versions) < 2:
+        return load_logs(logdir)
     series: dict[str, dict[int, float]] = {}
-    for path in paths:
-        with open(path) as f:
-            for row in csv.DictReader(f):
-                step = int(row["step"])
-                for k, v in row.items():
-                    if k not in ("step", "epoch") and v not in ("", None):
-                        series.setdefault(k, {})[step] = float(v)
+    for version in versions:
+        for key, values in load_logs(version).items():
+            series.setdefault(key, {}).update(values)
     return series
+
+
+def _version_number(path: str) -> int:
+    suffix = os.path.basename(path)[len("version_"):]
+    return int(suffix) if suffix.isdigit() else -1
 
 
 def _last(s: dict[int, float]) -> float:

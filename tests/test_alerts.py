@@ -8,10 +8,8 @@ checked against both.
 
 from __future__ import annotations
 
-import csv
 import logging
 import math
-from pathlib import Path
 
 import lightning.pytorch as pl
 import numpy as np
@@ -25,6 +23,12 @@ from lightning_gproj import GProjPlugin, swap_attention
 from lightning_gproj.callbacks import Alert, AlertDispatcher, ChangeDetector, GradNormMonitor, ZeroSumMonitor
 from lightning_gproj.evaluate import divergence_step, evaluate, main as evaluate_main
 from lightning_gproj.report import load_logs
+
+from _scripts import load_script
+
+# benchmarks/lead_time.py: made-up runs (synthetic) and their CSV logs (write_csv)
+lead_time = load_script("benchmarks/lead_time.py", "lead_time_benchmark")
+synthetic, write_csv = lead_time.synthetic, lead_time.write_csv
 
 # ------------------------------------------------------------------------------------ detectors
 
@@ -294,38 +298,6 @@ def test_dispatcher_rejects_bad_arguments():
 
 
 # ------------------------------------------------------------------------------------ offline harness
-
-
-def write_csv(directory: Path, series: dict[str, dict[int, float]]) -> Path:
-    directory.mkdir(parents=True)
-    steps = sorted({s for values in series.values() for s in values})
-    keys = sorted(series)
-    with open(directory / "metrics.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["epoch", "step", *keys])
-        for s in steps:
-            writer.writerow([0, s, *[repr(series[k][s]) if s in series[k] else "" for k in keys]])
-    return directory
-
-
-def synthetic(seed: int, steps: int, leak_rise_at: int | None, blowup_at: int | None) -> dict[str, dict[int, float]]:
-    """A made-up run: grad norm ~1 with 10% noise, blowing up (x1.05 per step) from ``blowup_at``; a
-    leak ratio sampled every 50 steps, ~1e-2 with 5% noise, doubling every 100 steps from
-    ``leak_rise_at``. Same seed = same noise (the healthy twin)."""
-    rng = np.random.default_rng(seed)
-    grad = np.exp(rng.normal(0, 0.1, steps))
-    leak = 1e-2 * np.exp(rng.normal(0, 0.05, steps))
-    t = np.arange(steps)
-    if blowup_at is not None:
-        grad = grad * np.where(t >= blowup_at, 1.05 ** (t - blowup_at), 1.0)
-    if leak_rise_at is not None:
-        leak = leak * np.where(t >= leak_rise_at, 2.0 ** ((t - leak_rise_at) / 100), 1.0)
-    return {
-        "grad_norm/global": {int(s): float(grad[s]) for s in t},
-        "grad_norm/layer/blocks.0": {int(s): float(grad[s]) for s in t},
-        "gproj/blocks.0.attn/leak_ratio": {int(s): float(leak[s]) for s in t if s % 50 == 0},
-        "train_loss": {int(s): 3.0 for s in t},
-    }
 
 
 def test_harness_measures_lead_time_and_false_alarms_on_synthetic_traces(tmp_path, capsys):

@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from _scripts import REPO, load_script
 
-
-def _load_gpt():
-    if "gpt_example" in sys.modules:
-        return sys.modules["gpt_example"]
-    spec = importlib.util.spec_from_file_location("gpt_example", REPO / "examples" / "gpt.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpt_example"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gpt = _load_gpt()
+gpt = load_script("examples/gpt.py", "gpt_example")
 
 TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
         "--data.batch_size=8", "--data.max_bytes=200000", "--data.val_samples=16"]

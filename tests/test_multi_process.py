@@ -12,7 +12,6 @@ refuses FSDPStrategy on CPU, so no Trainer is built; see tests/test_plugin.py).
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 import os
@@ -23,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from _scripts import REPO, load_script
+
 CONFIGS = REPO / "examples" / "configs"
 OUT_ENV = "GPROJ_MULTI_PROCESS_OUT"  # where the worker ranks write; set by the test, inherited by rank 1
 
@@ -32,16 +32,6 @@ TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.b
         "--model.key_bias=true", "--data.max_bytes=200000", "--data.val_samples=16",
         "--data.train_samples=2000"]
 STEPS, EVERY = 6, 2  # ZeroSumMonitor samples steps 0, 2, 4
-
-
-def _load_gpt():
-    if "gpt_example" in sys.modules:
-        return sys.modules["gpt_example"]
-    spec = importlib.util.spec_from_file_location("gpt_example", REPO / "examples" / "gpt.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpt_example"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # ----------------------------------------------------------------------------- worker (both ranks)
@@ -56,7 +46,7 @@ def _worker(out: Path) -> None:
 
     from lightning_gproj.callbacks import GradNormMonitor, ZeroSumMonitor
 
-    gpt = _load_gpt()
+    gpt = load_script("examples/gpt.py", "gpt_example")
     seen: dict = {"zero_sum_raw": {}, "zero_sum": {}, "grad_norm": {}, "grad_norm_own": {}}
 
     class OwnGradNorm(Callback):
@@ -210,7 +200,7 @@ def test_fsdp_config_parses_and_the_strategy_accepts_the_plugin():
     from lightning_gproj import GProjPlugin
     from lightning_gproj.callbacks import GradNormMonitor, ZeroSumMonitor
 
-    gpt = _load_gpt()
+    gpt = load_script("examples/gpt.py", "gpt_example")
 
     class ParseOnly(gpt.GPTCLI):
         def instantiate_trainer(self, **kwargs):

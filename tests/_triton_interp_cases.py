@@ -23,6 +23,8 @@ from lightning_gproj.kernels import attention_bwd as B  # noqa: E402
 from lightning_gproj.kernels import attention_fwd as F  # noqa: E402
 from lightning_gproj.kernels import reference as R  # noqa: E402
 
+from _fp64 import attention_fp64  # noqa: E402  (tests/ is this script's directory)
+
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖_F / ‖b‖_F in float64 (0 when both are 0)."""
@@ -39,30 +41,6 @@ def ulps(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> float:
     tiny = torch.finfo(dtype).tiny
     ulp = torch.exp2(torch.floor(torch.log2(b.abs().clamp(min=tiny)))) * eps
     return ((a - b).abs() / ulp).max().item()
-
-
-def f64_reference(q, k, v, do, tau, causal, seqlens_k=None):
-    """Plain softmax attention and its autograd gradients in float64 on the same 16-bit inputs
-    (key padding as an explicit boolean mask: key j of batch row b masked iff j >= seqlens_k[b])."""
-    b, nq, h, d = q.shape
-    nk, hk = k.shape[1], k.shape[2]
-    g = h // hk
-    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
-    qh = q64.transpose(1, 2)
-    kh = k64.transpose(1, 2).repeat_interleave(g, dim=1)
-    vh = v64.transpose(1, 2).repeat_interleave(g, dim=1)
-    s = tau * qh @ kh.transpose(-1, -2)
-    if causal:
-        rows = torch.arange(nq)[:, None]
-        cols = torch.arange(nk)[None, :]
-        s = s.masked_fill(cols > rows + (nk - nq), float("-inf"))
-    if seqlens_k is not None:
-        padded = torch.arange(nk)[None, :] >= seqlens_k[:, None]  # (b, nk)
-        s = s.masked_fill(padded[:, None, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key: output 0, gradient 0
-    o = (p @ vh).transpose(1, 2)
-    dq, dk, dv = torch.autograd.grad(o, (q64, k64, v64), do.double())
-    return o.detach(), dq, dk, dv
 
 
 def run_case(b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed, seqlens=None, fixes=None):
@@ -96,7 +74,8 @@ def run_case(b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed, seqle
         "inf_pattern_equal": bool(torch.equal(torch.isinf(l2), torch.isinf(l_r))),
         "nan": bool(torch.isnan(o).any().item()),
     }
-    o64, dq64, dk64, dv64 = f64_reference(q, k, v, do, tau, causal, sk)
+    key_mask = None if sk is None else torch.arange(nk)[None, :] < sk[:, None]  # True = key visible
+    o64, dq64, dk64, dv64, _ = attention_fp64(q, k, v, do, tau, causal, key_mask)
     out["fwd"]["o_rel_vs_f64"] = rel(o, o64)
     out["fwd"]["ref_o_rel_vs_f64"] = rel(o_r, o64)
 

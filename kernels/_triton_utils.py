@@ -143,25 +143,27 @@ def to16(x, dtype: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def load_kv(K, V, cols, stride_kn, stride_vn, offs_d, offs_dk, offs_dv, N_K,
-            HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
-    """Load the K and V tiles of key rows ``cols``: masked past the row's valid key count ``N_K`` when
-    MASKED (tile edge, key padding), and past HEAD_DIM when the head dim is padded (not EVEN_D)."""
-    k_ptrs = K + cols[:, None] * stride_kn + offs_dk[None, :]
-    v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :]
+def load_pair(A, B, rows, stride_an, stride_bn, offs_d, offs_da, offs_db, N,
+              HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load the tiles of rows ``rows`` of two (seqlen, headdim) operands read together (K and V, or
+    Q and dO): masked past the valid row count ``N`` when MASKED (tile edge, key padding), and past
+    HEAD_DIM when the head dim is padded (not EVEN_D). ``offs_da`` / ``offs_db``: column offsets times
+    each operand's head-dim stride."""
+    a_ptrs = A + rows[:, None] * stride_an + offs_da[None, :]
+    b_ptrs = B + rows[:, None] * stride_bn + offs_db[None, :]
     if MASKED:
-        kv_mask = cols[:, None] < N_K
+        mask = rows[:, None] < N
         if not EVEN_D:
-            kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+            mask = mask & (offs_d[None, :] < HEAD_DIM)
+        a = tl.load(a_ptrs, mask=mask, other=0.0)
+        b = tl.load(b_ptrs, mask=mask, other=0.0)
     elif EVEN_D:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
     else:
-        k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    return k, v
+        a = tl.load(a_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return a, b
 
 
 @triton.jit

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, autotune_enabled, check_seqlens, interpreting, load_kv, mma, padded_head_dim, supports,
+    INTERPRET, LOG2E, autotune_enabled, check_seqlens, interpreting, load_pair, mma, padded_head_dim, supports,
     to16, visible,
 )
 from lightning_gproj.kernels.reference import FIXES, project_key_sum_
@@ -116,7 +116,7 @@ def _dq_inner(
     BLOCK_M: tl.constexpr = q.shape[0]
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k, v = load_kv(K, V, cols, stride_kn, stride_vn, offs_d, offs_dk, offs_dv, N_K, HEAD_DIM, MASKED, EVEN_D)
+        k, v = load_pair(K, V, cols, stride_kn, stride_vn, offs_d, offs_dk, offs_dv, N_K, HEAD_DIM, MASKED, EVEN_D)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
         # The forward's exponent: (s − m) exact 0 at the row max, then scale, then normalize.
         p = tl.math.exp2((s - m[:, None]) * c - l2[:, None])
@@ -246,27 +246,15 @@ def _dkdv_inner(
     BLOCK_N: tl.constexpr = k.shape[0]
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
-        q_ptrs = Qh + rows[:, None] * stride_qn + offs_dq[None, :]
-        do_ptrs = DOh + rows[:, None] * stride_don + offs_ddo[None, :]
+        q, do = load_pair(Qh, DOh, rows, stride_qn, stride_don, offs_d, offs_dq, offs_ddo, N_Q, HEAD_DIM, MASKED, EVEN_D)
         if MASKED:
             rmask = rows < N_Q
-            tmask = rmask[:, None]
-            if not EVEN_D:
-                tmask = tmask & (offs_d[None, :] < HEAD_DIM)
-            q = tl.load(q_ptrs, mask=tmask, other=0.0)
-            do = tl.load(do_ptrs, mask=tmask, other=0.0)
             m = tl.load(Mh + rows, mask=rmask, other=0.0)
             l2 = tl.load(L2h + rows, mask=rmask, other=float("inf"))  # P = 0 on rows past N_Q
             Di = tl.load(DELh + rows, mask=rmask, other=0.0)
             if DK_MODE != 0:
                 r = tl.load(Rh + rows, mask=rmask, other=0.0)
         else:
-            if EVEN_D:
-                q = tl.load(q_ptrs)
-                do = tl.load(do_ptrs)
-            else:
-                q = tl.load(q_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-                do = tl.load(do_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
             m = tl.load(Mh + rows)
             l2 = tl.load(L2h + rows)
             Di = tl.load(DELh + rows)

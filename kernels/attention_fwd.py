@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, autotune_enabled, check_seqlens, interpreting, load_kv, mma, padded_head_dim, supports,
+    INTERPRET, LOG2E, autotune_enabled, check_seqlens, interpreting, load_pair, mma, padded_head_dim, supports,
     to16, visible,
 )
 
@@ -68,7 +68,7 @@ def _fwd_inner(
     mask cols < N_K, where N_K is the batch row's valid key count (seqlen_k, or seqlens_k[b])."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k, v = load_kv(K, V, cols, stride_kn, stride_vn, offs_d, offs_dk, offs_dv, N_K, HEAD_DIM, MASKED, EVEN_D)
+        k, v = load_pair(K, V, cols, stride_kn, stride_vn, offs_d, offs_dk, offs_dv, N_K, HEAD_DIM, MASKED, EVEN_D)
         s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), INTERP)  # raw fp32, unscaled
         if MASKED:
             valid = visible(offs_m, cols, N_K, CAUSAL_OFF, CAUSAL)

@@ -7,8 +7,6 @@ mostly 0), the constant checks of DESIGN.md §5, and (with --quick-speed) a few 
 from __future__ import annotations
 
 import argparse
-import math
-import sys
 import time
 
 import torch

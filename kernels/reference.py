@@ -55,6 +55,13 @@ def _heads_first(x: Tensor, nheads: int, dtype: torch.dtype) -> Tensor:
     return x
 
 
+def _scores(qh: Tensor, kh: Tensor, i0: int, i1: int, causal: bool, seqlens_k: Tensor | None) -> Tensor:
+    """Raw scores q_i·k_j of query rows i0 <= i < i1 (heads-first qh, kh), −inf where key j is not seen."""
+    s = qh[:, :, i0:i1] @ kh.transpose(-1, -2)
+    valid = _valid(i0, i1, qh.shape[2], kh.shape[2], causal, qh.device, seqlens_k)
+    return s if valid is None else s.masked_fill(~valid, float("-inf"))
+
+
 def _valid(
     i0: int, i1: int, nq: int, nk: int, causal: bool, device, seqlens_k: Tensor | None = None
 ) -> Tensor | None:
@@ -110,7 +117,6 @@ def forward(
     cdt = _compute_dtype(dtype)
     rnd = _rounder(dtype)
     batch, nq, nheads, _ = q.shape
-    nk = k.shape[1]
     qh, kh, vh = (_heads_first(x, nheads, cdt) for x in (q, k, v))
     c = torch.tensor(softmax_scale * _LOG2E, dtype=cdt)
 
@@ -119,10 +125,7 @@ def forward(
     log2l = torch.empty_like(m)
     for i0 in range(0, nq, block_m):
         i1 = min(i0 + block_m, nq)
-        s = qh[:, :, i0:i1] @ kh.transpose(-1, -2)
-        valid = _valid(i0, i1, nq, nk, causal, q.device, seqlens_k)
-        if valid is not None:
-            s = s.masked_fill(~valid, float("-inf"))
+        s = _scores(qh, kh, i0, i1, causal, seqlens_k)
         m_blk = s.amax(dim=-1)
         m_blk = torch.where(torch.isinf(m_blk), torch.zeros_like(m_blk), m_blk)
         p = torch.exp2((s - m_blk[..., None]) * c)
@@ -203,10 +206,7 @@ def backward(
 
     for i0 in range(0, nq, block_m):
         i1 = min(i0 + block_m, nq)
-        s = qh[:, :, i0:i1] @ kh.transpose(-1, -2)
-        valid = _valid(i0, i1, nq, nk, causal, q.device, seqlens_k)
-        if valid is not None:
-            s = s.masked_fill(~valid, float("-inf"))
+        s = _scores(qh, kh, i0, i1, causal, seqlens_k)
         p = torch.exp2((s - m[:, :, i0:i1, None]) * c - log2l[:, :, i0:i1, None])
         p16 = rnd(p)
         dv += p16.transpose(-1, -2) @ doh[:, :, i0:i1]

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import Guard, Site, causal_bool, gproj_attn_func, op_reason
+from ._common import Guard, Site, causal_bool, op_reason
 
 
 def static_reason(module: nn.Module) -> Optional[str]:

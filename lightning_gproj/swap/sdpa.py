@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ._common import Guard, Site, causal_bool, gproj_attn_func, op_reason
+from ._common import Guard, Site, causal_bool, op_reason
 
 #: The original SDPA (the builtin that ``TorchFunctionMode`` hands to ``__torch_function__``).
 SDPA = F.scaled_dot_product_attention

@@ -107,16 +107,24 @@ import triton.language as tl  # noqa: E402
 
 #: Passed to the kernels as a constexpr. Triton 3.9's interpreter multiplies bf16 tiles as their raw
 #: uint16 bit patterns in ``tl.dot`` (create_dot calls np.matmul on the storage view), so under the
-#: interpreter the operands are widened to fp32 first. That is numerically the same product: a product
-#: of two 16-bit floats is exact in fp32 and the tensor core accumulates in fp32 too.
+#: interpreter the operands are widened first (see :func:`mma`).
 INTERPRET = interpreting()
 
 
 @triton.jit
 def mma(a, b, acc, INTERP: tl.constexpr):
-    """acc + a @ b with 16-bit operands and an fp32 accumulator (see INTERPRET for the interpreter)."""
+    """acc + a @ b with 16-bit operands and an fp32 accumulator.
+
+    Under the interpreter the tile product is taken in fp64 and rounded to fp32 once: products of
+    16-bit floats and their sums over a tile are exact or nearly so in fp64, so the result does not
+    depend on the summation order of the BLAS kernel NumPy picks for the CPU (OpenBLAS chooses it by
+    processor and ``OPENBLAS_CORETYPE``). An fp32 np.matmul made the interpreter's numbers differ
+    between machines, and with them the outcome of tests/test_triton_kernels.py. On the GPU the
+    tensor core accumulates in fp32 in its own order; the tests' bounds allow for that (one-ulp
+    differences between the two backward passes, benchmarks/NOTES.md).
+    """
     if INTERP:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        return acc + tl.dot(a.to(tl.float64), b.to(tl.float64), out_dtype=tl.float64).to(tl.float32)
     else:
         return tl.dot(a, b, acc)
 

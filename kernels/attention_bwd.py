@@ -462,7 +462,8 @@ def backward(
         dk_fold: fix="gproj" only: True folds the dK term into dS before its rounding, False runs it
             as its own GEMM; None takes :data:`DEFAULT_DK_FOLD`.
         grad_dtype: None (the input dtype, as stored by a kernel) or torch.float32 (the fp32
-            accumulators, where the conservation laws hold to fp32 rounding).
+            accumulators, where the conservation laws hold to fp32 rounding; with either projection dk
+            ends with :func:`~lightning_gproj.kernels.reference.project_key_sum_`, as in the reference).
         seqlens_k: None, or the (batch,) int32/int64 key lengths the forward ran with (right
             padding, values in [1, seqlen_k], not checked). Masked keys get dk = dv = 0 exactly.
 
@@ -534,7 +535,7 @@ def backward(
 
     if uniform:
         _apply_uniform_corrections(dq, dk, q, k, r, tau, bool(causal), seqlens_k)
-    if gproj and gdt == torch.float32:
+    if fix != "none" and gdt == torch.float32:
         project_key_sum_(dk, seqlens_k)  # C2 to fp32 rounding, as kernels/reference.py
     dq, dk = dq.to(gdt), dk.to(gdt)
 

@@ -169,7 +169,9 @@ def backward(
             its dQ pass first can do) instead of the separate product P̃ᵀ(ρ ∘ Q) (DESIGN.md §4.1).
         grad_dtype: dtype dq, dk, dv are returned in (default: the input dtype, as a kernel stores them);
             ``torch.float32`` returns the fp32 accumulators, where the conservation laws can be checked
-            to fp32 rounding.
+            to fp32 rounding. With either projection (``fix != "none"``) an fp32 / fp64 dk ends with
+            :func:`project_key_sum_`, so Σ_j dK_j = 0 (C2) holds to a few units of that dtype's
+            rounding relative to ‖dK‖_F.
         block_m: query rows per chunk (memory knob only).
         seqlens_k: as in :func:`forward` (the same value the forward ran with). Masked keys get
             dk = dv = 0 exactly; ``gproj_uniform`` averages over each row's valid keys.
@@ -255,7 +257,7 @@ def backward(
         dv = dv.view(batch, nheads_k, group, nk, dv.shape[-1]).sum(dim=2)
     out = grad_dtype or dtype
     dk = dk.transpose(1, 2).to(out)
-    if fix == "gproj" and out in (torch.float32, torch.float64):
+    if fix != "none" and out in (torch.float32, torch.float64):
         project_key_sum_(dk, seqlens_k)
     return dq.transpose(1, 2).to(out), dk, dv.transpose(1, 2).to(out), extras
 
@@ -265,10 +267,11 @@ def project_key_sum_(dk: Tensor, seqlens_k: Tensor | None = None) -> Tensor:
     and kv head, so that Σ_j dK_j = 0 (C2, DESIGN.md §2) holds to the rounding of this step.
 
     The exact gradient satisfies C2, so this orthogonal projection never moves dk away from it. It
-    cleans up what fix="gproj" leaves when dk is returned in fp32: the 16-bit rounding of the dK
-    correction's operand and, in the kernels, single-ulp differences between the dQ pass (where ρ is
-    computed) and the dK pass (benchmarks/NOTES.md, run 6). Used only for fp32 / fp64 dk: a 16-bit
-    dk's own storage rounding breaks C2 by far more (~√N·2⁻⁹).
+    cleans up what the projections (fix="gproj" and "gproj_uniform") leave when dk is returned in
+    fp32: the 16-bit rounding of the P-weighted dK correction's operand and, in the kernels, single-ulp
+    differences between the dQ pass (where r and ρ are computed) and the dK pass, which round a few
+    dS elements differently (benchmarks/NOTES.md, run 6). Used only for fp32 / fp64 dk: a 16-bit dk's
+    own storage rounding breaks C2 by far more (~√N·2⁻⁹).
 
     Args:
         dk: (batch, seqlen_k, nheads_k, headdim), fp32 or fp64, any strides; modified and returned.

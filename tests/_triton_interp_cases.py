@@ -18,10 +18,13 @@ import sys
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from lightning_gproj.kernels import attention_bwd as B  # noqa: E402
 from lightning_gproj.kernels import attention_fwd as F  # noqa: E402
 from lightning_gproj.kernels import reference as R  # noqa: E402
+from lightning_gproj.kernels._triton_utils import INTERPRET, mma  # noqa: E402
 
 from _fp64 import attention_fp64  # noqa: E402  (tests/ is this script's directory)
 
@@ -108,6 +111,27 @@ def run_case(b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed, seqle
     return out
 
 
+@triton.jit
+def _mma_kernel(A, B_, ACC, OUT, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+    rm, rk, rn = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    a = tl.load(A + rm[:, None] * K + rk[None, :])
+    b = tl.load(B_ + rk[:, None] * N + rn[None, :])
+    acc = tl.load(ACC + rm[:, None] * N + rn[None, :])
+    tl.store(OUT + rm[:, None] * N + rn[None, :], mma(a, b, acc, INTERPRET))
+
+
+def mma_is_order_free(dtype: torch.dtype, seed: int) -> bool:
+    """Whether the interpreter's tile GEMM equals acc + (a @ b rounded once to fp32), the product taken
+    in float64 by torch: bit for bit, so independent of the BLAS kernel's summation order."""
+    gen = torch.Generator().manual_seed(seed)
+    a = (torch.randn(16, 64, generator=gen) * 8).to(dtype)
+    b = torch.randn(64, 32, generator=gen).to(dtype)
+    acc = torch.randn(16, 32, generator=gen)
+    out = torch.empty_like(acc)
+    _mma_kernel[(1,)](a, b, acc, out, 16, 64, 32)
+    return bool(torch.equal(out, acc + (a.double() @ b.double()).float()))
+
+
 def main() -> None:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     cases = [
@@ -136,6 +160,7 @@ def main() -> None:
             consts.append({"value": cval, "causal": causal, "nan": bool(torch.isnan(o).any().item()),
                            "exact": bool((o.float() == cval).all().item())})
     res["constants"] = consts
+    res["mma_order_free"] = {str(dt): mma_is_order_free(dt, 9) for dt in (torch.bfloat16, torch.float16)}
     z = torch.zeros(1, 8, 2, 32)
     res["supports"] = {
         "bf16_cpu_interp": B.supports(z.bfloat16(), z.bfloat16(), z.bfloat16()),

@@ -55,6 +55,21 @@ def _heads_first(x: Tensor, nheads: int, dtype: torch.dtype) -> Tensor:
     return x
 
 
+def _hide_padded_keys(kh: Tensor, vh: Tensor, seqlens_k: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Heads-first k, v with the rows of keys j >= seqlens_k[b] set to 0 (``torch.where``, not a product).
+
+    A padded key's score is masked to −inf, so its P is 0, but the products P·V, dO·Vᵀ, P̃·K and dSᵀ·Q
+    still multiply that 0 by the padded values: a NaN or inf there (or a value whose product overflows)
+    would turn the whole row into NaN. The kernels never load those rows; zeroing them here gives the
+    reference the same rule: values behind the key padding never reach a result or a gradient.
+    """
+    if seqlens_k is None:
+        return kh, vh
+    keep = torch.arange(kh.shape[2], device=kh.device)[None, :] < seqlens_k.to(kh.device).long()[:, None]
+    keep = keep[:, None, :, None]
+    return torch.where(keep, kh, 0.0), torch.where(keep, vh, 0.0)
+
+
 def _scores(qh: Tensor, kh: Tensor, i0: int, i1: int, causal: bool, seqlens_k: Tensor | None) -> Tensor:
     """Raw scores q_i·k_j of query rows i0 <= i < i1 (heads-first qh, kh), −inf where key j is not seen."""
     s = qh[:, :, i0:i1] @ kh.transpose(-1, -2)
@@ -103,6 +118,7 @@ def forward(
             row b is masked iff j >= seqlens_k[b]; combined with ``causal`` as
             valid(i, j) = (not causal or j <= i + seqlen_k − seqlen_q) and j < seqlens_k[b]. Expected
             in [1, seqlen_k] (not checked here; :func:`lightning_gproj.gproj_attn_func` validates).
+            The values of masked keys are never used: NaN, inf or any value there changes nothing.
 
     Returns:
         o: like q. m: (batch, nheads, seqlen_q) fp32 (fp64 for fp64 input), the row max of the unscaled
@@ -118,6 +134,7 @@ def forward(
     rnd = _rounder(dtype)
     batch, nq, nheads, _ = q.shape
     qh, kh, vh = (_heads_first(x, nheads, cdt) for x in (q, k, v))
+    kh, vh = _hide_padded_keys(kh, vh, seqlens_k)
     c = torch.tensor(softmax_scale * _LOG2E, dtype=cdt)
 
     o = torch.empty(batch, nheads, nq, v.shape[-1], dtype=cdt, device=q.device)
@@ -174,7 +191,8 @@ def backward(
             rounding relative to ‖dK‖_F.
         block_m: query rows per chunk (memory knob only).
         seqlens_k: as in :func:`forward` (the same value the forward ran with). Masked keys get
-            dk = dv = 0 exactly; ``gproj_uniform`` averages over each row's valid keys.
+            dk = dv = 0 exactly, whatever their values (NaN and inf included); ``gproj_uniform``
+            averages over each row's valid keys.
 
     Returns:
         dq like q; dk, dv like k, v (GQA: summed over the query heads of each kv head); extras with,
@@ -193,6 +211,7 @@ def backward(
     batch, nq, nheads, d = q.shape
     nk, nheads_k = k.shape[1], k.shape[2]
     qh, kh, vh, oh, doh = (_heads_first(x, nheads, cdt) for x in (q, k, v, o, do))
+    kh, vh = _hide_padded_keys(kh, vh, seqlens_k)
     c = torch.tensor(softmax_scale * _LOG2E, dtype=cdt)
     m, log2l = m.to(cdt), log2l.to(cdt)
 

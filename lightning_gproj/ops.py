@@ -114,9 +114,9 @@ def record_forward_stats(name: str, q: Tensor, k: Tensor, seqlens_k: Optional[Te
     layout (batch, seqlen, nheads, headdim)."""
     if seqlens_k is None:
         mean_key = k.float().mean(dim=1)
-    else:  # over each batch row's valid keys
+    else:  # over each batch row's valid keys; a where, not a product, so padded NaN/inf stay out
         valid = torch.arange(k.shape[1], device=k.device)[None, :] < seqlens_k[:, None].long()
-        mean_key = (k.float() * valid[:, :, None, None]).sum(dim=1) / seqlens_k.float()[:, None, None]
+        mean_key = torch.where(valid[:, :, None, None], k.float(), 0.0).sum(dim=1) / seqlens_k.float()[:, None, None]
     RECORDER.record(
         name,
         mean_key_norm=mean_key.norm(dim=-1).mean(),
@@ -323,9 +323,14 @@ def gproj_attn_func(
             padding: key j of batch row b is masked iff ``j >= seqlens_k[b]``). With ``causal``:
             query i of batch row b sees key j iff ``j <= i + seqlen_k - seqlen_q`` and
             ``j < seqlens_k[b]`` (for seqlen_q == seqlen_k the usual causal + key-padding mask).
-            Masked keys get dk = dv = 0 exactly; query rows past the padding still attend to the
-            valid keys (their outputs are not zeroed). Not differentiable. Checking the values reads
-            them (one device sync per call).
+            Values behind the padding never reach a result: keys and values j >= seqlens_k[b] are
+            not read into o, dq, dk, dv or the recorded statistics (NaN, inf or any value there
+            changes nothing), and get dk = dv = 0 exactly, on every path (Triton, reference). Query
+            rows past the padding still attend to the valid keys (their outputs are not zeroed). Not
+            differentiable. Checking the values reads them (one device sync per call). The causal
+            mask is different: a key hidden from early rows is seen by later ones, so a non-finite
+            value there is a non-finite input of the call (it may reach the rows that do not see it,
+            as in flash-attn, whose P·V multiplies the zero weight).
 
     Returns:
         o: (batch, seqlen_q, nheads, headdim), q's dtype.

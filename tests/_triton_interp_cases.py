@@ -132,6 +132,34 @@ def mma_is_order_free(dtype: torch.dtype, seed: int) -> bool:
     return bool(torch.equal(out, acc + (a.double() @ b.double()).float()))
 
 
+def poisoned_keys(seed: int) -> dict:
+    """Values behind the key padding never reach a result: the same call with NaN, +inf and 1e10 in
+    the hidden keys and values must give bit-identical o, m, log2l, dq, dk, dv (hidden dk = dv = 0)
+    in the Triton kernels and in the reference, every fix."""
+    gen = torch.Generator().manual_seed(seed)
+    b, n, h, hk, d = 2, 24, 2, 1, 32
+    q, k, v, do = (torch.randn(b, n, hh, d, generator=gen).to(torch.bfloat16) for hh in (h, hk, hk, h))
+    sk = torch.tensor([13, 24], dtype=torch.int32)
+    hidden = torch.arange(n)[None, :] >= sk[:, None]
+    out = {}
+    for poison in (float("nan"), float("inf"), 1e10):
+        kp, vp = k.clone(), v.clone()
+        kp[hidden], vp[hidden] = poison, -poison
+        for name, fwd, bwd in (("triton", F.forward, B.backward), ("reference", R.forward, R.backward)):
+            for causal in (False, True):
+                clean, dirty = fwd(q, k, v, d**-0.5, causal, seqlens_k=sk), fwd(q, kp, vp, d**-0.5, causal, seqlens_k=sk)
+                same = all(torch.equal(x, y) for x, y in zip(clean, dirty))
+                zero = True
+                for fix in ("none", "gproj", "gproj_uniform"):
+                    for gdt in (None, torch.float32):
+                        gc = bwd(do, q, k, v, *clean, d**-0.5, causal, fix, grad_dtype=gdt, seqlens_k=sk)
+                        gd = bwd(do, q, kp, vp, *dirty, d**-0.5, causal, fix, grad_dtype=gdt, seqlens_k=sk)
+                        same &= all(torch.equal(x, y) for x, y in zip(gc[:3], gd[:3]))
+                        zero &= bool((gd[1][hidden] == 0).all() and (gd[2][hidden] == 0).all())
+                out[f"{name} {poison:g} causal={causal}"] = {"same": same, "hidden_zero": zero}
+    return out
+
+
 def main() -> None:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     cases = [
@@ -161,6 +189,7 @@ def main() -> None:
                            "exact": bool((o.float() == cval).all().item())})
     res["constants"] = consts
     res["mma_order_free"] = {str(dt): mma_is_order_free(dt, 9) for dt in (torch.bfloat16, torch.float16)}
+    res["poisoned_keys"] = poisoned_keys(10)
     z = torch.zeros(1, 8, 2, 32)
     res["supports"] = {
         "bf16_cpu_interp": B.supports(z.bfloat16(), z.bfloat16(), z.bfloat16()),

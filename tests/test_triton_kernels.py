@@ -150,6 +150,17 @@ def test_padded_keys_get_zero_gradients(measured):
             assert b["ref_padded_keys_zero"], (c["shape"], c["seqlens_k"], fix)
 
 
+def test_values_behind_key_padding_never_reach_a_result(measured):
+    """NaN, +inf and 1e10 in the keys and values past seqlens_k: the Triton kernels and the reference
+    return bit-identical o, m, log2l, dq, dk, dv to the call with clean padding (every fix, causal and
+    not, 16-bit and fp32 gradients), and the hidden keys' dk and dv are exactly 0."""
+    poisoned = measured["poisoned_keys"]
+    assert len(poisoned) == 2 * 3 * 2  # (triton, reference) × (nan, inf, 1e10) × (causal, not)
+    for name, r in poisoned.items():
+        assert r["same"], name
+        assert r["hidden_zero"], name
+
+
 def test_interpreter_gemm_does_not_depend_on_the_blas_kernel(measured):
     """Under the interpreter a tile GEMM is acc + (a @ b in float64, rounded once to fp32), bit for bit,
     so the numbers this module checks do not depend on the summation order of the BLAS kernel NumPy

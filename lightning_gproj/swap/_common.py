@@ -200,7 +200,11 @@ class Site:
         mask = causal_bool(q.shape[1], k.shape[1], q.device) if causal else None
         if seqlens_k is not None:
             keys = torch.arange(k.shape[1], device=q.device)[None, :] < seqlens_k.to(q.device)[:, None]
-            keys = keys[:, None, None, :]
+            keys = keys[:, None, :, None]
+            # padded keys and values are zeroed, not only masked: SDPA multiplies their zero weight
+            # by them, and a NaN or inf there would reach every row (the op never reads them)
+            ks, vs = torch.where(keys, ks, 0.0), torch.where(keys, vs, 0.0)
+            keys = keys.transpose(2, 3)
             mask = keys if mask is None else keys & mask
         with torch.autocast(q.device.type, enabled=False):
             o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=softmax_scale)

@@ -148,3 +148,25 @@ def test_ci_runs_the_readme_test_command():
     assert test_cmd.startswith("python3 -m venv .venv && ")
     assert test_cmd.endswith(".venv/bin/python -m pytest -q")
     assert f"\n{test_cmd}\n" in (REPO / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "command, ok",
+    [
+        ('echo "3 passed in 0.1s"', True),
+        ('echo "1 failed, 3 passed in 0.1s"; exit 1', False),  # a failing suite fails CI, whatever it printed
+        ('false && echo "3 passed in 0.1s"', False),  # a failing set-up step before the tests
+        ('echo "5 skipped in 0.1s"', False),  # exit 0 with no test run
+        ('echo "3 passed in 0.1s" && python3 -c "import sys; sys.exit(2)"', False),
+    ],
+)
+def test_ci_run_exit_status_follows_the_readme_command(tmp_path, command, ok):
+    """.ci/run on a README whose test command is ``command``: it fails exactly when the command fails
+    (the pipe through tee keeps the status) or ran no test, so CI cannot pass while the README's
+    command fails."""
+    (tmp_path / ".ci").mkdir()
+    shutil.copy(REPO / ".ci" / "run", tmp_path / ".ci" / "run")
+    (tmp_path / "README.md").write_text(f"# x\n\n<!-- readme_command test -->\n```bash\n{command}\n```\n")
+    out = subprocess.run(["bash", str(tmp_path / ".ci" / "run")], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=60, stdin=subprocess.DEVNULL, env={**os.environ, "CI": "true"})
+    assert (out.returncode == 0) is ok, (out.returncode, out.stdout, out.stderr)

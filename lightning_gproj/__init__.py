@@ -12,12 +12,13 @@ from lightning_gproj.fabric import GProjFabricPlugin
 from lightning_gproj.ops import FIXES, gproj_attn_func
 from lightning_gproj.plugin import GProjPlugin
 from lightning_gproj.stats import RECORDER, StatsRecorder
-from lightning_gproj.swap import GProjFallbackWarning, SwapReport, swap_attention, unswap_attention
+from lightning_gproj.swap import GProjFallbackError, GProjFallbackWarning, SwapReport, swap_attention, unswap_attention
 
 __all__ = [
     "Alert",
     "FIXES",
     "GProjFabricPlugin",
+    "GProjFallbackError",
     "GProjFallbackWarning",
     "GProjPlugin",
     "GradNormMonitor",

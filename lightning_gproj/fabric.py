@@ -1,11 +1,24 @@
-"""GProjFabricPlugin: :class:`~lightning_gproj.plugin.GProjPlugin`'s twin for ``lightning.fabric.Fabric``.
+"""GProjFabricPlugin: the GProj precision plugin for ``lightning.fabric.Fabric``, and the logic both plugins share.
 
-Fabric's precision plugins (``lightning.fabric.plugins.precision``) are other classes than the
-Trainer's, with other method signatures (``backward(tensor, module)`` without a trainer,
-``optimizer_step(optimizer)`` without a closure), so a Trainer plugin cannot serve Fabric. This twin
-derives from Fabric's classes and shares the Trainer plugin's code (:mod:`lightning_gproj.plugin`):
-``convert_module`` swaps the attention (:func:`lightning_gproj.swap.swap_attention`), prints the
-table on rank zero, then hands the module to the base precision.
+Lightning's own pattern (``lightning.fabric.plugins.precision.TransformerEnginePrecision`` and its
+Trainer twin): the Fabric precision class holds the logic, and the Trainer class
+(:class:`lightning_gproj.plugin.GProjPlugin`) mixes it into the Trainer's precision classes. Both take
+one signature and one :data:`PRECISIONS` table. ``convert_module`` swaps the attention
+(:func:`lightning_gproj.swap.swap_attention`), prints the table on rank zero and hands the module to
+the base precision; the first optimizer step warns if a swapped module served none of its calls
+(every call fell back); ``teardown`` prints (and the Trainer plugin logs) the calls each module
+served and those that fell back.
+
+Why a dynamic subclass rather than a wrapper: strategies check the plugin's type (``FSDPStrategy``
+raises TypeError unless the plugin is an ``FSDPPrecision``; DeepSpeed wants a ``DeepSpeedPrecision``).
+``GProjFabricPlugin(..., base=FSDPPrecision)`` returns an instance of a class derived from both the
+front door and ``FSDPPrecision`` (one class per base, cached: ``GProjFabricFSDPPrecision`` here,
+``GProjFSDPPrecision`` for the Trainer), so both ``isinstance`` checks hold and the base's methods run
+unchanged.
+
+Autocast device: with ``device=None`` a mixed-precision plugin autocasts on the device type of the
+converted module's parameters at each forward (where the Trainer / Fabric accelerator put them), so a
+CPU run on a machine with CUDA autocasts on CPU.
 
 Example::
 
@@ -15,45 +28,147 @@ Example::
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from typing import Any, Optional, Sequence, Union
 
-from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+import torch
+from lightning.fabric.plugins import precision as fabric_precision
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from torch import nn
 
-from . import plugin as _plugin
-from .swap import SwapReport
+from .swap import GProjFallbackWarning, SwapReport, swap_attention
+from .swap._common import check_fix, check_patterns, display_path
 
-__all__ = ["GProjFabricPlugin", "PRECISIONS"]
+__all__ = ["ATTENTION_DTYPES", "GProjFabricPlugin", "PRECISIONS"]
 
-#: Precision strings accepted by :class:`GProjFabricPlugin`, with the Fabric base class used when
-#: ``base`` is None.
-PRECISIONS: dict[str, type[Precision]] = {
-    "bf16-mixed": MixedPrecision,
-    "16-mixed": MixedPrecision,
-    "32-true": Precision,
-    "bf16-true": HalfPrecision,
-    "16-true": HalfPrecision,
-    "64-true": DoublePrecision,
+#: Precision strings accepted by both plugins, with the name of the base class used when ``base`` is
+#: None: Fabric's (``lightning.fabric.plugins.precision``) and the Trainer's
+#: (``lightning.pytorch.plugins.precision``) precision modules each have a class of that name.
+PRECISIONS: dict[str, str] = {
+    "bf16-mixed": "MixedPrecision",
+    "16-mixed": "MixedPrecision",
+    "32-true": "Precision",
+    "bf16-true": "HalfPrecision",
+    "16-true": "HalfPrecision",
+    "64-true": "DoublePrecision",
 }
 
+#: Values accepted for ``attention_dtype``: None (the op) or fp32 attention.
+ATTENTION_DTYPES: dict[Optional[str], Optional[torch.dtype]] = {None: None, "fp32": torch.float32}
 
-class GProjFabricPlugin(Precision):
-    """Fabric precision plugin: GProj attention plus a base Fabric precision.
+Patterns = Union[None, str, Sequence[str]]
 
-    Arguments as :class:`~lightning_gproj.plugin.GProjPlugin` (``precision``, ``fix``, ``include``,
-    ``exclude``, ``catch_all``, ``base``, ``device``, ``**base_kwargs``), with ``base`` a subclass of
-    ``lightning.fabric.plugins.precision.Precision`` (e.g. Fabric's ``FSDPPrecision`` under
-    ``FSDPStrategy``). The instance is a ``GProj<Base>`` deriving from both this class and ``base``.
-    After ``fabric.setup(model)``, :attr:`report` holds the :class:`~lightning_gproj.swap.SwapReport`.
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def check_precision(precision: object) -> str:
+    """Return ``precision`` if it is a key of :data:`PRECISIONS`, else raise ValueError."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"`precision` must be one of {tuple(PRECISIONS)}, got {precision!r}")
+    return precision
+
+
+def check_device(device: Any) -> Optional[str]:
+    """Return ``device`` if it is None or a device type ``torch.autocast`` accepts ("cpu", "cuda",
+    "xpu", "mps", ...), else raise ValueError naming ``device``."""
+    if device is None:
+        return None
+    ok = isinstance(device, str) and device.isidentifier()  # a type: "cuda", not "cuda:0"
+    if ok:
+        try:
+            torch.autocast(device_type=device, enabled=False)
+        except (RuntimeError, ValueError):
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"`device` must be None or a device type torch.autocast accepts (e.g. 'cpu', 'cuda', 'xpu', 'mps'), "
+            f"got {device!r}"
+        )
+    return device
+
+
+def check_attention_dtype(attention_dtype: object) -> Optional[str]:
+    """Return ``attention_dtype`` if it is one of :data:`ATTENTION_DTYPES`, else raise ValueError."""
+    if not (attention_dtype is None or isinstance(attention_dtype, str)) or attention_dtype not in ATTENTION_DTYPES:
+        raise ValueError(f"`attention_dtype` must be one of {tuple(ATTENTION_DTYPES)}, got {attention_dtype!r}")
+    return attention_dtype
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool, got {value!r}")
+    return value
+
+
+def _rebuild(root: type, base: type, state: dict) -> Any:
+    plugin = object.__new__(root._gproj_class(base))
+    plugin.__dict__.update(state)
+    return plugin
+
+
+class GProjFabricPlugin(fabric_precision.Precision):
+    """Fabric precision plugin: GProj attention (:func:`lightning_gproj.ops.gproj_attn_func`) plus a base precision.
+
+    Args:
+        precision: the base precision, one of :data:`PRECISIONS` (default ``"bf16-mixed"``).
+        fix: ``"gproj"`` (P-weighted projection, default), ``"none"`` (same kernel, no correction:
+            the A/B baseline) or ``"gproj_uniform"``.
+        include: glob pattern(s) over module paths selecting where attention is swapped (a match
+            selects the module's subtree); None selects the whole model.
+        exclude: glob pattern(s) whose modules (and subtrees) keep their attention.
+        catch_all: also catch SDPA calls outside detected modules (see
+            :func:`~lightning_gproj.swap.swap_attention`; costs a Python hop per torch call).
+        strict: a call a swapped module cannot serve exactly (attention dropout while training,
+            ``need_weights=True``, left padding, ...) raises
+            :class:`~lightning_gproj.swap.GProjFallbackError` instead of running the original
+            attention with one warning.
+        base: the Lightning precision class to derive from, e.g. ``FSDPPrecision`` under
+            ``FSDPStrategy`` or ``DeepSpeedPrecision`` under DeepSpeed. Default: from ``precision``
+            (``MixedPrecision``, ``HalfPrecision``, ``Precision`` or ``DoublePrecision``). Fabric's
+            classes here (``lightning.fabric.plugins.precision``), the Trainer's for
+            :class:`~lightning_gproj.GProjPlugin`.
+        device: ``torch.autocast`` device for ``MixedPrecision``. Default None: the device type of
+            the converted module's parameters at each forward (the accelerator's); before
+            conversion (and for the ``"16-mixed"`` grad scaler) ``"cuda"`` if available, else ``"cpu"``.
+        attention_dtype: None (default: swapped attention runs the op with ``fix``) or ``"fp32"``: every
+            swapped module runs its attention as fp32 SDPA (q, k, v cast up, output cast back; the
+            monitors' "fp32" remediation, :attr:`Site.compute_dtype`) while the rest of the model
+            keeps the base precision: the fp32-attention arm of an A/B/C comparison.
+        **base_kwargs: further arguments for the base class's constructor (e.g. ``scaler``).
+
+    The instance is a ``GProjFabric<Base>`` (e.g. ``GProjFabricMixedPrecision``): both
+    ``isinstance(plugin, GProjFabricPlugin)`` and ``isinstance(plugin, base)`` hold. After
+    ``fabric.setup(model)``, :attr:`report` holds the :class:`~lightning_gproj.swap.SwapReport`, whose
+    ``sites`` count the calls each module served and those that fell back;
+    :meth:`calls_summary` renders them. The first optimizer step warns (:class:`GProjFallbackWarning`)
+    when a swapped module served none of that step's calls.
 
     Raises:
-        ValueError: unknown ``precision`` or ``fix``, or a ``precision`` the base does not take.
-        TypeError: ``base`` is not a Fabric ``Precision`` subclass; bad ``include``/``exclude``.
+        ValueError: unknown ``precision``, ``fix`` or ``attention_dtype``, a bad ``device``, or a
+            ``precision`` the base does not take.
+        TypeError: ``base`` is not a Fabric ``Precision`` subclass (a Trainer precision is refused:
+            use :class:`~lightning_gproj.GProjPlugin` with the Trainer); bad ``include``/``exclude``;
+            ``catch_all``/``strict`` not bools.
+
+    Example::
+
+        fabric = Fabric(plugins=[GProjFabricPlugin("bf16-mixed", fix="gproj")])
     """
 
-    _gproj_base: type = Precision
-    _gproj_refuse = ((TrainerPrecision, "is a Trainer precision plugin; use lightning_gproj.GProjPlugin with the Trainer"),)
+    #: Lightning's precision module this front door derives from (the Trainer's for GProjPlugin).
+    _gproj_lightning = fabric_precision
+    #: Prefix of the derived classes' names: GProjFabric<Base>.
+    _gproj_prefix = "GProjFabric"
+    #: How users reach this front door, and the other one (for messages and str()).
+    _gproj_door = "Fabric(plugins=[...])"
+    _gproj_other = "Trainer(plugins=[...]) takes lightning_gproj.GProjPlugin"
+    #: Base classes refused, with the advice given: Trainer precisions derive from Fabric's.
+    _gproj_refuse: tuple = ((TrainerPrecision, "is a Trainer precision plugin; use lightning_gproj.GProjPlugin with the Trainer"),)
+    _gproj_base: type = fabric_precision.Precision
+    #: Rank-zero info of this front door's Lightning package (its logger prints to the console).
+    _gproj_info = staticmethod(rank_zero_info)
 
     # The same parameters as __init__, spelled out: LightningCLI/jsonargparse read a class's
     # signature from __new__ when it defines one, and would otherwise refuse `precision`, `fix`, ...
@@ -61,41 +176,229 @@ class GProjFabricPlugin(Precision):
         cls,
         precision: str = "bf16-mixed",
         fix: str = "gproj",
-        include: Union[None, str, Sequence[str]] = None,
-        exclude: Union[None, str, Sequence[str]] = None,
+        include: Patterns = None,
+        exclude: Patterns = None,
         catch_all: bool = False,
+        strict: bool = False,
         base: Optional[type] = None,
         device: Optional[str] = None,
+        attention_dtype: Optional[str] = None,
         **base_kwargs: Any,
     ) -> "GProjFabricPlugin":
-        return super().__new__(_plugin._new(cls, GProjFabricPlugin, PRECISIONS, (), {"precision": precision}, base))
+        if base is None and cls is cls._gproj_root():
+            base = getattr(cls._gproj_lightning, PRECISIONS[check_precision(precision)])
+        return super().__new__(cls._gproj_class(base))
 
     def __init__(
         self,
         precision: str = "bf16-mixed",
         fix: str = "gproj",
-        include: Union[None, str, Sequence[str]] = None,
-        exclude: Union[None, str, Sequence[str]] = None,
+        include: Patterns = None,
+        exclude: Patterns = None,
         catch_all: bool = False,
+        strict: bool = False,
         base: Optional[type] = None,
         device: Optional[str] = None,
+        attention_dtype: Optional[str] = None,
         **base_kwargs: Any,
     ) -> None:
-        self.report: Optional[SwapReport]
-        _plugin._init(self, MixedPrecision, PRECISIONS, precision, fix, include, exclude, catch_all, device, base_kwargs)
+        check_precision(precision)
+        check_device(device)
+        self.attention_dtype = check_attention_dtype(attention_dtype)
+        self._gproj_init(fix, include, exclude, catch_all, strict)
+        base_cls = self._gproj_base
+        if issubclass(base_cls, self._gproj_lightning.MixedPrecision):
+            self._gproj_follow_device = device is None
+            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            base_cls.__init__(self, precision, device, **base_kwargs)
+        elif "precision" in inspect.signature(base_cls.__init__).parameters:
+            base_cls.__init__(self, precision, **base_kwargs)
+        else:
+            base_cls.__init__(self, **base_kwargs)
+        if getattr(self, "precision", None) != precision:
+            raise ValueError(
+                f"`precision={precision!r}` is not what the base {base_cls.__name__} runs "
+                f"({getattr(self, 'precision', None)!r}); pick a matching `precision` or `base`"
+            )
+
+    def _gproj_init(self, fix: str, include: Patterns, exclude: Patterns, catch_all: bool, strict: bool) -> None:
+        """The GProj settings and run state (the base's own state is set by its constructor)."""
+        self.fix = check_fix(fix)
+        self.include = check_patterns("include", include)
+        self.exclude = check_patterns("exclude", exclude)
+        self.catch_all = _check_bool("catch_all", catch_all)
+        self.strict = _check_bool("strict", strict)
+        self.report: Optional[SwapReport] = None
+        # served / fallback counts per site when the first training forward began (see forward_context)
+        self._gproj_counts: Optional[dict[str, tuple[int, int]]] = None
+        self._gproj_stepped = False
+
+    # ------------------------------------------------------------------ classes
+
+    @classmethod
+    def _gproj_root(cls) -> type:
+        """The front door ``cls`` derives from (GProjFabricPlugin or GProjPlugin)."""
+        return next(c for c in cls.__mro__ if "_gproj_lightning" in vars(c))
+
+    @classmethod
+    def _gproj_class(cls, base: Optional[type]) -> type:
+        """The cached ``<prefix><Base>`` class deriving from this front door and ``base`` (None:
+        ``cls`` itself, when it already is one)."""
+        root = cls._gproj_root()
+        if base is None:
+            return cls
+        lightning_base = root._gproj_lightning.Precision
+        if not (isinstance(base, type) and issubclass(base, lightning_base)):
+            raise TypeError(
+                f"`base` must be a subclass of {root._gproj_lightning.__name__}.Precision (e.g. FSDPPrecision), "
+                f"got {base!r}"
+            )
+        for refused, advice in root._gproj_refuse:
+            if issubclass(base, refused):
+                raise TypeError(f"`base` {base.__name__} {advice}")
+        if issubclass(base, root):
+            base = base._gproj_base
+        if (root, base) not in _CLASSES:
+            _CLASSES[root, base] = type(
+                f"{root._gproj_prefix}{base.__name__}",
+                (root, base),
+                {"__module__": root.__module__, "_gproj_base": base,
+                 "__doc__": f"{root.__name__} over {base.__module__}.{base.__qualname__}."},
+            )
+        return _CLASSES[root, base]
+
+    @classmethod
+    def from_precision(
+        cls,
+        plugin: fabric_precision.Precision,
+        fix: str = "gproj",
+        include: Patterns = None,
+        exclude: Patterns = None,
+        catch_all: bool = False,
+        strict: bool = False,
+    ) -> "GProjFabricPlugin":
+        """Wrap an already configured precision plugin (e.g. ``FSDPPrecision("bf16-mixed")`` with
+        its scaler) without re-running its constructor: the result is a ``<prefix><type(plugin)>``
+        sharing the plugin's state (a shallow copy of its attributes)."""
+        root = cls._gproj_root()
+        if not isinstance(plugin, root._gproj_lightning.Precision):
+            raise TypeError(
+                f"`plugin` must be a {root._gproj_lightning.__name__}.Precision instance, got {type(plugin).__name__}"
+            )
+        base = plugin._gproj_base if isinstance(plugin, root) else type(plugin)
+        new = object.__new__(root._gproj_class(base))
+        new.__dict__.update(plugin.__dict__)
+        new.attention_dtype = getattr(plugin, "attention_dtype", None)
+        new._gproj_init(fix, include, exclude, catch_all, strict)
+        return new
+
+    # ------------------------------------------------------------------ Lightning hooks
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Swap the attention of ``module`` in place, print the swap table on rank zero, then let the
-        base precision convert the module. Idempotent."""
-        _plugin._convert(self, module)
+        """Swap the attention of ``module`` in place (see :func:`~lightning_gproj.swap.swap_attention`),
+        print the swap table on rank zero, then let the base precision convert the module.
+        Idempotent: a second call never double-wraps, and prints nothing for a module it converted before."""
+        self.report = swap_attention(
+            module, fix=self.fix, include=self.include, exclude=self.exclude, catch_all=self.catch_all,
+            strict=self.strict,
+        )
+        dtype = ATTENTION_DTYPES[self.attention_dtype]
+        if dtype is not None:  # every swapped site runs SDPA in fp32 (Site.compute_dtype), `fix` unused
+            for site in self.report.sites.values():
+                site.compute_dtype = dtype
+        ref = self.__dict__.get("_gproj_module")
+        if ref is None or ref() is not module:  # a re-conversion (validate, then fit) repeats nothing
+            self._gproj_info(self.report.table())
+        self._gproj_module = weakref.ref(module)
         return super().convert_module(module)
 
     def forward_context(self) -> Any:
-        _plugin._follow_device(self)
+        self._gproj_follow()
+        if self._gproj_counts is None and self.report is not None and torch.is_grad_enabled():
+            # the first training forward: what the first optimizer step's check compares against
+            self._gproj_counts = {p: (s.served, s.fallback_count) for p, s in self.report.sites.items()}
         return super().forward_context()
 
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        # After the step: the Trainer runs the training step's forward inside it (the closure).
+        out = super().optimizer_step(*args, **kwargs)
+        if not self._gproj_stepped:
+            self._gproj_stepped = True
+            self._gproj_check_first_step()
+        return out
+
+    def teardown(self) -> None:
+        if self._gproj_summary_due():
+            self._gproj_report_calls()
+        super().teardown()
+
+    # ------------------------------------------------------------------ GProj state
+
+    def _gproj_follow(self) -> None:
+        """With ``device=None``: autocast where the converted module's parameters are."""
+        ref = self.__dict__.get("_gproj_module")
+        if not self.__dict__.get("_gproj_follow_device") or ref is None:
+            return
+        module = ref()
+        param = next(module.parameters(), None) if module is not None else None
+        if param is not None and param.device.type != self.device:
+            self.device = param.device.type
+
+    def _gproj_check_first_step(self) -> None:
+        """Warn when a swapped module fell back on every call of the first training step."""
+        if self.report is None:
+            return
+        before = self._gproj_counts or {}
+        idle = []
+        for path, site in self.report.sites.items():
+            served0, fell0 = before.get(path, (0, 0))
+            if not site.keep and site.served == served0 and site.fallback_count > fell0:
+                idle.append(f"{display_path(path)} ({'; '.join(site.fallbacks)})")
+        if idle:
+            rank_zero_warn(
+                f"GProj: {len(idle)} of {len(self.report.swapped)} swapped attention modules served none of their "
+                f"calls in the first training step, which ran their original attention: {', '.join(idle)}. "
+                f"Remove the cause (e.g. attention dropout 0, need_weights=False) to train with GProj, or pass "
+                f"strict=True to make any fallback an error.",
+                category=GProjFallbackWarning,
+            )
+
+    def calls_summary(self) -> str:
+        """The calls each swapped module served and those that fell back (:meth:`SwapReport.calls_table`);
+        empty before ``convert_module``."""
+        return self.report.calls_table() if self.report is not None else ""
+
+    def _gproj_summary_due(self) -> bool:
+        """Whether ``teardown`` reports the calls (the Trainer plugin: after ``fit`` only)."""
+        return True
+
+    def _gproj_metrics(self) -> dict[str, float]:
+        """``gproj_calls/{module}/served`` and ``.../fallbacks`` for every swapped module."""
+        out: dict[str, float] = {}
+        for path, site in (self.report.sites.items() if self.report is not None else ()):
+            if not site.keep:
+                out[f"gproj_calls/{display_path(path)}/served"] = float(site.served)
+                out[f"gproj_calls/{display_path(path)}/fallbacks"] = float(site.fallback_count)
+        return out
+
+    def _gproj_report_calls(self) -> None:
+        """Print the calls summary on rank zero (Fabric has no logger to hand it to)."""
+        summary = self.calls_summary()
+        if summary:
+            self._gproj_info(summary)
+
     def __reduce__(self) -> tuple:
-        return _plugin._rebuild, (self._gproj_base, _plugin._state(self), GProjFabricPlugin)
+        # the <prefix><Base> classes are made at run time: pickle (ddp_spawn, deepcopy) by base + state;
+        # weak references (the module, the trainer) do not pickle, and a copy has neither yet
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_gproj_module", "_gproj_trainer")}
+        return _rebuild, (self._gproj_root(), self._gproj_base, state)
 
     def __repr__(self) -> str:
-        return _plugin._repr(self)
+        return (
+            f"{type(self).__name__}(precision={getattr(self, 'precision', None)!r}, fix={self.fix!r}, "
+            f"include={self.include!r}, exclude={self.exclude!r})"
+        )
+
+    def __str__(self) -> str:
+        # Lightning names a refused plugin by str(): say which front door this is and where the other is.
+        return f"{self!r} (the {self._gproj_door} plugin; {self._gproj_other})"

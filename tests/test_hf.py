@@ -14,6 +14,7 @@ itself with the same arguments, so their results are compared bitwise.
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 
 import lightning as L
@@ -175,8 +176,8 @@ def test_training_dropout_falls_back(op_spy):
     model = transformers.LlamaForCausalLM(config).train()
     swapped = copy.deepcopy(model)
     report = swap_attention(swapped)
-    assert report.rows[0].reason.startswith("attention dropout p=0.3: falls back while training; ")
-    assert "attention dropout p=0.3: falls back while training" in report.table()
+    assert report.rows[0].reason.startswith(
+        "attention dropout p=0.3: every training call runs the original (set it to 0 to train with GProj); ")
     ids = _inputs("llama")["input_ids"]
     with pytest.warns(GProjFallbackWarning, match=r"model.layers.0.self_attn \(LlamaAttention\).*dropout=0.3"):
         torch.manual_seed(3)
@@ -192,7 +193,7 @@ def test_gpt2_default_attn_pdrop_is_noted_at_swap_time():
     assert config.attn_pdrop == 0.1  # the default
     report = swap_attention(transformers.GPT2LMHeadModel(config))
     assert [r.module_path for r in report.swapped] == ["transformer.h.0.attn", "transformer.h.1.attn"]
-    assert all(r.reason.startswith("attention dropout p=0.1: falls back while training; ") for r in report.rows)
+    assert all(r.reason.startswith("attention dropout p=0.1: every training call runs the original") for r in report.rows)
     config.attn_pdrop = 0.0
     report = swap_attention(transformers.GPT2LMHeadModel(config))
     assert len(report.swapped) == 2 and not any("attention dropout" in r.reason for r in report.rows)
@@ -270,7 +271,10 @@ class LitLlama(L.LightningModule):
 
 
 def _fit(tmp_path, **kwargs):
-    module = LitLlama()
+    return _fit_module(LitLlama(), tmp_path, **kwargs)
+
+
+def _fit_module(module, tmp_path, **kwargs):
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, **kwargs)
     trainer.fit(module)
@@ -292,3 +296,41 @@ def test_trainer_fit_with_plugin_matches_plain_run(precision, tol, autocast, op_
     expected = (torch.float32, torch.float32, torch.bfloat16) if autocast else (torch.float32,) * 3
     assert all(c["autocast"] is autocast and c["dtypes"] == expected for c in op_spy.calls)
     assert [r.module_path for r in plugin.report.swapped] == ["model.model.layers.0.self_attn", "model.model.layers.1.self_attn"]
+
+
+class LitGPT2(LitLlama):
+    """GPT-2 with transformers' default attn_pdrop=0.1: every training call of its attention drops out."""
+
+    def __init__(self):
+        L.LightningModule.__init__(self)
+        torch.manual_seed(0)
+        self.model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4))
+        self.losses = []
+
+
+def test_gpt2_with_default_dropout_is_reported_as_never_served(tmp_path, op_spy):
+    """The issue's case: "2 swapped", yet every training call falls back (dropout). The swap table's
+    notes fit in 100 columns and carry no catch_all footer; the first optimizer step warns; the calls
+    summary after fit says the run used the original attention."""
+    plugin = GProjPlugin("32-true")
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.extend(record.getMessage().splitlines())
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addHandler(handler)
+    try:
+        with pytest.warns(GProjFallbackWarning, match=r"2 of 2 swapped attention modules served none of their calls"):
+            _fit_module(LitGPT2(), tmp_path, plugins=[plugin])
+    finally:
+        logger.removeHandler(handler)
+    table = plugin.report.table().splitlines()
+    assert table[0] == "GProj attention swap (fix='gproj'): 2 swapped, 0 left alone"
+    notes = [line for line in table[3:] if line.startswith("    ")]
+    assert notes and all(len(line) <= 100 for line in notes)
+    note = " ".join(line.strip() for line in notes[: len(notes) // 2])
+    assert note == plugin.report.rows[0].reason
+    assert not any("catch_all" in line for line in table)
+    assert "GProj attention calls (fix='gproj'): 2 swapped modules, 2 served no call (the run used their original attention)" in lines
+    assert "model.transformer.h.0.attn | 0      | 3" in lines
+    assert op_spy.calls == []

@@ -10,8 +10,10 @@ per rounding) at different points of the attention, so losses agree to 2e-2 rela
 from __future__ import annotations
 
 import copy
+import csv
 import logging
 import pickle
+import warnings
 
 import lightning as L
 import pytest
@@ -23,7 +25,9 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from _attention_models import TinyModel, op_spy  # noqa: F401 (fixture)
+from lightning_gproj.fabric import GProjFabricPlugin
 from lightning_gproj.plugin import GProjPlugin
+from lightning_gproj.swap import GProjFallbackError, GProjFallbackWarning
 from lightning_gproj.swap.mha import GProjMultiheadAttention
 
 
@@ -56,6 +60,13 @@ class LitTiny(L.LightningModule):
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
         return DataLoader(TensorDataset(torch.randint(0, 11, (20, 9), generator=g)), batch_size=4)
+
+
+def _attached(module: L.LightningModule) -> L.LightningModule:
+    """``module`` attached to a Trainer, as the Trainer's strategy hands it to ``convert_module``."""
+    module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                               enable_progress_bar=False, enable_model_summary=False)
+    return module
 
 
 def _fit(plugin=None, precision="32-true", tmp_path=None, steps=5, checkpointing=False):
@@ -137,23 +148,24 @@ def test_convert_module_reports_is_idempotent_and_converts(op_spy):
         def emit(self, record):
             records.append(record.getMessage())
 
+    lit = _attached(LitTiny())
+    model = lit.model
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     handler = Grab(level=logging.INFO)
     logger.addHandler(handler)
     try:
-        model = TinyModel()
-        plugin = GProjPlugin("bf16-true", fix="none", exclude="blocks.1*")
+        plugin = GProjPlugin("bf16-true", fix="none", exclude="model.blocks.1*")
         assert isinstance(plugin, HalfPrecision)
-        out = plugin.convert_module(model)
-        assert out is model and model.head.weight.dtype == torch.bfloat16  # the base converted
-        assert plugin.convert_module(model) is model
+        out = plugin.convert_module(lit)
+        assert out is lit and model.head.weight.dtype == torch.bfloat16  # the base converted
+        assert plugin.convert_module(lit) is lit  # a second conversion prints nothing
     finally:
         logger.removeHandler(handler)
-    assert len(records) == 2
+    assert len(records) == 1
     assert "GProj attention swap (fix='none'): 1 swapped, 1 left alone" in records[0]
-    assert "blocks.0.attn | SDPAAttention: F.scaled_dot_product_attention | gproj_attn_func(fix='none')" in records[0]
-    assert "blocks.1.attn | nn.MultiheadAttention" in records[0] and "excluded by pattern 'blocks.1*'" in records[0]
-    assert "already swapped" in records[1]
+    assert "model.blocks.0.attn | SDPAAttention: F.scaled_dot_product_attention | gproj_attn_func(fix='none')" in records[0]
+    assert "model.blocks.1.attn | nn.MultiheadAttention" in records[0]
+    assert "excluded by pattern 'model.blocks.1*'" in records[0]
     assert model.blocks[0].attn.forward.original is None and type(model.blocks[1].attn) is nn.MultiheadAttention
 
 
@@ -170,9 +182,9 @@ def test_fsdp_strategy_accepts_a_plugin_built_on_fsdp_precision(op_spy):
     # strategy's setup calls precision_plugin.convert_module before wrapping the model, as tested below.
     with pytest.raises(ValueError, match="requires a GPU accelerator"):
         L.Trainer(accelerator="cpu", devices=1, strategy=FSDPStrategy(), plugins=[plugin])
-    model = TinyModel()
-    assert plugin.convert_module(model) is model
-    assert isinstance(model.blocks[1].attn, GProjMultiheadAttention)
+    lit = _attached(LitTiny())
+    assert plugin.convert_module(lit) is lit
+    assert isinstance(lit.model.blocks[1].attn, GProjMultiheadAttention)
 
     deepspeed = GProjPlugin("bf16-mixed", base=DeepSpeedPrecision)  # the strategy itself needs deepspeed
     assert isinstance(deepspeed, DeepSpeedPrecision) and type(deepspeed).__name__ == "GProjDeepSpeedPrecision"
@@ -188,7 +200,7 @@ def test_plugin_pickles_and_names_its_base():
     clone = pickle.loads(pickle.dumps(plugin))
     assert type(clone) is type(plugin) and clone.include == ("blocks.0",) and clone.precision == "16-mixed"
     assert type(copy.deepcopy(plugin)) is type(plugin)
-    assert type(GProjPlugin("32-true")).__mro__[1:3] == (GProjPlugin, Precision)
+    assert type(GProjPlugin("32-true")).__mro__[1:4] == (GProjPlugin, GProjFabricPlugin, Precision)
     assert repr(GProjPlugin("32-true", fix="none")) == (
         "GProjPrecision(precision='32-true', fix='none', include=None, exclude=None)")
 
@@ -232,3 +244,84 @@ def test_attention_dtype_fp32_runs_swapped_attention_in_fp32_under_bf16_mixed(op
     assert swapped.losses[-1] < swapped.losses[0]
     with pytest.raises(ValueError, match=r"`attention_dtype` must be one of \(None, 'fp32'\)"):
         GProjPlugin(attention_dtype="bf16")
+
+
+class LitWeightsMHA(L.LightningModule):
+    """nn.MultiheadAttention called with PyTorch's default need_weights=True: every call falls back."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 32)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.head = nn.Linear(32, 11)
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        x = self.emb(tokens)
+        x = x + self.attn(x, x, x)[0]  # need_weights defaults to True
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), tokens.flatten())
+
+    configure_optimizers = LitTiny.configure_optimizers
+    train_dataloader = LitTiny.train_dataloader
+
+
+def _fit_logged(module, plugin, tmp_path, steps=3):
+    """Fit with a CSVLogger; returns (info messages, the last row of metrics.csv)."""
+    records: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    handler = Grab(level=logging.INFO)
+    logger.addHandler(handler)
+    try:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=steps, logger=L.pytorch.loggers.CSVLogger(tmp_path, name="run"),
+            log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            plugins=[plugin],
+        )
+        trainer.fit(module)
+    finally:
+        logger.removeHandler(handler)
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    return records, {k: v for row in rows for k, v in row.items() if v != ""}
+
+
+def test_fallback_on_every_call_is_reported_at_the_first_step_and_after_fit(tmp_path):
+    """need_weights=True: the swap reports the module swapped, but no call runs the op. The first
+    optimizer step warns, and after fit the calls summary says so and is logged to the loggers."""
+    with pytest.warns(GProjFallbackWarning, match=r"1 of 1 swapped attention modules served none of their calls in the "
+                                                   r"first training step.*attn \(need_weights=True"):
+        records, metrics = _fit_logged(LitWeightsMHA(), GProjPlugin("32-true"), tmp_path)
+    summary = next(r for r in records if r.startswith("GProj attention calls"))
+    assert summary.startswith("GProj attention calls (fix='gproj'): 1 swapped module, 1 served no call")
+    assert "attn   | 0      | 3" in summary and "need_weights=True" in summary
+    assert float(metrics["gproj_calls/attn/served"]) == 0 and float(metrics["gproj_calls/attn/fallbacks"]) == 3
+
+
+def test_served_calls_are_summarized_without_a_warning(tmp_path, op_spy):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        records, metrics = _fit_logged(LitTiny(), GProjPlugin("32-true"), tmp_path)
+    summary = next(r for r in records if r.startswith("GProj attention calls"))
+    assert summary.splitlines()[0] == "GProj attention calls (fix='gproj'): 2 swapped modules"
+    assert "model.blocks.0.attn | 3      | 0" in summary and "model.blocks.1.attn | 3      | 0" in summary
+    assert float(metrics["gproj_calls/model.blocks.0.attn/served"]) == 3
+    assert float(metrics["gproj_calls/model.blocks.1.attn/fallbacks"]) == 0
+
+
+def test_strict_raises_on_the_first_fallback(tmp_path):
+    with pytest.raises(GProjFallbackError, match=r"attn \(nn.MultiheadAttention\) cannot serve this call exactly: "
+                                                 r"need_weights=True"):
+        _fit_logged(LitWeightsMHA(), GProjPlugin("32-true", strict=True), tmp_path)
+
+
+def test_fabric_plugin_in_a_trainer_is_refused_naming_the_trainer_plugin():
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException, match=r"GProjFabricMixedPrecision\(.*lightning_gproj\.GProjPlugin"):
+        L.Trainer(accelerator="cpu", devices=1, plugins=[GProjFabricPlugin("bf16-mixed")])

@@ -10,17 +10,40 @@ Parameter names never change, so state_dicts and checkpoints stay interchangeabl
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 from torch import nn
 
 from . import flash_attn, hf, mha, sdpa
-from ._common import FIXES, GProjFallbackWarning, Site, SwapRow, check_fix, check_patterns, display_path, selection_reason
+from ._common import (
+    FIXES, GProjFallbackError, GProjFallbackWarning, Site, SwapRow, check_fix, check_patterns, display_path,
+    selection_reason,
+)
 
-__all__ = ["FIXES", "GProjFallbackWarning", "SwapReport", "SwapRow", "swap_attention", "unswap_attention"]
+__all__ = [
+    "FIXES", "GProjFallbackError", "GProjFallbackWarning", "SwapReport", "SwapRow", "swap_attention", "unswap_attention",
+]
 
 Patterns = Union[None, str, Sequence[str]]
+
+#: Width the notes of :meth:`SwapReport.table` and :meth:`SwapReport.calls_table` are wrapped to.
+WIDTH = 100
+_NOTE_INDENT = "    "
+
+
+def _columns(header: tuple[str, ...], rows: list[tuple[str, ...]], notes: list[str]) -> list[str]:
+    """A " | "-separated table, each row followed by its note (if any) wrapped to :data:`WIDTH` columns
+    and indented, so a long note never widens the table."""
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    fmt = " | ".join(f"{{:<{w}}}" for w in widths)
+    out = [fmt.format(*header).rstrip(), "-+-".join("-" * w for w in widths)]
+    for row, note in zip(rows, notes):
+        out.append(fmt.format(*row).rstrip())
+        if note:
+            out.extend(textwrap.wrap(note, WIDTH, initial_indent=_NOTE_INDENT, subsequent_indent=_NOTE_INDENT))
+    return out
 
 
 @dataclass
@@ -35,6 +58,9 @@ class SwapReport:
     catch_all: bool = False
     rows: list[SwapRow] = field(default_factory=list)
     sites: dict[str, Site] = field(default_factory=dict)
+    #: True when a ``transformers`` model was found (its attention goes through the registry, so the
+    #: note about SDPA calls from helpers does not apply).
+    registry: bool = False
 
     @property
     def swapped(self) -> list[SwapRow]:
@@ -54,23 +80,41 @@ class SwapReport:
         )
 
     def table(self) -> str:
-        """A plain-text table: module path | original | replacement (or "left alone") | note; one line
-        when every row is "already swapped" (a re-conversion of a converted model; see ``rows``)."""
+        """A plain-text table: module path | original | replacement (or "left alone"), each row
+        followed by its note (why it was left alone, which calls fall back), wrapped to :data:`WIDTH`
+        columns; one line when every row is "already swapped" (a re-conversion of a converted model;
+        see ``rows``)."""
         if self.reconverted:
             return f"GProj attention swap (fix={self.fix!r}): model already converted ({len(self.rows)} modules)"
-        header = ("module", "original", "replacement", "note")
-        lines = [(display_path(r.module_path), r.original, r.replacement or "left alone", r.reason) for r in self.rows]
-        if not lines:
-            lines = [("-", "no attention found", "-", "no SDPA- or flash_attn_func-calling module, no nn.MultiheadAttention, no transformers model")]
-        widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(4)]
-        fmt = " | ".join(f"{{:<{w}}}" for w in widths)
+        header = ("module", "original", "replacement")
+        rows = [(display_path(r.module_path), r.original, r.replacement or "left alone") for r in self.rows]
+        notes = [r.reason for r in self.rows]
+        if not rows:
+            rows = [("-", "no attention found", "-")]
+            notes = ["no SDPA- or flash_attn_func-calling module, no nn.MultiheadAttention, no transformers model"]
         out = [f"GProj attention swap (fix={self.fix!r}): {len(self.swapped)} swapped, {len(self.left_alone)} left alone"]
-        out.append(fmt.format(*header).rstrip())
-        out.append("-+-".join("-" * w for w in widths))
-        out.extend(fmt.format(*row).rstrip() for row in lines)
-        if not self.catch_all:
-            out.append("SDPA calls made through helpers outside these modules stay as they are (transformers models use their attention registry); catch_all=True serves them")
+        out.extend(_columns(header, rows, notes))
+        if not self.catch_all and not self.registry:
+            out.extend(textwrap.wrap(
+                "SDPA calls made through helpers outside these modules stay as they are; catch_all=True serves them",
+                WIDTH,
+            ))
         return "\n".join(out)
+
+    def calls_table(self) -> str:
+        """Per swapped module: the calls served by the op and those that ran the original code, with
+        the reasons — what the run really used. Empty string when nothing was swapped."""
+        sites = {path: site for path, site in self.sites.items() if not site.keep}
+        if not sites:
+            return ""
+        idle = [p for p, s in sites.items() if s.served == 0 and s.fallback_count > 0]
+        head = f"GProj attention calls (fix={self.fix!r}): {len(sites)} swapped module{'s' if len(sites) != 1 else ''}"
+        if idle:
+            head += f", {len(idle)} served no call (the run used their original attention)"
+        rows = [(display_path(p), str(s.served), str(s.fallback_count)) for p, s in sites.items()]
+        notes = ["fell back: " + "; ".join(f"{reason} ({n}×)" for reason, n in s.fallbacks.items()) if s.fallbacks else ""
+                 for s in sites.values()]
+        return "\n".join([head, *_columns(("module", "served", "fell back"), rows, notes)])
 
     def __str__(self) -> str:
         return self.table()
@@ -82,6 +126,7 @@ def swap_attention(
     include: Patterns = None,
     exclude: Patterns = None,
     catch_all: bool = False,
+    strict: bool = False,
 ) -> SwapReport:
     """Route the attention of ``model`` to :func:`lightning_gproj.ops.gproj_attn_func`, in place.
 
@@ -110,6 +155,8 @@ def swap_attention(
             Python hop on every torch call of the forward (about 7 µs on CPU; none once
             ``torch.compile`` traced it); with activation checkpointing, the recomputation must go
             through a wrapped module's ``forward``.
+        strict: a call a swapped module cannot serve exactly raises
+            :class:`~lightning_gproj.swap.GProjFallbackError` instead of running the original code.
 
     Returns:
         a :class:`SwapReport`. Idempotent: swapping a swapped model re-applies this call's
@@ -117,8 +164,8 @@ def swap_attention(
         :class:`Site` (call counts) and reports "already swapped".
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``, or ``include``/``exclude`` are not None,
-            a string or a sequence of strings.
+        TypeError: ``model`` is not an ``nn.Module``, ``include``/``exclude`` are not None,
+            a string or a sequence of strings, or ``catch_all``/``strict`` are not bools.
         ValueError: ``fix`` is not one of :data:`FIXES`.
     """
     if not isinstance(model, nn.Module):
@@ -128,6 +175,8 @@ def swap_attention(
     exclude = check_patterns("exclude", exclude)
     if not isinstance(catch_all, bool):
         raise TypeError(f"`catch_all` must be a bool, got {catch_all!r}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"`strict` must be a bool, got {strict!r}")
 
     report = SwapReport(fix=fix, catch_all=catch_all)
     replacement = f"gproj_attn_func(fix={fix!r})"
@@ -141,6 +190,7 @@ def swap_attention(
 
     known_flash = flash_attn.originals()
     hf_reasons = _swap_hf_models(modules, not_selected)
+    report.registry = bool(hf_reasons)
 
     for path, module in modules.items():
         reason = not_selected[path]
@@ -178,8 +228,9 @@ def swap_attention(
                 report.rows.append(SwapRow(path, original, None, reason))
                 continue
             report.sites[path] = mha.swap_module(module, path, fix, site=old)
-            calls = "need_weights=True, key_padding_mask other than right padding, non-causal masks"
-            dropout = [f"attention dropout p={module.dropout:g}: falls back while training"] if module.dropout > 0 else []
+            calls = ("need_weights=True (nn.MultiheadAttention's default: pass need_weights=False), key_padding_mask "
+                     "other than right padding, non-causal masks")
+            dropout = [f"attention dropout p={module.dropout:g}: every training call runs the original"] if module.dropout > 0 else []
             notes = again + dropout + [f"calls with {calls} run the original (warns once)"]
             report.rows.append(SwapRow(path, original, f"GProjMultiheadAttention, {replacement}", "; ".join(notes)))
         elif sdpa.calls_sdpa(module):
@@ -192,6 +243,8 @@ def swap_attention(
 
     if catch_all:
         _swap_catch_all(modules, not_selected, fix, report, previous)
+    for site in report.sites.values():
+        site.strict = strict
     return report
 
 

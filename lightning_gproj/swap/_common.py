@@ -26,6 +26,12 @@ class GProjFallbackWarning(UserWarning):
     """
 
 
+class GProjFallbackError(RuntimeError):
+    """A swapped attention module met a call it cannot serve exactly, and its swap was made with
+    ``strict=True`` (``GProjPlugin(strict=True)``, ``swap_attention(..., strict=True)``): raised
+    instead of running the original code, so that no step silently trains without GProj."""
+
+
 class SwapRow(NamedTuple):
     """One line of a :class:`SwapReport`: ``replacement`` is None when the module was left alone."""
 
@@ -146,6 +152,7 @@ class Site:
     calls that ran :func:`gproj_attn_func`.
     ``compute_dtype`` (default None): when set (e.g. ``torch.float32``, the monitors' "fp32"
     remediation), served calls run SDPA in that dtype instead of the op, output cast back.
+    ``strict``: a fallback raises :class:`GProjFallbackError` instead of running the original.
     """
 
     def __init__(self, name: str, kind: str, fix: str, keep: bool = False) -> None:
@@ -153,20 +160,36 @@ class Site:
         self.kind = kind
         self.fix = fix
         self.keep = keep
+        self.strict = False
         self.compute_dtype: Optional[torch.dtype] = None
         self.served = 0
         self.fallbacks: dict[str, int] = {}
         self.warned = False
 
+    @property
+    def fallback_count(self) -> int:
+        """Calls that ran the original code, all reasons together."""
+        return sum(self.fallbacks.values())
+
     def fallback(self, reason: str) -> None:
-        """Record a fallback; warn (:class:`GProjFallbackWarning`) the first time for this module."""
+        """Record a fallback; warn (:class:`GProjFallbackWarning`) the first time for this module.
+
+        Raises:
+            GProjFallbackError: with ``strict`` set, instead of letting the original run.
+        """
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        where = f"GProj: {display_path(self.name)} ({self.kind})"
+        if self.strict:
+            raise GProjFallbackError(
+                f"{where} cannot serve this call exactly: {reason}. strict=True refuses to run the original "
+                f"attention; change the call (or the model's configuration) or swap without strict=True."
+            )
         if not self.warned:
             self.warned = True
             warnings.warn(
-                f"GProj: {display_path(self.name)} ({self.kind}) runs its original attention for this "
-                f"call: {reason}. The result is the original's; further fallbacks of this module are "
-                f"counted, not reported.",
+                f"{where} runs its original attention for this call: {reason}. The result is the "
+                f"original's; further fallbacks of this module are counted, not reported "
+                f"(strict=True raises instead).",
                 GProjFallbackWarning,
                 stacklevel=4,
             )
@@ -211,7 +234,8 @@ class Site:
         return o.transpose(1, 2).to(q.dtype)
 
     def __repr__(self) -> str:
-        return f"Site({self.name!r}, fix={self.fix!r}, served={self.served}, fallbacks={self.fallbacks})"
+        return (f"Site({self.name!r}, fix={self.fix!r}, served={self.served}, fallbacks={self.fallbacks}, "
+                f"strict={self.strict})")
 
 
 def causal_bool(n_q: int, n_k: int, device: torch.device) -> torch.Tensor:

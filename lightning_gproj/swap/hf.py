@@ -80,7 +80,7 @@ def dropout_p(module: nn.Module) -> float:
 def dropout_note(module: nn.Module) -> Optional[str]:
     """A swap-table note for an attention module with dropout > 0 (every training call falls back)."""
     p = dropout_p(module)
-    return f"attention dropout p={p:g}: falls back while training" if p > 0 else None
+    return f"attention dropout p={p:g}: every training call runs the original (set it to 0 to train with GProj)" if p > 0 else None
 
 
 def register() -> None:

@@ -20,12 +20,17 @@ from torch import Tensor
 from lightning_gproj.kernels import reference
 from lightning_gproj.stats import RECORDER
 
-__all__ = ["gproj_attn_func", "FIXES", "MAX_HEAD_DIM"]
+__all__ = ["gproj_attn_func", "FIXES", "LAYOUTS", "MAX_HEAD_DIM"]
 
 #: Accepted values of ``fix``.
 FIXES = reference.FIXES
 #: Largest head dim accepted (as flash-attn); head dims must also be multiples of 8.
 MAX_HEAD_DIM = 256
+#: Accepted values of ``layout``: flash-attn's (batch, seqlen, nheads, headdim), SDPA's (batch, nheads, seqlen, headdim).
+LAYOUTS = ("bshd", "bhsd")
+#: With ``layout=None``, more query heads than this along dim 2, and fewer positions along dim 1, read as
+#: SDPA-layout input (a warning): no released model has that many heads, many sequences are longer.
+_MAX_PLAUSIBLE_HEADS = 256
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 #: Input dtypes autocast casts to its dtype (as for F.scaled_dot_product_attention).
@@ -247,28 +252,47 @@ def _check_tensors(q: object, k: object, v: object) -> None:
             raise TypeError(f"{name} must be a bf16, fp16, fp32 or fp64 tensor, got {x.dtype}")
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, compute_dtype: Optional[torch.dtype]) -> None:
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, compute_dtype: Optional[torch.dtype], layout: Optional[str]) -> None:
+    """Shapes, dtypes and devices of q, k, v in the op layout (batch, seqlen, nheads, headdim); the
+    shape errors say how the inputs were read (``layout``) and shapes are shown as read."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4:
             raise ValueError(f"{name} must be 4-D (batch, seqlen, nheads, headdim), got shape {tuple(x.shape)}")
+    if layout == "bhsd":
+        reading = "shapes shown as (batch, seqlen, nheads, headdim), read from layout='bhsd' inputs"
+    else:
+        reading = ("inputs read as (batch, seqlen, nheads, headdim); for (batch, nheads, seqlen, headdim) "
+                   "tensors pass layout='bhsd'")
     if compute_dtype is None and not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
     batch, nq, nheads, d = q.shape
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (batch, seqlen_k, nheads_k, headdim), got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)} ({reading})")
     if k.shape[0] != batch:
         raise ValueError(f"k and v must have q's batch size {batch}, got {k.shape[0]}")
     if k.shape[-1] != d:
         raise ValueError(f"k and v must have q's head dim {d}, got {k.shape[-1]}")
     nheads_k = k.shape[2]
     if nheads_k == 0 or nheads % nheads_k != 0:
-        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k/v's nheads ({nheads_k}) (GQA/MQA)")
+        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k/v's nheads ({nheads_k}) (GQA/MQA; {reading})")
     if d % 8 != 0 or not 8 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"headdim must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {d}")
     if nq == 0 or k.shape[1] == 0 or batch == 0 or nheads == 0:
         raise ValueError(f"q, k, v must be non-empty, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+
+
+def _warn_if_sdpa_layout(q: Tensor) -> None:
+    """Warn once when q, read as (batch, seqlen, nheads, headdim), has implausibly many heads and
+    fewer positions: the signature of an SDPA-layout tensor (see :func:`gproj_attn_func`, ``layout``)."""
+    seqlen, nheads = q.shape[1], q.shape[2]
+    if nheads > _MAX_PLAUSIBLE_HEADS and seqlen < nheads:
+        _warn_once(
+            f"gproj_attn_func: q of shape {tuple(q.shape)} read as (batch, seqlen, nheads, headdim) has {nheads} "
+            f"heads and {seqlen} positions; if it is (batch, nheads, seqlen, headdim) (SDPA's layout) pass "
+            f"layout='bhsd' or q.transpose(1, 2), else pass layout='bshd' to state it."
+        )
 
 
 def _check_seqlens_k(seqlens_k: object, q: Tensor, k: Tensor) -> Tensor:
@@ -300,13 +324,16 @@ def gproj_attn_func(
     dropout_p: float = 0.0,
     stats_name: Optional[str] = None,
     seqlens_k: Optional[Tensor] = None,
+    layout: Optional[str] = None,
 ) -> Tensor:
     """Softmax attention whose backward restores the zero-sum law of dS (GProj, DESIGN.md §4).
 
     Args:
-        q: (batch, seqlen_q, nheads, headdim), the flash-attn layout; any strides.
-        k, v: (batch, seqlen_k, nheads_k, headdim), same dtype and device; ``nheads % nheads_k == 0``
-            (GQA/MQA). headdim a multiple of 8, at most 256.
+        q: (batch, seqlen_q, nheads, headdim), the flash-attn layout (``layout="bhsd"``: (batch, nheads,
+            seqlen_q, headdim), SDPA's); any strides.
+        k, v: (batch, seqlen_k, nheads_k, headdim) (``"bhsd"``: (batch, nheads_k, seqlen_k, headdim)),
+            same dtype and device; ``nheads % nheads_k == 0`` (GQA/MQA). headdim a multiple of 8, at
+            most 256.
         softmax_scale: τ, multiplies q·kᵀ; default ``1 / sqrt(headdim)``.
         causal: bottom-right aligned causal mask as in flash-attn ≥ 2.1: query i sees key j iff
             ``j <= i + seqlen_k - seqlen_q`` (for seqlen_q == seqlen_k the usual lower triangle).
@@ -331,9 +358,17 @@ def gproj_attn_func(
             mask is different: a key hidden from early rows is seen by later ones, so a non-finite
             value there is a non-finite input of the call (it may reach the rows that do not see it,
             as in flash-attn, whose P·V multiplies the zero weight).
+        layout: ``"bshd"`` (batch, seqlen, nheads, headdim), ``"bhsd"`` (batch, nheads, seqlen, headdim:
+            the op transposes, no copy, and returns o in that layout too), or None (default): ``"bshd"``,
+            with one warning when q looks like ``"bhsd"`` (more than 256 "heads" along dim 2 and fewer
+            positions along dim 1). The layout cannot be read off the shapes in general: an SDPA-layout
+            call with equal sequence lengths and a plausible number of heads along dim 2 is a valid
+            flash-layout call too, and runs attention over the wrong axis. What is caught: shapes that
+            contradict the layout (k/v heads that do not divide q's, different k and v shapes,
+            mismatched batch or head dim) raise ValueError naming ``layout``.
 
     Returns:
-        o: (batch, seqlen_q, nheads, headdim), q's dtype.
+        o: (batch, seqlen_q, nheads, headdim) (``"bhsd"``: (batch, nheads, seqlen_q, headdim)), q's dtype.
 
     Dtypes: bf16 / fp16 follow the FA3-class rounding model (DESIGN.md §3) — on CUDA through the Triton
     kernels, elsewhere through the PyTorch reference. fp32 and fp64 run the reference in that dtype with
@@ -353,9 +388,16 @@ def gproj_attn_func(
         ValueError: wrong rank, mismatched batch / seqlen_k / heads / head dim, unsupported head dim,
             different devices, empty inputs, ``dropout_p != 0``, unknown ``fix``, bad ``softmax_scale``;
             ``seqlens_k`` not of shape (batch,), not on q's device, or with a value outside
-            [1, seqlen_k].
+            [1, seqlen_k]; ``layout`` not one of :data:`LAYOUTS` or None.
     """
     _check_tensors(q, k, v)
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"layout must be None or one of {LAYOUTS}, got {layout!r}")
+    if layout == "bhsd":
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.dim() != 4:
+                raise ValueError(f"{name} must be 4-D (batch, nheads, seqlen, headdim), got shape {tuple(x.shape)}")
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     device_type = q.device.type
     compute_dtype = None
     if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
@@ -369,7 +411,9 @@ def gproj_attn_func(
                 f"q, k, v must share one dtype after autocast casts fp16/bf16/fp32 inputs to {autocast_dtype}; "
                 f"got q {q.dtype}, k {k.dtype}, v {v.dtype} (fp64 inputs are not cast)"
             )
-    _check_inputs(q, k, v, compute_dtype)
+    _check_inputs(q, k, v, compute_dtype, layout)
+    if layout is None:
+        _warn_if_sdpa_layout(q)
     if fix not in FIXES:
         raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
     if dropout_p != 0.0:
@@ -393,4 +437,4 @@ def gproj_attn_func(
         o, _, _ = _attn_fwd(
             q, k, v, float(softmax_scale), causal, fix, stats_name or "attention", seqlens_k, compute_dtype
         )
-    return o
+    return o.transpose(1, 2) if layout == "bhsd" else o

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -275,3 +276,39 @@ def test_autocast_dtypes_follow_sdpa(dtypes):
     assert (o.transpose(1, 2).double() - ref.double()).norm() <= 2e-2 * ref.double().norm()
     grads = torch.autograd.grad(o.float().sum(), (q, k, v))
     assert [g.dtype for g in grads] == list(dtypes)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_layout_bhsd_equals_transposed_bshd(causal):
+    """layout="bhsd" takes SDPA's (batch, nheads, seqlen, headdim) and returns o in it: the same numbers
+    as the flash layout on the transposed tensors, gradients included (GQA, Nq != Nk)."""
+    torch.manual_seed(8)
+    q = torch.randn(2, 4, 6, 16, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 9, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    o = gproj_attn_func(q, k, v, causal=causal, layout="bhsd")
+    assert o.shape == (2, 4, 6, 16)
+    ref = gproj_attn_func(*(x.transpose(1, 2) for x in (q, k, v)), causal=causal).transpose(1, 2)
+    assert torch.equal(o, ref)
+    do = torch.randn_like(o)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(o, (q, k, v), do),
+                                                 torch.autograd.grad(ref, (q, k, v), do)))
+
+
+def test_sdpa_layout_in_the_flash_layout_is_caught_where_the_shapes_tell():
+    """What can be caught: SDPA-layout cross-attention (Nq = 6, Nk = 9 read as head counts) raises,
+    naming layout='bhsd'; SDPA-layout tensors with more than 256 "heads" along dim 2 and fewer
+    positions along dim 1 warn; layout="bshd" states the layout and silences the warning."""
+    q = torch.randn(1, 4, 6, 16)
+    k = v = torch.randn(1, 4, 9, 16)
+    with pytest.raises(ValueError, match=r"nheads \(6\) must be a multiple of k/v's nheads \(9\).*layout='bhsd'"):
+        gproj_attn_func(q, k, v)
+    assert gproj_attn_func(q, k, v, layout="bhsd").shape == (1, 4, 6, 16)
+    q, k, v = _qkv(1, 4, 320, 8)  # SDPA layout: 4 heads, 320 positions
+    with pytest.warns(UserWarning, match=r"320 heads and 4 positions.*pass layout='bhsd'"):
+        gproj_attn_func(q, k, v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gproj_attn_func(q, k, v, layout="bshd")  # stated: no warning
+        gproj_attn_func(q, k, v, layout="bhsd")
+    with pytest.raises(ValueError, match=r"layout must be None or one of \('bshd', 'bhsd'\)"):
+        gproj_attn_func(q, k, v, layout="nhd")

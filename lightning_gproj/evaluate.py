@@ -170,8 +170,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("stressed", help="log directory of the stressed arm")
     parser.add_argument("healthy", help="log directory of the healthy twin")
     parser.add_argument("--config", help="JSON file {'GradNormMonitor': {...}, 'ZeroSumMonitor': {...}}")
-    parser.add_argument("--baseline", type=int, nargs=2, default=(100, 500), metavar=("START", "END"))
-    parser.add_argument("--factor", type=float, default=10.0)
+    parser.add_argument(
+        "--baseline", type=int, nargs=2, default=(100, 500), metavar=("START", "END"),
+        help="optimizer steps whose median global grad norm is the baseline of the divergence step (default 100 500)",
+    )
+    parser.add_argument(
+        "--factor", type=float, default=10.0,
+        help="the divergence step is the first step >= START whose global grad norm exceeds FACTOR x that "
+             "median (default 10)",
+    )
     parser.add_argument("--json", help="also write the result as JSON to this path")
     args = parser.parse_args(argv)
     config = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import lightning.pytorch as pl
 import numpy as np
@@ -342,3 +343,20 @@ def test_harness_counts_alerts_on_the_healthy_twin_as_false_alarms():
     assert {a["signal"] for a in result.healthy_alerts} == {"gproj/leak_ratio"}
     with pytest.raises(ValueError, match="`config`"):
         evaluate(stressed, healthy, {"Other": {}})
+
+
+@pytest.mark.parametrize("module", ["lightning_gproj.evaluate", "lightning_gproj.report"])
+def test_every_cli_option_has_help(module, capsys):
+    """`python -m ... --help` explains every option (argparse prints nothing after an option without help)."""
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(module).main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    # one entry per option: "  --name METAVAR  help" and the help's continuation lines (deeper indent)
+    entries = re.split(r"\n(?=  -)", text.split("options:\n")[1])
+    assert len(entries) >= 3
+    for entry in entries:
+        option, _, rest = entry.strip().partition("  ")
+        assert rest.strip(), (option, text)

@@ -29,8 +29,8 @@ def interpreting() -> bool:
 def autotune_enabled() -> bool:
     """GPU autotuning over the candidate configs; GPROJ_TRITON_AUTOTUNE=0 keeps the first candidate.
 
-    Every candidate is a separate compile of every constexpr variant (seconds each on the H200 host),
-    which matters inside a short device lease; numerics do not depend on the config.
+    Every candidate is a separate compile of every constexpr variant (seconds each), which matters
+    inside a short device lease; numerics do not depend on the config.
     """
     return os.environ.get("GPROJ_TRITON_AUTOTUNE", "1") != "0"
 

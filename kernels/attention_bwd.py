@@ -69,7 +69,7 @@ def _prune(configs, named_args, **kwargs):
     # Three candidates per kernel: compile time dominates a short device lease, since each config is a
     # separate compile of every constexpr variant (benchmarks/NOTES.md). d > 128 gets the last entry
     # only: small tiles and 8 warps keep the two fp32 [tile, 256] accumulators in registers (chosen by
-    # register arithmetic; d = 256 checked on the H200 against reference.py in run 3, speed not measured).
+    # register arithmetic; what was checked at d = 256 is in benchmarks/NOTES.md).
     d = named_args["HEAD_DIM"] if "HEAD_DIM" in named_args else kwargs["HEAD_DIM"]
     out = configs[:3] if d <= 128 else configs[-1:]
     return out if autotune_enabled() else out[:1]
@@ -276,8 +276,8 @@ def _dkdv_inner(
         if DK_MODE == 2:
             # Own GEMM: −(ρ∘P̃)ᵀQ (here r holds ρ), with ρ∘P̃ rounded to the input dtype as the A operand.
             # Its rounding errors change sign along the keys and mostly cancel in Σ_j dK_j (C2); rounding
-            # ρ∘Q instead left one error per query row, summed over keys with weight Σ_j P̃_ij, and C2 at
-            # ~7e-6 on the H200 against ~5e-7 here (benchmarks/NOTES.md, run 5).
+            # ρ∘Q instead leaves one error per query row, summed over keys with weight Σ_j P̃_ij, which
+            # does not cancel (measurements: benchmarks/NOTES.md).
             rp = to16(p16.to(tl.float32) * (-r)[None, :], k.dtype, INTERP)
             dk = mma(rp, q, dk, INTERP)
     return dk, dv
@@ -380,9 +380,8 @@ def _cumsum_seq(x):
     """Cumulative sum over dim 1 of a (B, N, H, d) tensor, scanned along the innermost dimension.
 
     PyTorch's CUDA scan over an outer dimension runs one sequential loop per inner element (B·H·d of
-    them, each N steps long); the innermost-dimension scan is parallel within each row. Run 2 measured
-    the causal gproj_uniform backward at ~4× the kernels' time with the outer-dim scan; this layout is
-    the fix, not yet re-measured on the GPU (benchmarks/NOTES.md).
+    them, each N steps long); the innermost-dimension scan is parallel within each row, which matters
+    for the causal gproj_uniform backward (measurements: benchmarks/NOTES.md).
     """
     return x.permute(0, 2, 3, 1).contiguous().cumsum(dim=-1).permute(0, 3, 1, 2)
 

@@ -47,7 +47,7 @@ def _fwd_configs():
 def _prune_fwd(configs, named_args, **kwargs):
     d = named_args["HEAD_DIM"] if "HEAD_DIM" in named_args else kwargs["HEAD_DIM"]
     if d > 128:
-        keep = [(64, 64, 8, 2)]  # d = 256: checked on the H200 vs reference.py (run 3), speed not measured
+        keep = [(64, 64, 8, 2)]  # d = 256: small tiles keep the accumulators in registers (benchmarks/NOTES.md)
     elif d > 64:
         keep = [(128, 128, 8, 3), (128, 64, 8, 3)]
     else:

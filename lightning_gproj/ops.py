@@ -203,8 +203,8 @@ def _record_backward_stats(
     # value gives ρ_i = 1) and ill-conditioned where the row's exact dS is (near) zero for another
     # reason — one-hot attention, common in a trained causal LM — where Σ_j |dS̃_ij| is rounding noise
     # and ρ_i → 1 again. Rows whose Σ_j |dS̃_ij| is under 10⁻⁴ of the largest row's are left out, so the
-    # max reports real rows (in the demo every layer's max was 1 without such a cut; a cut relative to
-    # the median failed when most rows are one-hot).
+    # statistics describe real rows; the cut is relative to the largest row, not the median, because
+    # most rows of a trained causal LM can be one-hot.
     # n_keys: keys row i of batch row b sees, (batch, 1, nq) or (nq,).
     nq = r.shape[-1]
     n_keys = torch.arange(nq, device=r.device) + (nk - nq) + 1 if causal else torch.full((nq,), nk, device=r.device)

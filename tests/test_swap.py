@@ -30,7 +30,7 @@ from _attention_models import (
     reference_attn,
     rel_err,
 )
-from lightning_gproj.swap import GProjFallbackWarning, SwapReport, swap_attention, unswap_attention
+from lightning_gproj.swap import GProjFallbackError, GProjFallbackWarning, SwapReport, swap_attention, unswap_attention
 from lightning_gproj.swap.mha import GProjMultiheadAttention
 
 DTYPES = [pytest.param(torch.float32, 2e-5, id="fp32"), pytest.param(torch.float64, 1e-12, id="fp64")]
@@ -687,3 +687,29 @@ def test_fp32_compute_site_records_the_mean_key_norm():
     stats = RECORDER.drain()["attn"]
     assert float(stats["mean_key_norm"]) == pytest.approx(k.mean(dim=2).norm(dim=-1).mean().item(), rel=1e-5)
     assert float(stats["mean_query_norm"]) == pytest.approx(q.mean(dim=2).norm(dim=-1).mean().item(), rel=1e-5)
+
+
+def test_strict_swap_raises_instead_of_falling_back(op_spy):
+    """strict=True: a call a swapped module cannot serve raises GProjFallbackError naming the module and
+    the reason (and is counted); calls it can serve still run the op."""
+
+    class Dropout(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+
+    model = nn.Module()
+    model.add_module("mha", nn.MultiheadAttention(32, 4, batch_first=True))
+    model.add_module("sdpa", Dropout())
+    report = swap_attention(model, strict=True)
+    x = torch.randn(2, 6, 32)
+    with pytest.raises(GProjFallbackError, match=r"^GProj: mha \(nn.MultiheadAttention\) cannot serve this call "
+                                                 r"exactly: need_weights=True"):
+        model.mha(x, x, x)
+    q = torch.randn(2, 4, 6, 8)
+    with pytest.raises(GProjFallbackError, match=r"sdpa \(Dropout\) cannot serve this call exactly: dropout_p=0.1"):
+        model.sdpa(q, q, q)
+    assert report.sites["mha"].fallback_count == report.sites["sdpa"].fallback_count == 1
+    model.mha(x, x, x, need_weights=False)
+    assert len(op_spy.calls) == 1
+    with pytest.raises(TypeError, match="`strict` must be a bool"):
+        swap_attention(model, strict="yes")

@@ -342,6 +342,10 @@ def gproj_attn_func(
             zero-sum subspace, which cut the dQ error on captured activations from 1–14% to ~0.1%
             (DESIGN.md §4 table); ``"none"``: what an FA3-class BF16 kernel computes (A/B arm);
             ``"gproj_uniform"``: the orthogonal projection (for A/B; it barely helps on real data).
+            Both projections make every row of the rounded dS sum to zero (C1, DESIGN.md §2), and an
+            fp32 dk (fp32 k under autocast) satisfies Σ_j dK_j = 0 (C2) to a few fp32 ulps of ‖dK‖_F
+            (tests/test_gproj_numerics.py, tests/test_triton_kernels.py); a 16-bit dk carries its own
+            storage rounding (~√seqlen_k · 2⁻⁹ ‖dK‖).
         dropout_p: must be 0.0 (no attention dropout: it would change the law being restored).
         stats_name: label under which the health statistics are recorded while
             ``lightning_gproj.stats.RECORDER`` is enabled (default ``"attention"``).

@@ -23,6 +23,7 @@ from torch import nn
 
 from . import plugin as _plugin
 from .swap import SwapReport
+from .swap._common import check_ds_format
 
 __all__ = ["GProjFabricPlugin", "PRECISIONS"]
 
@@ -42,7 +43,7 @@ class GProjFabricPlugin(Precision):
     """Fabric precision plugin: GProj attention plus a base Fabric precision.
 
     Arguments as :class:`~lightning_gproj.plugin.GProjPlugin` (``precision``, ``fix``, ``include``,
-    ``exclude``, ``catch_all``, ``base``, ``device``, ``**base_kwargs``), with ``base`` a subclass of
+    ``exclude``, ``catch_all``, ``base``, ``device``, ``ds_format``, ``**base_kwargs``), with ``base`` a subclass of
     ``lightning.fabric.plugins.precision.Precision`` (e.g. Fabric's ``FSDPPrecision`` under
     ``FSDPStrategy``). The instance is a ``GProj<Base>`` deriving from both this class and ``base``.
     After ``fabric.setup(model)``, :attr:`report` holds the :class:`~lightning_gproj.swap.SwapReport`.
@@ -66,6 +67,7 @@ class GProjFabricPlugin(Precision):
         catch_all: bool = False,
         base: Optional[type] = None,
         device: Optional[str] = None,
+        ds_format: str = "bf16",
         **base_kwargs: Any,
     ) -> "GProjFabricPlugin":
         return super().__new__(_plugin._new(cls, GProjFabricPlugin, PRECISIONS, (), {"precision": precision}, base))
@@ -79,9 +81,11 @@ class GProjFabricPlugin(Precision):
         catch_all: bool = False,
         base: Optional[type] = None,
         device: Optional[str] = None,
+        ds_format: str = "bf16",
         **base_kwargs: Any,
     ) -> None:
         self.report: Optional[SwapReport]
+        self.ds_format = check_ds_format(ds_format)
         _plugin._init(self, MixedPrecision, PRECISIONS, precision, fix, include, exclude, catch_all, device, base_kwargs)
 
     def convert_module(self, module: nn.Module) -> nn.Module:

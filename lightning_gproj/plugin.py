@@ -32,7 +32,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from torch import nn
 
 from .swap import SwapReport, swap_attention
-from .swap._common import check_fix, check_patterns
+from .swap._common import check_ds_format, check_fix, check_patterns
 
 #: Precision strings accepted by :class:`GProjPlugin`, with the base class used when ``base`` is None.
 PRECISIONS: dict[str, type[Precision]] = {
@@ -155,7 +155,8 @@ def check_attention_dtype(attention_dtype: object) -> Optional[str]:
 def _convert(plugin: Any, module: nn.Module) -> None:
     """Swap, report on rank zero, and remember the module (for the autocast device)."""
     plugin.report = swap_attention(
-        module, fix=plugin.fix, include=plugin.include, exclude=plugin.exclude, catch_all=plugin.catch_all
+        module, fix=plugin.fix, include=plugin.include, exclude=plugin.exclude, catch_all=plugin.catch_all,
+        ds_format=getattr(plugin, "ds_format", "bf16"),
     )
     dtype = ATTENTION_DTYPES[getattr(plugin, "attention_dtype", None)]
     if dtype is not None:  # every swapped site runs SDPA in fp32 (Site.compute_dtype), `fix` unused
@@ -207,6 +208,9 @@ class GProjPlugin(Precision):
             swapped module runs its attention as fp32 SDPA (q, k, v cast up, output cast back; the
             monitors' "fp32" remediation, :attr:`Site.compute_dtype`) while the rest of the model
             keeps the base precision: the fp32-attention arm of an A/B/C comparison.
+        ds_format: ``"bf16"`` (default), ``"e4m3"`` or ``"e5m2"``: how the op's backward rounds dS
+            before the dQ/dK GEMMs (:func:`lightning_gproj.gproj_attn_func`); the FP8 significands are
+            an accelerant for stress tests (docs/reproduction.md) and for FP8 research.
         device: ``torch.autocast`` device for ``MixedPrecision``. Default None: the device type of
             the converted module's parameters at each forward (the Trainer's accelerator); before
             conversion (and for the ``"16-mixed"`` grad scaler) ``"cuda"`` if available, else ``"cpu"``.
@@ -217,7 +221,8 @@ class GProjPlugin(Precision):
     :meth:`convert_module`, :attr:`report` holds the :class:`~lightning_gproj.swap.SwapReport`.
 
     Raises:
-        ValueError: unknown ``precision``, ``fix`` or ``attention_dtype``, or a ``precision`` the base does not take.
+        ValueError: unknown ``precision``, ``fix``, ``attention_dtype`` or ``ds_format``, or a ``precision`` the
+            base does not take.
         TypeError: ``base`` is not a Lightning ``Precision`` subclass; bad ``include``/``exclude``.
 
     Example::
@@ -240,6 +245,7 @@ class GProjPlugin(Precision):
         base: Optional[type] = None,
         device: Optional[str] = None,
         attention_dtype: Optional[str] = None,
+        ds_format: str = "bf16",
         **base_kwargs: Any,
     ) -> "GProjPlugin":
         return super().__new__(_new(cls, GProjPlugin, PRECISIONS, (), {"precision": precision}, base))
@@ -254,9 +260,11 @@ class GProjPlugin(Precision):
         base: Optional[type] = None,
         device: Optional[str] = None,
         attention_dtype: Optional[str] = None,
+        ds_format: str = "bf16",
         **base_kwargs: Any,
     ) -> None:
         self.attention_dtype = check_attention_dtype(attention_dtype)
+        self.ds_format = check_ds_format(ds_format)
         _init(self, MixedPrecision, PRECISIONS, precision, fix, include, exclude, catch_all, device, base_kwargs)
 
     @classmethod

@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Union
 from torch import nn
 
 from . import flash_attn, hf, mha, sdpa
-from ._common import FIXES, GProjFallbackWarning, Site, SwapRow, check_fix, check_patterns, display_path, selection_reason
+from ._common import FIXES, GProjFallbackWarning, Site, SwapRow, check_ds_format, check_fix, check_patterns, display_path, selection_reason
 
 __all__ = ["FIXES", "GProjFallbackWarning", "SwapReport", "SwapRow", "swap_attention", "unswap_attention"]
 
@@ -82,6 +82,7 @@ def swap_attention(
     include: Patterns = None,
     exclude: Patterns = None,
     catch_all: bool = False,
+    ds_format: str = "bf16",
 ) -> SwapReport:
     """Route the attention of ``model`` to :func:`lightning_gproj.ops.gproj_attn_func`, in place.
 
@@ -110,6 +111,8 @@ def swap_attention(
             Python hop on every torch call of the forward (about 7 µs on CPU; none once
             ``torch.compile`` traced it); with activation checkpointing, the recomputation must go
             through a wrapped module's ``forward``.
+        ds_format: ``"bf16"`` (default), ``"e4m3"`` or ``"e5m2"``: how the op's backward rounds dS
+            (see :func:`lightning_gproj.gproj_attn_func`; FP8 significands are for stress tests).
 
     Returns:
         a :class:`SwapReport`. Idempotent: swapping a swapped model re-applies this call's
@@ -119,18 +122,19 @@ def swap_attention(
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or ``include``/``exclude`` are not None,
             a string or a sequence of strings.
-        ValueError: ``fix`` is not one of :data:`FIXES`.
+        ValueError: ``fix`` is not one of :data:`FIXES`, ``ds_format`` not one of ``DS_FORMATS``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}")
     fix = check_fix(fix)
+    check_ds_format(ds_format)
     include = check_patterns("include", include)
     exclude = check_patterns("exclude", exclude)
     if not isinstance(catch_all, bool):
         raise TypeError(f"`catch_all` must be a bool, got {catch_all!r}")
 
     report = SwapReport(fix=fix, catch_all=catch_all)
-    replacement = f"gproj_attn_func(fix={fix!r})"
+    replacement = f"gproj_attn_func(fix={fix!r}" + ("" if ds_format == "bf16" else f", ds_format={ds_format!r}") + ")"
     modules = dict(model.named_modules(remove_duplicate=False))
     not_selected = {path: selection_reason(path, include, exclude) for path in modules}
 
@@ -192,6 +196,8 @@ def swap_attention(
 
     if catch_all:
         _swap_catch_all(modules, not_selected, fix, report, previous)
+    for site in report.sites.values():
+        site.ds_format = ds_format
     return report
 
 

@@ -217,8 +217,11 @@ def _record_backward_stats(
     values = {"violation_median": rho.nanmedian(), "violation_max": rho.nan_to_num(0.0).amax()}
     if fix != "gproj_uniform":
         # λ = ‖dQ̃ − dQ_gproj‖ / ‖dQ_gproj‖; dQ_gproj = dQ̃ − leak, and the op returned dQ̃ or dQ_gproj.
+        # Logged as leak_ratio only where the leak stays in the returned gradient (fix="none"); where
+        # GProj removed it, as leak_removed_ratio, so that an alert on leak_ratio is about the gradients.
         dq_gproj = dq.transpose(1, 2).float() - (leak if fix == "none" else 0.0)
-        values["leak_ratio"] = leak.norm() / dq_gproj.norm().clamp(min=torch.finfo(torch.float32).tiny)
+        stat = "leak_ratio" if fix == "none" else "leak_removed_ratio"
+        values[stat] = leak.norm() / dq_gproj.norm().clamp(min=torch.finfo(torch.float32).tiny)
     RECORDER.record(name, **values)
 
 

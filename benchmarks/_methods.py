@@ -4,7 +4,8 @@ Every method maps bf16 (batch, seqlen, nheads, headdim) q, k, v (k, v may have f
 incoming gradient do to (o, dq, dk, dv), and offers separate forward / backward closures for timing.
 
 - ``gproj``, ``gproj_fold``, ``none``, ``gproj_uniform``: our Triton kernels (kernels/attention_*.py);
-  ``gproj_fold`` is fix="gproj" with the dK term folded into dS (DESIGN.md §4.1).
+  ``gproj_fold`` is fix="gproj" with the dK term folded into dS (DESIGN.md §4.1); ``*_e4m3``, ``*_e5m2``
+  round dS to FP8 significands (``ds_format``, DESIGN.md §11).
 - ``cudnn``, ``sdpa_flash``: torch SDPA restricted to one backend (GQA: k, v repeated, autograd sums).
 - ``fa4``: flash-attn-4's CuTe kernels (``flash_attn.cute.flash_attn_func``, Hopper path) if importable.
 
@@ -22,6 +23,11 @@ OURS = {
     "gproj_fold": dict(fix="gproj", dk_fold=True),
     "none": dict(fix="none", dk_fold=False),
     "gproj_uniform": dict(fix="gproj_uniform", dk_fold=False),
+    # dS rounded to FP8 significands (ds_format, DESIGN.md §11): the accelerated-test formats
+    "gproj_e4m3": dict(fix="gproj", dk_fold=False, ds_format="e4m3"),
+    "none_e4m3": dict(fix="none", dk_fold=False, ds_format="e4m3"),
+    "gproj_e5m2": dict(fix="gproj", dk_fold=False, ds_format="e5m2"),
+    "none_e5m2": dict(fix="none", dk_fold=False, ds_format="e5m2"),
 }
 
 
@@ -64,7 +70,8 @@ class Ours:
     def bwd(self):
         o, m, l2 = self.state
         return self.B.backward(self.do, self.q, self.k, self.v, o, m, l2, self.tau, self.causal, self.kw["fix"],
-                               self.want_stats, dk_fold=self.kw["dk_fold"], grad_dtype=self.grad_dtype)
+                               self.want_stats, dk_fold=self.kw["dk_fold"], grad_dtype=self.grad_dtype,
+                               ds_format=self.kw.get("ds_format", "bf16"))
 
     def fwd_bwd(self):
         self.fwd()

@@ -12,7 +12,8 @@ Metrics per (setting, method), for o, dq, dk, dv:
     the projections remove (after a projection the row sums are 0 by construction, up to fp32).
 Also the FMA checks of DESIGN.md §5: q = k = v = 133120 and 1000 (bf16) through every forward.
 
-Methods: ours (gproj, gproj_fold, none, gproj_uniform), cudnn, sdpa_flash, fa4 (when importable).
+Methods: ours (gproj, gproj_fold, none, gproj_uniform; gproj/none with ds_format e4m3 / e5m2 as
+``*_e4m3``, ``*_e5m2``), cudnn, sdpa_flash, fa4 (when importable). ``--mus`` picks the ‖μ‖ values.
 
 Usage: python benchmarks/fidelity.py --out DIR [--smoke] [--quick]
 Writes DIR/fidelity.json and DIR/fidelity.md (rewritten after every setting, so a cut-off run keeps
@@ -35,7 +36,8 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _methods as M  # noqa: E402
 
-METHODS = ["gproj", "gproj_fold", "none", "gproj_uniform", "cudnn", "sdpa_flash", "fa4"]
+METHODS = ["gproj", "gproj_fold", "none", "gproj_uniform", "gproj_e4m3", "none_e4m3", "gproj_e5m2", "none_e5m2",
+           "cudnn", "sdpa_flash", "fa4"]
 
 
 def make_inputs(b, n, h, hk, d, mu, sigma, seed, dev):
@@ -170,6 +172,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, our kernels only")
     ap.add_argument("--quick", action="store_true", help="σ=1 only and a shorter GQA sweep")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--mus", default=None, help="comma-separated ‖μ‖ values (default 0,50,200,1000)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = "cpu" if args.smoke else "cuda"
@@ -183,6 +186,8 @@ def main():
         gqa_cfg = dict(b=1, n=1000, h=8, hk=1, d=64)
         mus, sigmas = (0.0, 50.0, 200.0, 1000.0), ((1.0,) if args.quick else (1.0, 3.0))
         gqa_mus = (0.0, 1000.0) if args.quick else (0.0, 50.0, 200.0, 1000.0)
+    if args.mus:
+        mus = gqa_mus = tuple(float(x) for x in args.mus.split(","))
     settings = []
     seed = 0
     for causal in (False, True):

@@ -1,6 +1,6 @@
 """GPU smoke check of the Triton kernels against kernels/reference.py (run on the device machine).
 
-Usage: python benchmarks/gpu_check.py [--quick-speed] [--skip-cases]
+Usage: python benchmarks/gpu_check.py [--quick-speed] [--skip-cases] [--ds-formats bf16,e4m3,e5m2]
 Prints relative Frobenius differences Triton vs reference (same rounding points: expect <~1e-3,
 mostly 0), the constant checks of DESIGN.md §5, and (with --quick-speed) a few fwd+bwd timings.
 """
@@ -26,6 +26,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick-speed", action="store_true")
     ap.add_argument("--skip-cases", action="store_true", help="skip the Triton-vs-reference cases")
+    ap.add_argument("--ds-formats", default="bf16", help="ds_format values to check (FP8 ones with none/gproj only)")
     args = ap.parse_args()
     import triton
     print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())
@@ -52,13 +53,16 @@ def main():
         o_r, m_r, l_r = R.forward(q, k, v, tau, causal)
         fin = torch.isfinite(l_r)
         row = [rel(o, o_r), (m - m_r).abs().max().item(), (l2 - l_r)[fin].abs().max().item() if fin.any() else 0.0]
-        for fix, fold in [("none", False), ("gproj", False), ("gproj", True), ("gproj_uniform", False)]:
-            g = B.backward(do, qw, k, v, o_r, m_r, l_r, tau, causal, fix, True, dk_fold=fold)
-            g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, dk_fold=fold)
+        variants = [(fix, fold, "bf16") for fix, fold in
+                    [("none", False), ("gproj", False), ("gproj", True), ("gproj_uniform", False)]]
+        variants += [(fix, False, fmt) for fmt in args.ds_formats.split(",") if fmt != "bf16" for fix in ("none", "gproj")]
+        for fix, fold, fmt in variants:
+            g = B.backward(do, qw, k, v, o_r, m_r, l_r, tau, causal, fix, True, dk_fold=fold, ds_format=fmt)
+            g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, dk_fold=fold, ds_format=fmt)
             errs = [rel(x, y) for x, y in zip(g[:3], g_r[:3])] + [rel(g[3]["r"], g_r[3]["r"])]
             nan = any(torch.isnan(x).any().item() for x in g[:3])
             worst = max(worst, max(errs[:3]))
-            row.append(f"{fix}{'/fold' if fold else ''}:" + ",".join(f"{e:.1e}" for e in errs) + (" NAN" if nan else ""))
+            row.append(f"{fix}{'/fold' if fold else ''}{'' if fmt == 'bf16' else '/' + fmt}:" + ",".join(f"{e:.1e}" for e in errs) + (" NAN" if nan else ""))
         torch.cuda.synchronize()
         print((b, nq, nk, h, hk, d, causal, str(dt)[6:]), f"{time.time()-t0:.1f}s", " ".join(
             x if isinstance(x, str) else f"{x:.1e}" for x in row), flush=True)

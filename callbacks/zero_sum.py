@@ -58,6 +58,7 @@ from ._base import (
 _SUMMARY_STATS = (
     "violation_median",
     "leak_ratio",
+    "leak_removed_ratio",
     "mean_key_norm",
     "mean_query_norm",
     "key_bias_grad_ratio",
@@ -279,8 +280,11 @@ class ZeroSumMonitor(Monitor):
     ``{p}/{layer}/violation_max``
         Maximum over rows of ρ_i (the maximum over the step's calls of the layer). Dimensionless.
     ``{p}/{layer}/leak_ratio``
-        λ = ‖τ r ∘ (P K)‖_F / ‖dQ_gproj‖_F: the share of the query gradient that is leak — removed by
-        ``fix="gproj"``, kept by an uncorrected kernel. Dimensionless. Backward, op only.
+        λ = ‖τ r ∘ (P K)‖_F / ‖dQ_gproj‖_F: the share of the query gradient that is leak, logged where the
+        op returns it in dQ (``fix="none"``). Dimensionless. Backward, op only.
+    ``{p}/{layer}/leak_removed_ratio``
+        The same λ where ``fix="gproj"`` removed the leak before returning dQ (logged, never alerted on:
+        the optimizer does not see it). Dimensionless. Backward, op only.
     ``{p}/{layer}/mean_key_norm``
         Mean over (batch, head) of ‖mean_j k_j‖: the mean-key norm ‖k̄‖ the leak grows with. Units of k
         (the attention's key activations, before the softmax scale). Forward, op only.

@@ -151,6 +151,23 @@ def to16(x, dtype: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def round_ds(x, dtype: tl.constexpr, DS_BITS: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 dS as the 16-bit GEMM operand: rounded to ``dtype`` (DS_BITS = 0), or first to DS_BITS = 4
+    (e4m3) / 3 (e5m2) significant bits, round half to even, no range limit, on the bits exactly as
+    kernels/reference.round_significand does; such values are exact in bf16, so the cast adds nothing."""
+    if DS_BITS == 0:
+        return to16(x, dtype, INTERP)
+    else:
+        bits = x.to(tl.uint32, bitcast=True)
+        if DS_BITS == 4:
+            bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+        else:
+            tl.static_assert(DS_BITS == 3)
+            bits = (bits + 0xFFFFF + ((bits >> 21) & 1)) & 0xFFE00000
+        return bits.to(tl.float32, bitcast=True).to(dtype)
+
+
+@triton.jit
 def load_pair(A, B, rows, stride_an, stride_bn, offs_d, offs_da, offs_db, N,
               HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
     """Load the tiles of rows ``rows`` of two (seqlen, headdim) operands read together (K and V, or

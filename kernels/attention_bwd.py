@@ -43,10 +43,10 @@ import triton
 import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, autotune_enabled, check_seqlens, interpreting, load_pair, mma, padded_head_dim, supports,
-    to16, visible,
+    INTERPRET, LOG2E, autotune_enabled, check_seqlens, interpreting, load_pair, mma, padded_head_dim, round_ds,
+    supports, to16, visible,
 )
-from lightning_gproj.kernels.reference import FIXES, project_key_sum_
+from lightning_gproj.kernels.reference import FIXES, check_ds_format, project_key_sum_
 
 __all__ = ["backward", "supports", "FIXES", "DEFAULT_DK_FOLD"]
 
@@ -111,7 +111,7 @@ def _dq_inner(
     lo, hi, c, N_K, CAUSAL_OFF,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, NEED_R: tl.constexpr, NEED_PK: tl.constexpr, STATS: tl.constexpr,
-    INTERP: tl.constexpr,
+    DS_BITS: tl.constexpr, INTERP: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = q.shape[0]
     for start_n in range(lo, hi, BLOCK_N):
@@ -126,7 +126,7 @@ def _dq_inner(
         dp = mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
         ds = p * (dp - Di[:, None])
         # Rounding point (DESIGN.md §3): dS becomes a 16-bit GEMM operand; r must come from these values.
-        ds16 = to16(ds, k.dtype, INTERP)
+        ds16 = round_ds(ds, k.dtype, DS_BITS, INTERP)
         dq = mma(ds16, k, dq, INTERP)
         if NEED_R:
             r += tl.sum(ds16.to(tl.float32), 1)
@@ -141,7 +141,7 @@ def _dq_inner(
 
 
 @triton.autotune(configs=_DQ_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "GPROJ", "NEED_R", "STATS",
-                                           "HAS_SEQLENS"],
+                                           "HAS_SEQLENS", "DS_BITS"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _dq_kernel(
@@ -154,7 +154,7 @@ def _dq_kernel(
     c, tau, H, N_Q, N_K,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     GPROJ: tl.constexpr, NEED_R: tl.constexpr, STATS: tl.constexpr, HAS_SEQLENS: tl.constexpr,
-    INTERP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DS_BITS: tl.constexpr, INTERP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     NEED_PK: tl.constexpr = GPROJ or STATS
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -210,12 +210,12 @@ def _dq_kernel(
     dq, pk, r, a, ps = _dq_inner(
         dq, pk, r, a, ps, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
         0, hi_full, c, K_LEN, CAUSAL_OFF,
-        BLOCK_N, False, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, INTERP,
+        BLOCK_N, False, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, DS_BITS, INTERP,
     )
     dq, pk, r, a, ps = _dq_inner(
         dq, pk, r, a, ps, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
         hi_full, hi, c, K_LEN, CAUSAL_OFF,
-        BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, INTERP,
+        BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, DS_BITS, INTERP,
     )
     if NEED_PK:
         # ρ_i = r_i / Σ_j P̃_ij (kernels/reference.py); rows with no visible key have r = 0 and get ρ = 0.
@@ -241,7 +241,7 @@ def _dkdv_inner(
     dk, dv, k, v, Qh, DOh, Mh, L2h, DELh, Rh, stride_qn, stride_don, offs_m, cols, offs_d, offs_dq, offs_ddo,
     lo, hi, c, N_Q, CAUSAL_OFF,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, DK_MODE: tl.constexpr, INTERP: tl.constexpr,
+    EVEN_D: tl.constexpr, DK_MODE: tl.constexpr, DS_BITS: tl.constexpr, INTERP: tl.constexpr,
 ):
     BLOCK_N: tl.constexpr = k.shape[0]
     for start_m in range(lo, hi, BLOCK_M):
@@ -272,7 +272,7 @@ def _dkdv_inner(
             # Fold: dS' = P∘(dP − (D + r)) rounded once; its row sums vanish up to that rounding.
             Di = Di + r
         dsT = pT * (dpT - Di[None, :])
-        dk = mma(to16(dsT, k.dtype, INTERP), q, dk, INTERP)
+        dk = mma(round_ds(dsT, k.dtype, DS_BITS, INTERP), q, dk, INTERP)
         if DK_MODE == 2:
             # Own GEMM: −(ρ∘P̃)ᵀQ (here r holds ρ), with ρ∘P̃ rounded to the input dtype as the A operand.
             # Its rounding errors change sign along the keys and mostly cancel in Σ_j dK_j (C2); rounding
@@ -283,7 +283,8 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "DK_MODE", "HAS_SEQLENS"],
+@triton.autotune(configs=_DKDV_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "DK_MODE", "HAS_SEQLENS",
+                                             "DS_BITS"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _dkdv_kernel(
@@ -296,7 +297,7 @@ def _dkdv_kernel(
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     c, tau, H, HK, N_Q, N_K,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    DK_MODE: tl.constexpr, HAS_SEQLENS: tl.constexpr, INTERP: tl.constexpr,
+    DK_MODE: tl.constexpr, HAS_SEQLENS: tl.constexpr, DS_BITS: tl.constexpr, INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -354,17 +355,17 @@ def _dkdv_kernel(
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
             offs_m, cols, offs_d, offs_dq, offs_ddo, lo, tl.minimum(lo_full, q_end), c, N_Q, CAUSAL_OFF,
-            BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, INTERP,
+            BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
             offs_m, cols, offs_d, offs_dq, offs_ddo, lo_full, tl.minimum(nq_full, q_end), c, N_Q, CAUSAL_OFF,
-            BLOCK_M, False, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, INTERP,
+            BLOCK_M, False, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
             offs_m, cols, offs_d, offs_dq, offs_ddo, tl.maximum(lo_full, nq_full), q_end, c, N_Q, CAUSAL_OFF,
-            BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, INTERP,
+            BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP,
         )
     dk = dk * tau
     if HAS_SEQLENS:
@@ -447,6 +448,7 @@ def backward(
     dk_fold: bool | None = None,
     grad_dtype: torch.dtype | None = None,
     seqlens_k: torch.Tensor | None = None,
+    ds_format: str = "bf16",
 ):
     """Attention backward with FA3-class rounding points and the GProj corrections.
 
@@ -465,17 +467,20 @@ def backward(
             ends with :func:`~lightning_gproj.kernels.reference.project_key_sum_`, as in the reference).
         seqlens_k: None, or the (batch,) int32/int64 key lengths the forward ran with (right
             padding, values in [1, seqlen_k], not checked). Masked keys get dk = dv = 0 exactly.
+        ds_format: "bf16" (dS rounded to the input dtype), "e4m3" or "e5m2" (first to 4 / 3 significant
+            bits, no range limit): as in :func:`lightning_gproj.kernels.reference.backward`.
 
     Returns:
         (dq, dk, dv, extras): dq like q, dk/dv like k/v (GQA: summed over each kv head's query heads),
         all contiguous; extras is {} unless want_stats.
 
     Raises:
-        ValueError: unknown ``fix``, an input the kernels cannot serve (:func:`supports`), or a
-            ``seqlens_k`` that is not a (batch,) integer tensor on q's device.
+        ValueError: unknown ``fix`` or ``ds_format``, an input the kernels cannot serve (:func:`supports`),
+            or a ``seqlens_k`` that is not a (batch,) integer tensor on q's device.
     """
     if fix not in FIXES:
         raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
+    ds_bits = check_ds_format(ds_format)
     reason = supports(q, k, v)
     if reason is not None:
         raise ValueError(f"Triton attention backward cannot serve this input: {reason}")
@@ -518,7 +523,8 @@ def backward(
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         c, tau, h, nq, nk,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=bool(causal),
-        GPROJ=gproj, NEED_R=need_r, STATS=bool(want_stats), HAS_SEQLENS=has_seqlens, INTERP=INTERPRET,
+        GPROJ=gproj, NEED_R=need_r, STATS=bool(want_stats), HAS_SEQLENS=has_seqlens, DS_BITS=ds_bits,
+        INTERP=INTERPRET,
     )
 
     dk_mode = (_DK_FOLD if dk_fold else _DK_GEMM) if gproj else _DK_NONE
@@ -529,7 +535,7 @@ def backward(
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         c, tau, h, hk, nq, nk,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=bool(causal), DK_MODE=dk_mode, HAS_SEQLENS=has_seqlens,
-        INTERP=INTERPRET,
+        DS_BITS=ds_bits, INTERP=INTERPRET,
     )
 
     if uniform:

@@ -27,10 +27,14 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["forward", "backward", "FIXES"]
+__all__ = ["forward", "backward", "FIXES", "DS_FORMATS", "round_significand"]
 
 #: Accepted values of ``fix``.
 FIXES = ("none", "gproj", "gproj_uniform")
+
+#: Accepted values of ``ds_format`` and the significant bits (implicit bit included) dS keeps before the
+#: dQ and dK GEMMs; 0 = the GEMM operand dtype itself (bf16: 8 bits, fp16: 11), as FA3-class kernels do.
+DS_FORMATS = {"bf16": 0, "e4m3": 4, "e5m2": 3}
 
 _LOG2E = math.log2(math.e)
 
@@ -45,6 +49,30 @@ def _rounder(dtype: torch.dtype):
     if dtype in (torch.bfloat16, torch.float16):
         return lambda x: x.to(dtype).to(torch.float32)
     return lambda x: x
+
+
+def round_significand(x: Tensor, bits: int) -> Tensor:
+    """``x`` rounded to ``bits`` significant bits (implicit bit included), round half to even, in x's dtype.
+
+    No range limit: the exponent is x's own, as a per-block-scaled FP8 operand behaves (DESIGN.md §11);
+    ``bits`` = 4 is e4m3's significand, 3 is e5m2's. Done on the bit pattern (fp32 / fp64; 16-bit input
+    goes through fp32), exactly as the Triton kernels do, so the two paths agree bit for bit. Values with
+    at most 8 significant bits are exact in bf16, so the result feeds a bf16 GEMM unchanged. Zeros and
+    infinities pass through; values within half an ulp of the dtype's largest round to infinity.
+    """
+    if x.dtype not in (torch.float32, torch.float64):
+        return round_significand(x.float(), bits).to(x.dtype)
+    itype, drop = (torch.int32, 24 - bits) if x.dtype == torch.float32 else (torch.int64, 53 - bits)
+    b = x.contiguous().view(itype)
+    b = (b + ((1 << (drop - 1)) - 1) + ((b >> drop) & 1)) & ~((1 << drop) - 1)
+    return b.view(x.dtype).view(x.shape)
+
+
+def check_ds_format(ds_format: object) -> int:
+    """The significant bits of ``ds_format`` (0: the operand dtype's own), or ValueError naming the accepted values."""
+    if not isinstance(ds_format, str) or ds_format not in DS_FORMATS:
+        raise ValueError(f"ds_format must be one of {tuple(DS_FORMATS)}, got {ds_format!r}")
+    return DS_FORMATS[ds_format]
 
 
 def _heads_first(x: Tensor, nheads: int, dtype: torch.dtype) -> Tensor:
@@ -172,6 +200,7 @@ def backward(
     grad_dtype: torch.dtype | None = None,
     block_m: int = 256,
     seqlens_k: Tensor | None = None,
+    ds_format: str = "bf16",
 ) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
     """Attention backward with FA3-class rounding points and the GProj corrections.
 
@@ -193,6 +222,10 @@ def backward(
         seqlens_k: as in :func:`forward` (the same value the forward ran with). Masked keys get
             dk = dv = 0 exactly, whatever their values (NaN and inf included); ``gproj_uniform``
             averages over each row's valid keys.
+        ds_format: how dS is rounded before the dQ and dK GEMMs (:data:`DS_FORMATS`): ``"bf16"`` the
+            GEMM operand dtype (the input dtype; nothing for fp32 / fp64 inputs), ``"e4m3"`` / ``"e5m2"``
+            4 / 3 significant bits with no range limit (:func:`round_significand`), then the operand
+            dtype (exact). r sums the values the GEMMs use, whatever the format.
 
     Returns:
         dq like q; dk, dv like k, v (GQA: summed over the query heads of each kv head); extras with,
@@ -201,13 +234,17 @@ def backward(
         (batch, nheads, seqlen_q, headdim): τ ρ_i (P̃ K)_i, the part of dQ̃ that GProj removes.
 
     Raises:
-        ValueError: ``fix`` not one of :data:`FIXES`.
+        ValueError: ``fix`` not one of :data:`FIXES`, ``ds_format`` not one of :data:`DS_FORMATS`.
     """
     if fix not in FIXES:
         raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
+    ds_bits = check_ds_format(ds_format)
     dtype = q.dtype
     cdt = _compute_dtype(dtype)
     rnd = _rounder(dtype)
+
+    def rnd_ds(x: Tensor) -> Tensor:
+        return rnd(round_significand(x, ds_bits) if ds_bits else x)
     batch, nq, nheads, d = q.shape
     nk, nheads_k = k.shape[1], k.shape[2]
     qh, kh, vh, oh, doh = (_heads_first(x, nheads, cdt) for x in (q, k, v, o, do))
@@ -234,7 +271,7 @@ def backward(
         dp = doh[:, :, i0:i1] @ vh.transpose(-1, -2)
         ds = p * (dp - delta[:, :, i0:i1, None])
         # The rounding that breaks the zero-sum law (C1): r is taken from the very values the GEMMs use.
-        ds16 = rnd(ds)
+        ds16 = rnd_ds(ds)
         r_blk = ds16.sum(dim=-1)
         rho_blk = r_blk / p16.sum(dim=-1).clamp(min=torch.finfo(cdt).tiny)
         r[:, :, i0:i1] = r_blk
@@ -243,7 +280,7 @@ def backward(
         if need_pk:
             pk[:, :, i0:i1] = rho_blk[..., None] * (p16 @ kh)
         if fix == "gproj" and dk_fold:
-            ds_dk = rnd(p * (dp - delta[:, :, i0:i1, None] - r_blk[..., None]))
+            ds_dk = rnd_ds(p * (dp - delta[:, :, i0:i1, None] - r_blk[..., None]))
             dk += ds_dk.transpose(-1, -2) @ qh[:, :, i0:i1]
         else:
             dk += ds16.transpose(-1, -2) @ qh[:, :, i0:i1]

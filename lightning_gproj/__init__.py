@@ -9,13 +9,14 @@ See README.md and docs/design.md.
 
 from lightning_gproj.callbacks import Alert, GradNormMonitor, ZeroSumMonitor
 from lightning_gproj.fabric import GProjFabricPlugin
-from lightning_gproj.ops import FIXES, gproj_attn_func
+from lightning_gproj.ops import DS_FORMATS, FIXES, gproj_attn_func
 from lightning_gproj.plugin import GProjPlugin
 from lightning_gproj.stats import RECORDER, StatsRecorder
 from lightning_gproj.swap import GProjFallbackError, GProjFallbackWarning, SwapReport, swap_attention, unswap_attention
 
 __all__ = [
     "Alert",
+    "DS_FORMATS",
     "FIXES",
     "GProjFabricPlugin",
     "GProjFallbackError",

@@ -39,7 +39,7 @@ from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from torch import nn
 
 from .swap import GProjFallbackWarning, SwapReport, swap_attention
-from .swap._common import check_fix, check_patterns, display_path
+from .swap._common import check_ds_format, check_fix, check_patterns, display_path
 
 __all__ = ["ATTENTION_DTYPES", "GProjFabricPlugin", "PRECISIONS"]
 
@@ -136,6 +136,9 @@ class GProjFabricPlugin(fabric_precision.Precision):
             swapped module runs its attention as fp32 SDPA (q, k, v cast up, output cast back; the
             monitors' "fp32" remediation, :attr:`Site.compute_dtype`) while the rest of the model
             keeps the base precision: the fp32-attention arm of an A/B/C comparison.
+        ds_format: ``"bf16"`` (default), ``"e4m3"`` or ``"e5m2"``: how the op's backward rounds dS
+            before the dQ/dK GEMMs (:func:`lightning_gproj.gproj_attn_func`); the FP8 significands are
+            an accelerant for stress tests (docs/reproduction.md) and for FP8 research.
         **base_kwargs: further arguments for the base class's constructor (e.g. ``scaler``).
 
     The instance is a ``GProjFabric<Base>`` (e.g. ``GProjFabricMixedPrecision``): both
@@ -146,8 +149,8 @@ class GProjFabricPlugin(fabric_precision.Precision):
     when a swapped module served none of that step's calls.
 
     Raises:
-        ValueError: unknown ``precision``, ``fix`` or ``attention_dtype``, a bad ``device``, or a
-            ``precision`` the base does not take.
+        ValueError: unknown ``precision``, ``fix``, ``attention_dtype`` or ``ds_format``, a bad
+            ``device``, or a ``precision`` the base does not take.
         TypeError: ``base`` is not a Fabric ``Precision`` subclass (a Trainer precision is refused:
             use :class:`~lightning_gproj.GProjPlugin` with the Trainer); bad ``include``/``exclude``;
             ``catch_all``/``strict`` not bools.
@@ -183,6 +186,7 @@ class GProjFabricPlugin(fabric_precision.Precision):
         base: Optional[type] = None,
         device: Optional[str] = None,
         attention_dtype: Optional[str] = None,
+        ds_format: str = "bf16",
         **base_kwargs: Any,
     ) -> "GProjFabricPlugin":
         if base is None and cls is cls._gproj_root():
@@ -200,11 +204,13 @@ class GProjFabricPlugin(fabric_precision.Precision):
         base: Optional[type] = None,
         device: Optional[str] = None,
         attention_dtype: Optional[str] = None,
+        ds_format: str = "bf16",
         **base_kwargs: Any,
     ) -> None:
         check_precision(precision)
         check_device(device)
         self.attention_dtype = check_attention_dtype(attention_dtype)
+        self.ds_format = check_ds_format(ds_format)
         self._gproj_init(fix, include, exclude, catch_all, strict)
         base_cls = self._gproj_base
         if issubclass(base_cls, self._gproj_lightning.MixedPrecision):
@@ -289,6 +295,7 @@ class GProjFabricPlugin(fabric_precision.Precision):
         new = object.__new__(root._gproj_class(base))
         new.__dict__.update(plugin.__dict__)
         new.attention_dtype = getattr(plugin, "attention_dtype", None)
+        new.ds_format = getattr(plugin, "ds_format", "bf16")
         new._gproj_init(fix, include, exclude, catch_all, strict)
         return new
 
@@ -300,7 +307,7 @@ class GProjFabricPlugin(fabric_precision.Precision):
         Idempotent: a second call never double-wraps, and prints nothing for a module it converted before."""
         self.report = swap_attention(
             module, fix=self.fix, include=self.include, exclude=self.exclude, catch_all=self.catch_all,
-            strict=self.strict,
+            strict=self.strict, ds_format=self.ds_format,
         )
         dtype = ATTENTION_DTYPES[self.attention_dtype]
         if dtype is not None:  # every swapped site runs SDPA in fp32 (Site.compute_dtype), `fix` unused

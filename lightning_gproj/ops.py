@@ -20,10 +20,12 @@ from torch import Tensor
 from lightning_gproj.kernels import reference
 from lightning_gproj.stats import RECORDER
 
-__all__ = ["gproj_attn_func", "FIXES", "LAYOUTS", "MAX_HEAD_DIM"]
+__all__ = ["gproj_attn_func", "FIXES", "DS_FORMATS", "LAYOUTS", "MAX_HEAD_DIM"]
 
 #: Accepted values of ``fix``.
 FIXES = reference.FIXES
+#: Accepted values of ``ds_format`` (how dS is rounded before the dQ/dK GEMMs).
+DS_FORMATS = tuple(reference.DS_FORMATS)
 #: Largest head dim accepted (as flash-attn); head dims must also be multiples of 8.
 MAX_HEAD_DIM = 256
 #: Accepted values of ``layout``: flash-attn's (batch, seqlen, nheads, headdim), SDPA's (batch, nheads, seqlen, headdim).
@@ -98,8 +100,9 @@ def _attn_fwd(
     stats_name: str,
     seqlens_k: Optional[Tensor] = None,
     compute_dtype: Optional[torch.dtype] = None,
+    ds_format: str = "bf16",
 ) -> tuple[Tensor, Tensor, Tensor]:
-    # ``fix`` does not change the forward; it is an input so that the backward formula can read it.
+    # ``fix`` and ``ds_format`` do not change the forward; they are inputs so that the backward can read them.
     q, k, v = _cast(compute_dtype, q, k, v)
     if seqlens_k is not None:
         _check_seqlens_values(seqlens_k, k.shape[1])
@@ -130,7 +133,7 @@ def record_forward_stats(name: str, q: Tensor, k: Tensor, seqlens_k: Optional[Te
 
 
 @_attn_fwd.register_fake
-def _(q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k=None, compute_dtype=None):
+def _(q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k=None, compute_dtype=None, ds_format="bf16"):
     batch, nq, nheads, _ = q.shape
     dtype = compute_dtype or q.dtype
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -158,6 +161,7 @@ def _attn_bwd(
     stats_name: str,
     seqlens_k: Optional[Tensor] = None,
     compute_dtype: Optional[torch.dtype] = None,
+    ds_format: str = "bf16",
 ) -> tuple[Tensor, Tensor, Tensor]:
     # With compute_dtype set the forward cast the inputs (under autocast): cast them again, and return
     # the fp32 accumulators, so that a gradient headed for an fp32 input is not rounded to 16 bits on
@@ -170,12 +174,12 @@ def _attn_bwd(
 
         dq, dk, dv, extras = attention_bwd.backward(
             do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, grad_dtype=grad_dtype,
-            seqlens_k=seqlens_k,
+            seqlens_k=seqlens_k, ds_format=ds_format,
         )
     else:
         dq, dk, dv, extras = reference.backward(
             do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, seqlens_k=seqlens_k,
-            grad_dtype=grad_dtype,
+            grad_dtype=grad_dtype, ds_format=ds_format,
         )
     if want_stats:
         _record_backward_stats(stats_name, fix, causal, k.shape[1], dq, extras, seqlens_k)
@@ -183,7 +187,8 @@ def _attn_bwd(
 
 
 @_attn_bwd.register_fake
-def _(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, stats_name, seqlens_k=None, compute_dtype=None):
+def _(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, stats_name, seqlens_k=None, compute_dtype=None,
+      ds_format="bf16"):
     dtype = None if compute_dtype is None else torch.float32
     return tuple(torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device) for x in (q, k, v))
 
@@ -217,17 +222,20 @@ def _record_backward_stats(
     values = {"violation_median": rho.nanmedian(), "violation_max": rho.nan_to_num(0.0).amax()}
     if fix != "gproj_uniform":
         # λ = ‖dQ̃ − dQ_gproj‖ / ‖dQ_gproj‖; dQ_gproj = dQ̃ − leak, and the op returned dQ̃ or dQ_gproj.
+        # Logged as leak_ratio only where the leak stays in the returned gradient (fix="none"); where
+        # GProj removed it, as leak_removed_ratio, so that an alert on leak_ratio is about the gradients.
         dq_gproj = dq.transpose(1, 2).float() - (leak if fix == "none" else 0.0)
-        values["leak_ratio"] = leak.norm() / dq_gproj.norm().clamp(min=torch.finfo(torch.float32).tiny)
+        stat = "leak_ratio" if fix == "none" else "leak_removed_ratio"
+        values[stat] = leak.norm() / dq_gproj.norm().clamp(min=torch.finfo(torch.float32).tiny)
     RECORDER.record(name, **values)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k, compute_dtype = inputs
+    q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k, compute_dtype, ds_format = inputs
     o, m, log2l = output
     ctx.save_for_backward(q, k, v, o, m, log2l, seqlens_k)
     ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name = softmax_scale, causal, fix, stats_name
-    ctx.compute_dtype = compute_dtype
+    ctx.compute_dtype, ctx.ds_format = compute_dtype, ds_format
 
 
 def _backward(ctx, do, _dm, _dlog2l):
@@ -235,10 +243,10 @@ def _backward(ctx, do, _dm, _dlog2l):
     q, k, v, o, m, log2l, seqlens_k = ctx.saved_tensors
     dq, dk, dv = _attn_bwd(
         do.contiguous(), q, k, v, o, m, log2l, ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name, seqlens_k,
-        ctx.compute_dtype,
+        ctx.compute_dtype, ctx.ds_format,
     )
     # Each gradient in its input's dtype (fp32 for an fp32 input, unrounded; see _attn_bwd).
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
 _attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -324,6 +332,7 @@ def gproj_attn_func(
     dropout_p: float = 0.0,
     stats_name: Optional[str] = None,
     seqlens_k: Optional[Tensor] = None,
+    ds_format: str = "bf16",
     layout: Optional[str] = None,
 ) -> Tensor:
     """Softmax attention whose backward restores the zero-sum law of dS (GProj, DESIGN.md §4).
@@ -362,6 +371,15 @@ def gproj_attn_func(
             mask is different: a key hidden from early rows is seen by later ones, so a non-finite
             value there is a non-finite input of the call (it may reach the rows that do not see it,
             as in flash-attn, whose P·V multiplies the zero weight).
+        ds_format: how the backward rounds dS before the dQ and dK GEMMs. ``"bf16"`` (default): to the
+            16-bit input dtype, as FA3-class kernels do (fp16 inputs: fp16; fp32 / fp64: no rounding).
+            ``"e4m3"`` / ``"e5m2"``: to FP8's 4 / 3 significant bits (implicit bit included), round half
+            to even, with no range limit — as a per-block-scaled FP8 operand behaves — then fed to the
+            same 16-bit GEMMs (exact). For stress tests and FP8 research (DESIGN.md §11): the rounding
+            error of dS, and with it the uncorrected leak into dQ (``fix="none"``), grows as 2⁻ᵖ for p
+            significant bits, i.e. ~16× (e4m3) and ~32× (e5m2) bf16's; ``fix="gproj"`` removes the leak
+            from the values the GEMMs used but not the coarser rounding noise itself, so every fix
+            shares a higher error floor.
         layout: ``"bshd"`` (batch, seqlen, nheads, headdim), ``"bhsd"`` (batch, nheads, seqlen, headdim:
             the op transposes, no copy, and returns o in that layout too), or None (default): ``"bshd"``,
             with one warning when q looks like ``"bhsd"`` (more than 256 "heads" along dim 2 and fewer
@@ -390,7 +408,8 @@ def gproj_attn_func(
             after the cast above); ``seqlens_k``
             not None / a tensor, or not int32 / int64.
         ValueError: wrong rank, mismatched batch / seqlen_k / heads / head dim, unsupported head dim,
-            different devices, empty inputs, ``dropout_p != 0``, unknown ``fix``, bad ``softmax_scale``;
+            different devices, empty inputs, ``dropout_p != 0``, unknown ``fix`` or ``ds_format``, bad
+            ``softmax_scale``;
             ``seqlens_k`` not of shape (batch,), not on q's device, or with a value outside
             [1, seqlen_k]; ``layout`` not one of :data:`LAYOUTS` or None.
     """
@@ -420,6 +439,7 @@ def gproj_attn_func(
         _warn_if_sdpa_layout(q)
     if fix not in FIXES:
         raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
+    reference.check_ds_format(ds_format)
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p must be 0.0 (gproj_attn_func has no attention dropout), got {dropout_p!r}")
     if softmax_scale is None:
@@ -439,6 +459,7 @@ def gproj_attn_func(
         seqlens_k = _check_seqlens_k(seqlens_k, q, k)
     with torch.autocast(device_type, enabled=False):
         o, _, _ = _attn_fwd(
-            q, k, v, float(softmax_scale), causal, fix, stats_name or "attention", seqlens_k, compute_dtype
+            q, k, v, float(softmax_scale), causal, fix, stats_name or "attention", seqlens_k, compute_dtype,
+            ds_format,
         )
     return o.transpose(1, 2) if layout == "bhsd" else o

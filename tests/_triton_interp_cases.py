@@ -46,6 +46,34 @@ def ulps(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> float:
     return ((a - b).abs() / ulp).max().item()
 
 
+def run_fp8_case(b, nq, nk, h, hk, d, causal, seed):
+    """ds_format e4m3 / e5m2 (dS rounded to FP8 significands): Triton vs reference, both vs float64."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(b, n, hh, d, generator=gen) for n, hh in ((nq, h), (nk, hk), (nk, hk), (nq, h)))
+    k = k + 4.0
+    q, k, v, do = (x.bfloat16() for x in (q, k, v, do))
+    tau = d ** -0.5
+    o_r, m_r, l_r = R.forward(q, k, v, tau, causal)
+    _, dq64, dk64, dv64, _ = attention_fp64(q, k, v, do, tau, causal)
+    out = {"shape": [b, nq, nk, h, hk, d], "causal": causal, "bwd": {}}
+    for ds_format in ("e4m3", "e5m2"):
+        for fix in ("none", "gproj"):
+            g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, ds_format=ds_format)
+            g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, ds_format=ds_format)
+            res = {"nan": any(bool(torch.isnan(x).any().item()) for x in g[:3])}
+            for nm, x, y, z in zip(("dq", "dk", "dv"), g[:3], g_r[:3], (dq64, dk64, dv64)):
+                res[f"{nm}_rel_vs_ref"] = rel(x, y)
+                res[f"{nm}_rel_vs_f64"] = rel(x, z)
+                res[f"ref_{nm}_rel_vs_f64"] = rel(y, z)
+            res["r_rel_vs_ref"] = rel(g[3]["r"], g_r[3]["r"])
+            g32 = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, False, grad_dtype=torch.float32,
+                             ds_format=ds_format)
+            dk32 = g32[1].double()
+            res["c2_residual_fp32"] = (dk32.sum(dim=1).norm() / dk32.norm()).item()
+            out["bwd"][f"{fix}_{ds_format}"] = res
+    return out
+
+
 def run_case(b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed, seqlens=None, fixes=None):
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
@@ -180,6 +208,8 @@ def main() -> None:
         (1, 21, 40, 2, 2, 32, True, torch.float16, 4.0, True, 8, [30], ("none", "gproj", "gproj_uniform")),
     ]
     res["padded_cases"] = [run_case(*c) for c in padded]
+    # (b, nq, nk, h, hk, d, causal, seed)
+    res["fp8_cases"] = [run_fp8_case(1, 40, 40, 2, 2, 32, False, 9), run_fp8_case(1, 37, 53, 2, 1, 32, True, 10)]
     consts = []
     for cval in (133120.0, 1000.0):
         for causal in (False, True):

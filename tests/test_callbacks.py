@@ -334,9 +334,11 @@ def test_monitors_through_the_plugin_use_module_paths(tmp_path):
     """With GProjPlugin swapping SDPA, the op's stats and the key-bias signal share the layer name."""
     monitors = [ZeroSumMonitor(every_n_steps=1, print_summary=False), GradNormMonitor(print_summary=False)]
     trainer, logged = fit(SDPABlockModel(), monitors, tmp_path, max_steps=3, plugins=[GProjPlugin("bf16-mixed")])
-    for stat in ("violation_median", "violation_max", "leak_ratio", "mean_key_norm", "key_bias_grad_ratio"):
+    for stat in ("violation_median", "violation_max", "leak_removed_ratio", "mean_key_norm", "key_bias_grad_ratio"):
         series = logged[f"gproj/blocks.0.attn/{stat}"]
         assert sorted(series) == [0, 1, 2] and all(math.isfinite(v) for v in series.values()), stat
+    # fix="gproj" removed the leak from dQ: it is logged as removed, and leak_ratio (alerted on) is absent
+    assert "gproj/blocks.0.attn/leak_ratio" not in logged
     assert sorted(monitors[0].tracks) == ["blocks.0.attn"]
     assert {"grad_norm/layer/blocks.0", "grad_norm/layer/head"} <= set(logged)
 

@@ -18,8 +18,8 @@ from torch import nn
 
 from . import flash_attn, hf, mha, sdpa
 from ._common import (
-    FIXES, GProjFallbackError, GProjFallbackWarning, Site, SwapRow, check_fix, check_patterns, display_path,
-    selection_reason,
+    FIXES, GProjFallbackError, GProjFallbackWarning, Site, SwapRow, check_ds_format, check_fix, check_patterns,
+    display_path, selection_reason,
 )
 
 __all__ = [
@@ -127,6 +127,7 @@ def swap_attention(
     exclude: Patterns = None,
     catch_all: bool = False,
     strict: bool = False,
+    ds_format: str = "bf16",
 ) -> SwapReport:
     """Route the attention of ``model`` to :func:`lightning_gproj.ops.gproj_attn_func`, in place.
 
@@ -157,6 +158,8 @@ def swap_attention(
             through a wrapped module's ``forward``.
         strict: a call a swapped module cannot serve exactly raises
             :class:`~lightning_gproj.swap.GProjFallbackError` instead of running the original code.
+        ds_format: ``"bf16"`` (default), ``"e4m3"`` or ``"e5m2"``: how the op's backward rounds dS
+            (see :func:`lightning_gproj.gproj_attn_func`; FP8 significands are for stress tests).
 
     Returns:
         a :class:`SwapReport`. Idempotent: swapping a swapped model re-applies this call's
@@ -166,11 +169,12 @@ def swap_attention(
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``include``/``exclude`` are not None,
             a string or a sequence of strings, or ``catch_all``/``strict`` are not bools.
-        ValueError: ``fix`` is not one of :data:`FIXES`.
+        ValueError: ``fix`` is not one of :data:`FIXES`, ``ds_format`` not one of ``DS_FORMATS``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}")
     fix = check_fix(fix)
+    check_ds_format(ds_format)
     include = check_patterns("include", include)
     exclude = check_patterns("exclude", exclude)
     if not isinstance(catch_all, bool):
@@ -179,7 +183,7 @@ def swap_attention(
         raise TypeError(f"`strict` must be a bool, got {strict!r}")
 
     report = SwapReport(fix=fix, catch_all=catch_all)
-    replacement = f"gproj_attn_func(fix={fix!r})"
+    replacement = f"gproj_attn_func(fix={fix!r}" + ("" if ds_format == "bf16" else f", ds_format={ds_format!r}") + ")"
     modules = dict(model.named_modules(remove_duplicate=False))
     not_selected = {path: selection_reason(path, include, exclude) for path in modules}
 
@@ -245,6 +249,7 @@ def swap_attention(
         _swap_catch_all(modules, not_selected, fix, report, previous)
     for site in report.sites.values():
         site.strict = strict
+        site.ds_format = ds_format
     return report
 
 

@@ -41,6 +41,13 @@ class SwapRow(NamedTuple):
     reason: str
 
 
+def check_ds_format(ds_format: object) -> str:
+    """Return ``ds_format`` if the op accepts it, else raise ValueError naming the accepted values."""
+    if not isinstance(ds_format, str) or ds_format not in ops.DS_FORMATS:
+        raise ValueError(f"`ds_format` must be one of {ops.DS_FORMATS}, got {ds_format!r}")
+    return ds_format
+
+
 def check_fix(fix: object) -> str:
     """Return ``fix`` if it is one of :data:`FIXES`, else raise ValueError naming the accepted values."""
     if not isinstance(fix, str) or fix not in FIXES:
@@ -153,6 +160,7 @@ class Site:
     ``compute_dtype`` (default None): when set (e.g. ``torch.float32``, the monitors' "fp32"
     remediation), served calls run SDPA in that dtype instead of the op, output cast back.
     ``strict``: a fallback raises :class:`GProjFallbackError` instead of running the original.
+    ``ds_format`` (default ``"bf16"``): passed to the op (how its backward rounds dS).
     """
 
     def __init__(self, name: str, kind: str, fix: str, keep: bool = False) -> None:
@@ -162,6 +170,7 @@ class Site:
         self.keep = keep
         self.strict = False
         self.compute_dtype: Optional[torch.dtype] = None
+        self.ds_format = "bf16"
         self.served = 0
         self.fallbacks: dict[str, int] = {}
         self.warned = False
@@ -212,7 +221,7 @@ class Site:
             extra = {} if seqlens_k is None else {"seqlens_k": seqlens_k}
             return gproj_attn_func()(
                 q, k, v, softmax_scale=softmax_scale, causal=causal, fix=self.fix, stats_name=self.name or "attention",
-                **extra,
+                ds_format=self.ds_format, **extra,
             )
         if RECORDER.enabled:  # the op's forward statistics, so a monitor sees this site's mean key too
             ops.record_forward_stats(self.name or "attention", q, k, seqlens_k)

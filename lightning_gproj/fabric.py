@@ -120,10 +120,6 @@ class GProjFabricPlugin(fabric_precision.Precision):
         exclude: glob pattern(s) whose modules (and subtrees) keep their attention.
         catch_all: also catch SDPA calls outside detected modules (see
             :func:`~lightning_gproj.swap.swap_attention`; costs a Python hop per torch call).
-        strict: a call a swapped module cannot serve exactly (attention dropout while training,
-            ``need_weights=True``, left padding, ...) raises
-            :class:`~lightning_gproj.swap.GProjFallbackError` instead of running the original
-            attention with one warning.
         base: the Lightning precision class to derive from, e.g. ``FSDPPrecision`` under
             ``FSDPStrategy`` or ``DeepSpeedPrecision`` under DeepSpeed. Default: from ``precision``
             (``MixedPrecision``, ``HalfPrecision``, ``Precision`` or ``DoublePrecision``). Fabric's
@@ -139,6 +135,10 @@ class GProjFabricPlugin(fabric_precision.Precision):
         ds_format: ``"bf16"`` (default), ``"e4m3"`` or ``"e5m2"``: how the op's backward rounds dS
             before the dQ/dK GEMMs (:func:`lightning_gproj.gproj_attn_func`); the FP8 significands are
             an accelerant for stress tests (docs/reproduction.md) and for FP8 research.
+        strict: a call a swapped module cannot serve exactly (attention dropout while training,
+            ``need_weights=True``, left padding, ...) raises
+            :class:`~lightning_gproj.swap.GProjFallbackError` instead of running the original
+            attention with one warning.
         **base_kwargs: further arguments for the base class's constructor (e.g. ``scaler``).
 
     The instance is a ``GProjFabric<Base>`` (e.g. ``GProjFabricMixedPrecision``): both
@@ -182,11 +182,11 @@ class GProjFabricPlugin(fabric_precision.Precision):
         include: Patterns = None,
         exclude: Patterns = None,
         catch_all: bool = False,
-        strict: bool = False,
         base: Optional[type] = None,
         device: Optional[str] = None,
         attention_dtype: Optional[str] = None,
         ds_format: str = "bf16",
+        strict: bool = False,
         **base_kwargs: Any,
     ) -> "GProjFabricPlugin":
         if base is None and cls is cls._gproj_root():
@@ -200,11 +200,11 @@ class GProjFabricPlugin(fabric_precision.Precision):
         include: Patterns = None,
         exclude: Patterns = None,
         catch_all: bool = False,
-        strict: bool = False,
         base: Optional[type] = None,
         device: Optional[str] = None,
         attention_dtype: Optional[str] = None,
         ds_format: str = "bf16",
+        strict: bool = False,
         **base_kwargs: Any,
     ) -> None:
         check_precision(precision)

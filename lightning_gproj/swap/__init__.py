@@ -126,8 +126,8 @@ def swap_attention(
     include: Patterns = None,
     exclude: Patterns = None,
     catch_all: bool = False,
-    strict: bool = False,
     ds_format: str = "bf16",
+    strict: bool = False,
 ) -> SwapReport:
     """Route the attention of ``model`` to :func:`lightning_gproj.ops.gproj_attn_func`, in place.
 
@@ -156,10 +156,10 @@ def swap_attention(
             Python hop on every torch call of the forward (about 7 µs on CPU; none once
             ``torch.compile`` traced it); with activation checkpointing, the recomputation must go
             through a wrapped module's ``forward``.
-        strict: a call a swapped module cannot serve exactly raises
-            :class:`~lightning_gproj.swap.GProjFallbackError` instead of running the original code.
         ds_format: ``"bf16"`` (default), ``"e4m3"`` or ``"e5m2"``: how the op's backward rounds dS
             (see :func:`lightning_gproj.gproj_attn_func`; FP8 significands are for stress tests).
+        strict: a call a swapped module cannot serve exactly raises
+            :class:`~lightning_gproj.swap.GProjFallbackError` instead of running the original code.
 
     Returns:
         a :class:`SwapReport`. Idempotent: swapping a swapped model re-applies this call's

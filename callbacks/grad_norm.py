@@ -39,6 +39,7 @@ from ._base import (
     log_to_loggers,
     step_index,
 )
+from ._sharded import Layout, clean_name, fsdp1_layouts, layout_of, squared_norm, sum_over_shards
 
 def default_layer_of(name: str) -> str:
     """Group a parameter name into a layer: up to the first all-digit component, else its module.
@@ -215,6 +216,7 @@ class GradNormMonitor(Monitor):
         )
         self._states: dict[int, _OptimizerState] = {}
         self._layer_names: dict[int, str] = {}  # id(param) -> layer
+        self._fsdp1: Optional[dict[int, Layout]] = None  # id(param) -> Layout of FSDP1-sharded parameters
 
     @property
     def alerts(self) -> list[Alert]:
@@ -225,34 +227,49 @@ class GradNormMonitor(Monitor):
 
     def _layers_by_param(self, pl_module: "pl.LightningModule") -> dict[int, str]:
         if not self._layer_names:
-            self._layer_names = {id(p): self.layer_of(n) for n, p in pl_module.named_parameters()}
+            self._layer_names = {id(p): self.layer_of(clean_name(n)) for n, p in pl_module.named_parameters()}
         return self._layer_names
 
     def measure(
-        self, pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
+        self,
+        pl_module: "pl.LightningModule",
+        optimizer: torch.optim.Optimizer,
+        model: Optional[torch.nn.Module] = None,
     ) -> tuple[float, dict[str, float]]:
-        """(global norm, {layer: norm}) of the current gradients of ``optimizer``'s parameters."""
+        """(global norm, {layer: norm}) of the current gradients of ``optimizer``'s parameters.
+
+        Sharded gradients (FSDP1 units found in ``model``, default ``pl_module``; DTensors) are reduced over
+        their ranks (``callbacks/_sharded.py``): a collective that every rank must reach. A layer none of
+        whose parameters has a gradient on any rank is left out."""
         layer_by_param = self._layers_by_param(pl_module)
+        if self._fsdp1 is None:
+            self._fsdp1 = fsdp1_layouts(model if model is not None else pl_module)
+        device: Optional[torch.device] = None
         layers: list[str] = []
-        norms: list[torch.Tensor] = []
+        rows: list[torch.Tensor] = []
+        groups: list[tuple] = []
         seen: set[int] = set()
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is None or id(p) in seen:
+                if id(p) in seen:
                     continue
                 seen.add(id(p))
-                g = p.grad.detach()
-                if g.is_sparse:
-                    g = g.coalesce().values()
+                layout = layout_of(p, self._fsdp1)
+                if p.grad is None and not layout.sharded:
+                    continue  # a sharded parameter keeps its row on every rank: the reduction needs them all
+                device = device or p.device
                 layers.append(layer_by_param.get(id(p), "<unnamed>"))
-                norms.append(torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)))
-        if not norms:
+                rows.append(squared_norm(p.grad, layout, device))
+                groups.append(layout.groups)
+        if not rows:
             return math.nan, {}
-        device = norms[0].device
-        host = torch.stack([n.to(device, torch.float64) for n in norms]).cpu().tolist()  # one sync
+        host = sum_over_shards(torch.stack(rows), groups).cpu().tolist()  # one sync
         sq: dict[str, float] = {}
-        for layer, n in zip(layers, host):
-            sq[layer] = sq.get(layer, 0.0) + n * n
+        for layer, (square, present) in zip(layers, host):
+            if present:
+                sq[layer] = sq.get(layer, 0.0) + square
+        if not sq:
+            return math.nan, {}
         return math.sqrt(sum(sq.values())), {layer: math.sqrt(v) for layer, v in sq.items()}
 
     # ------------------------------------------------------------------ detection (online and offline)
@@ -341,7 +358,7 @@ class GradNormMonitor(Monitor):
         if step % self.every_n_steps:
             return
         opt_idx = next((i for i, o in enumerate(trainer.optimizers) if o is optimizer), 0)
-        norm, layers = self.measure(pl_module, optimizer)
+        norm, layers = self.measure(pl_module, optimizer, trainer.model)
         if not layers:
             return
         several = len(trainer.optimizers) > 1

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 VOCAB_SIZE = 256  # one token per byte
 
@@ -390,7 +390,20 @@ class ByteDataModule(L.LightningDataModule):
         self.val_set = RandomWindows(as_tensor(val), hp.block_size, hp.val_samples, hp.seed + 1)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=False,
+        """Windows in dataset order on any number of devices (they already sit at random offsets).
+
+        Data-parallel strategies get a ``DistributedSampler(shuffle=False)`` built here: rank r of R then
+        takes windows r, r + R, r + 2R, …, so optimizer step s covers windows ``s·R·B … (s+1)·R·B − 1``,
+        exactly step s of one device with batch R·B. Lightning would otherwise inject its own sampler,
+        which shuffles the training set whatever the loader's ``shuffle`` says (lightning 2.6.6,
+        ``_process_dataloader``), and the runs would see other windows than one device.
+        """
+        sampler = None
+        trainer = self.trainer
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
+        if kwargs and kwargs.get("num_replicas", 1) > 1:
+            sampler = DistributedSampler(self.train_set, shuffle=False, **kwargs)
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, sampler=sampler,
                           num_workers=self.hparams.num_workers, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:

@@ -97,7 +97,7 @@ class GradNormMonitor(Monitor):
     before gradient clipping; see the module docstring), over the parameters that optimizer steps:
 
     ``{p}/global``
-        ‖g‖₂, the L2 norm of all their gradients (per-tensor norms in fp32, summed in fp64 on the host).
+        ‖g‖₂, the L2 norm of all their gradients (per-tensor norms in fp32, squares summed in fp64).
         Units of the loss per unit of parameter; the same quantity ``clip_grad_norm_`` clips.
     ``{p}/layer/{layer}``
         ‖g‖₂ of the parameters of one layer. Layers are groups of parameter names given by
@@ -137,8 +137,10 @@ class GradNormMonitor(Monitor):
     baseline and never alert.
 
     Across ranks: after DDP's all-reduce every rank holds the same gradient, so every rank computes the
-    same norms, baseline and alerts with no communication (and runs the same actions). With sharded
-    gradients (FSDP, DeepSpeed ZeRO-2/3) each rank sees its shard only — not supported yet.
+    same norms, baseline and alerts with no communication (and runs the same actions). Sharded gradients
+    (FSDP2 / DTensor, FSDP1 with ``use_orig_params=True``) give the same global norms on every rank: the
+    local squares are summed over the shard group in one ``all_reduce`` (``callbacks/_sharded.py``). FSDP1
+    with ``use_orig_params=False``: right global norm, no per-layer names. DeepSpeed ZeRO-2/3: not supported.
 
     Never stops training by accident: an exception in a hook is reported once as a
     :class:`~lightning_gproj.callbacks.MonitorDisabledWarning` and the monitor switches itself off; a

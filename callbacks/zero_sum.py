@@ -354,7 +354,10 @@ class ZeroSumMonitor(Monitor):
     ``dist_reduce_fx="cat"``; ``compute()`` syncs) and reduced: max for ``*_max``, mean for the rest
     (mean of per-rank medians for ``violation_median``). Every rank gets the reduced values, so every
     rank raises the same alerts and runs the same actions. All ranks must sample the same layers, as DDP
-    already requires; if the sets differ, each rank keeps its own values (warned once).
+    already requires; if the sets differ, each rank keeps its own values (warned once). The key-bias
+    signals of sharded gradients (FSDP2 / DTensor, FSDP1 with ``use_orig_params=True``) are global norms
+    before that reduction: the squares of the key parts each rank holds are summed over the shard group
+    (``callbacks/_sharded.py``; this all-reduce runs whatever ``sync_dist`` says).
 
     Never stops training by accident: an exception in a hook is reported once as a
     :class:`~lightning_gproj.callbacks.MonitorDisabledWarning`, the recorder and capture are restored,

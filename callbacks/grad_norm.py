@@ -39,6 +39,7 @@ from ._base import (
     log_to_loggers,
     step_index,
 )
+from ._sharded import Layout, clean_name, fsdp1_layouts, layout_of, squared_norm, sum_over_shards
 
 def default_layer_of(name: str) -> str:
     """Group a parameter name into a layer: up to the first all-digit component, else its module.
@@ -96,7 +97,7 @@ class GradNormMonitor(Monitor):
     before gradient clipping; see the module docstring), over the parameters that optimizer steps:
 
     ``{p}/global``
-        ‖g‖₂, the L2 norm of all their gradients (per-tensor norms in fp32, summed in fp64 on the host).
+        ‖g‖₂, the L2 norm of all their gradients (per-tensor norms in fp32, squares summed in fp64).
         Units of the loss per unit of parameter; the same quantity ``clip_grad_norm_`` clips.
     ``{p}/layer/{layer}``
         ‖g‖₂ of the parameters of one layer. Layers are groups of parameter names given by
@@ -136,8 +137,10 @@ class GradNormMonitor(Monitor):
     baseline and never alert.
 
     Across ranks: after DDP's all-reduce every rank holds the same gradient, so every rank computes the
-    same norms, baseline and alerts with no communication (and runs the same actions). With sharded
-    gradients (FSDP, DeepSpeed ZeRO-2/3) each rank sees its shard only — not supported yet.
+    same norms, baseline and alerts with no communication (and runs the same actions). Sharded gradients
+    (FSDP2 / DTensor, FSDP1 with ``use_orig_params=True``) give the same global norms on every rank: the
+    local squares are summed over the shard group in one ``all_reduce`` (``callbacks/_sharded.py``). FSDP1
+    with ``use_orig_params=False``: right global norm, no per-layer names. DeepSpeed ZeRO-2/3: not supported.
 
     Never stops training by accident: an exception in a hook is reported once as a
     :class:`~lightning_gproj.callbacks.MonitorDisabledWarning` and the monitor switches itself off; a
@@ -215,6 +218,7 @@ class GradNormMonitor(Monitor):
         )
         self._states: dict[int, _OptimizerState] = {}
         self._layer_names: dict[int, str] = {}  # id(param) -> layer
+        self._fsdp1: Optional[dict[int, Layout]] = None  # id(param) -> Layout of FSDP1-sharded parameters
 
     @property
     def alerts(self) -> list[Alert]:
@@ -225,34 +229,49 @@ class GradNormMonitor(Monitor):
 
     def _layers_by_param(self, pl_module: "pl.LightningModule") -> dict[int, str]:
         if not self._layer_names:
-            self._layer_names = {id(p): self.layer_of(n) for n, p in pl_module.named_parameters()}
+            self._layer_names = {id(p): self.layer_of(clean_name(n)) for n, p in pl_module.named_parameters()}
         return self._layer_names
 
     def measure(
-        self, pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
+        self,
+        pl_module: "pl.LightningModule",
+        optimizer: torch.optim.Optimizer,
+        model: Optional[torch.nn.Module] = None,
     ) -> tuple[float, dict[str, float]]:
-        """(global norm, {layer: norm}) of the current gradients of ``optimizer``'s parameters."""
+        """(global norm, {layer: norm}) of the current gradients of ``optimizer``'s parameters.
+
+        Sharded gradients (FSDP1 units found in ``model``, default ``pl_module``; DTensors) are reduced over
+        their ranks (``callbacks/_sharded.py``): a collective that every rank must reach. A layer none of
+        whose parameters has a gradient on any rank is left out."""
         layer_by_param = self._layers_by_param(pl_module)
+        if self._fsdp1 is None:
+            self._fsdp1 = fsdp1_layouts(model if model is not None else pl_module)
+        device: Optional[torch.device] = None
         layers: list[str] = []
-        norms: list[torch.Tensor] = []
+        rows: list[torch.Tensor] = []
+        groups: list[tuple] = []
         seen: set[int] = set()
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is None or id(p) in seen:
+                if id(p) in seen:
                     continue
                 seen.add(id(p))
-                g = p.grad.detach()
-                if g.is_sparse:
-                    g = g.coalesce().values()
+                layout = layout_of(p, self._fsdp1)
+                if p.grad is None and not layout.sharded:
+                    continue  # a sharded parameter keeps its row on every rank: the reduction needs them all
+                device = device or p.device
                 layers.append(layer_by_param.get(id(p), "<unnamed>"))
-                norms.append(torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)))
-        if not norms:
+                rows.append(squared_norm(p.grad, layout, device))
+                groups.append(layout.groups)
+        if not rows:
             return math.nan, {}
-        device = norms[0].device
-        host = torch.stack([n.to(device, torch.float64) for n in norms]).cpu().tolist()  # one sync
+        host = sum_over_shards(torch.stack(rows), groups).cpu().tolist()  # one sync
         sq: dict[str, float] = {}
-        for layer, n in zip(layers, host):
-            sq[layer] = sq.get(layer, 0.0) + n * n
+        for layer, (square, present) in zip(layers, host):
+            if present:
+                sq[layer] = sq.get(layer, 0.0) + square
+        if not sq:
+            return math.nan, {}
         return math.sqrt(sum(sq.values())), {layer: math.sqrt(v) for layer, v in sq.items()}
 
     # ------------------------------------------------------------------ detection (online and offline)
@@ -341,7 +360,7 @@ class GradNormMonitor(Monitor):
         if step % self.every_n_steps:
             return
         opt_idx = next((i for i, o in enumerate(trainer.optimizers) if o is optimizer), 0)
-        norm, layers = self.measure(pl_module, optimizer)
+        norm, layers = self.measure(pl_module, optimizer, trainer.model)
         if not layers:
             return
         several = len(trainer.optimizers) > 1

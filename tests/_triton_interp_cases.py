@@ -151,9 +151,9 @@ def main() -> None:
     # row with one valid key; causal with Nq == Nk (the usual causal + padding mask) and Nq < Nk.
     padded = [
         # (b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed, seqlens, fixes)
-        (2, 24, 24, 2, 1, 32, False, torch.bfloat16, 4.0, False, 6, [13, 24], ("none", "gproj", "gproj_uniform")),
+        (2, 24, 24, 2, 1, 32, False, torch.bfloat16, 4.0, False, 6, [13, 24], R.FIXES),
         (2, 29, 29, 1, 1, 32, True, torch.bfloat16, 4.0, False, 7, [16, 1], None),  # all four fixes
-        (1, 21, 40, 2, 2, 32, True, torch.float16, 4.0, True, 8, [30], ("none", "gproj", "gproj_uniform")),
+        (1, 21, 40, 2, 2, 32, True, torch.float16, 4.0, True, 8, [30], R.FIXES),
     ]
     res["padded_cases"] = [run_case(*c) for c in padded]
     # (b, nq, nk, h, hk, d, causal, seed)

@@ -31,7 +31,8 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 GRADS = ("dq", "dk", "dv")
-FIXES = ("none", "gproj", "gproj_fold", "gproj_uniform")
+#: Backward variants the interpreter run measures per case: the fixes of reference.FIXES plus the fold.
+VARIANTS = ("none", "gproj", "gproj_fold", "gproj_uniform")
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +49,9 @@ def measured() -> dict:
 
 def _cases(measured):
     assert len(measured["cases"]) == 5 and len(measured["padded_cases"]) == 3
-    assert all(set(c["bwd"]) == set(FIXES) for c in measured["cases"])
+    assert all(set(c["bwd"]) == set(VARIANTS) for c in measured["cases"])
     assert all({"none", "gproj", "gproj_uniform"} <= set(c["bwd"]) for c in measured["padded_cases"])
-    assert any(set(c["bwd"]) == set(FIXES) for c in measured["padded_cases"])
+    assert any(set(c["bwd"]) == set(VARIANTS) for c in measured["padded_cases"])
     return measured["cases"] + measured["padded_cases"]
 
 

@@ -129,14 +129,20 @@ def test_conservation_of_key_gradient(measured):
     subtraction: a few u = 2⁻²⁴ ≈ 6e-8 (measured ≤ 5.7e-8; 1.3–3.8e-6 before the projection, from the
     16-bit correction operand and cross-pass ulp differences). The uncorrected kernel leaves the 16-bit
     rounding of dS in it (≥ 3e-4 here).
+
+    fix="gproj_uniform" gets no final projection: its dK pass recomputes dS̃, and where a differently
+    ordered fp32 sum flips one 16-bit rounding, that dS̃ differs from the one r summed in the dQ pass,
+    leaving one 16-bit ulp of a dS entry in Σ_j dK_j (measured 5e-8..9e-8 in bf16, 1.0e-6 and 1.0e-5
+    in the fp16 cases): bound 2e-5.
     """
     u = 2.0**-24
     for c in _cases(measured):
         bw = c["bwd"]
         assert "gproj" in bw and "gproj_uniform" in bw
-        for fix in ("gproj", "gproj_fold", "gproj_uniform"):
+        for fix in ("gproj", "gproj_fold"):
             if fix in bw:  # the fold variant runs on a subset of the cases
                 assert bw[fix]["c2_residual_fp32"] <= 4 * u, (c["shape"], fix)
+        assert bw["gproj_uniform"]["c2_residual_fp32"] <= 2e-5, c["shape"]
         assert bw["none"]["c2_residual_fp32"] >= 1e-4, c["shape"]
 
 

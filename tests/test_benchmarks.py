@@ -1,8 +1,8 @@
-"""The speed benchmarks' CPU smoke modes (benchmarks/attention.py).
+"""The speed benchmarks' CPU smoke modes (benchmarks/attention.py, benchmarks/train_step.py).
 
-Speed is measured on a GPU, never here: these tests run the script's ``--smoke`` mode (tiny shapes,
-Triton's interpreter) in a subprocess and check what it writes — the record format the next GPU
-session's results will have — not the timings, which mean nothing on CPU.
+Speed is measured on a GPU, never here: these tests run each script's ``--smoke`` mode (tiny shapes,
+Triton's interpreter / a 2-layer Llama on CPU) in a subprocess and check what it writes — the record
+format the next GPU session's results will have — not the timings, which mean nothing on CPU.
 """
 
 from __future__ import annotations
@@ -53,3 +53,24 @@ def test_attention_smoke_writes_speed_records(tmp_path):
     full = json.loads((tmp_path / "attention.json").read_text())
     assert full["smoke"] is True and len(full["rows"]) == 4
     assert "| 1×1×24×16 causal |" in (tmp_path / "attention.md").read_text()
+
+
+def test_train_step_smoke_writes_step_times(tmp_path):
+    out = tmp_path / "train_step.json"
+    _run(["benchmarks/train_step.py", "--smoke", "--out", str(out)], tmp_path)
+    res = json.loads(out.read_text())
+    assert res["smoke"] is True and res["env"]["device"] == "cpu"
+    rows = res["results"]
+    assert [(r["config"], r["arm"]) for r in rows] == [("tiny", "cudnn"), ("tiny", "gproj"), ("tiny", "none")]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["layers"] == 2 and r["hidden"] == 64 and r["timed_steps"] == 2
+        assert _positive(r["step_ms_median"]) and r["step_ms_p10"] <= r["step_ms_median"] <= r["step_ms_p90"]
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["seq"] / (r["step_ms_median"] * 1e-3))
+        assert math.isfinite(r["loss_first"]) and math.isfinite(r["loss_last"])
+        # the plugin arms swapped both attention layers; the cudnn arm is plain SDPA
+        assert r["swapped_modules"] == (None if r["arm"] == "cudnn" else 2)
+    # same seed, same tokens: the first losses agree to bf16 attention differences
+    assert max(r["loss_first"] for r in rows) - min(r["loss_first"] for r in rows) < 0.05
+    ratios = res["ratio_to_cudnn"]["tiny"]
+    assert set(ratios) == {"cudnn", "gproj", "none"} and ratios["cudnn"] == 1.0

@@ -408,9 +408,11 @@ def _dkdv_kernel(
 # and Σ_j |dS̃_ij| into fp32 buffers by atomic adds; the P-weighted corrections, which need the final
 # r, run in a light second pass (_corr_kernel); _dq_post_kernel scales and rounds the dQ buffer once.
 
-# Both kernels: key block BLOCK_N stays resident, query blocks BLOCK_M stream.
-_ONE_PASS_CONFIGS = _cfgs([(64, 128, 8, 2), (32, 128, 4, 4), (64, 64, 4, 3), (32, 32, 8, 2)], (16, 16))
-_CORR_CONFIGS = _cfgs([(64, 128, 8, 2), (32, 128, 4, 4), (64, 64, 4, 3), (32, 32, 8, 2)], (16, 16))
+# Both kernels: key block BLOCK_N stays resident, query blocks BLOCK_M stream (d <= 128 only, so every
+# entry is a candidate). The main pass holds three fp32 accumulators (dK, dV: [BLOCK_N, d]; the dQ
+# share: [BLOCK_M, d]), hence 8 warps on the wide tiles; chosen by register arithmetic, not measured.
+_ONE_PASS_CONFIGS = _cfgs([(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3)], (16, 16))
+_CORR_CONFIGS = _cfgs([(64, 128, 8, 2), (32, 128, 4, 4), (64, 64, 4, 3)], (16, 16))
 
 #: Largest head dim the one-pass kernels serve; larger ones run the two-pass kernels. Its dQ tile is a
 #: third fp32 [tile, d] accumulator beside dK and dV, and d = 256 was never checked to fit registers.

@@ -20,9 +20,12 @@ Each arm runs ``--warmup`` steps (Triton compiles and autotunes in the first one
 timed steps. A step is timed from Lightning's ``on_train_batch_start`` to ``on_train_batch_end``
 (forward, backward, optimizer step) with CUDA events; reported: the median step time, its 10th and
 90th percentiles, tokens/s = batch·seq / median, the peak memory of the arm, the first and last loss
-(a sanity check that the arms train alike), and each arm's median over the cudnn arm's.
+(a sanity check that the arms train alike), and each arm's median over the cudnn arm's. With
+``--profile-steps N``, N more steps per arm run under torch.profiler (not timed) and its kernel table
+lands beside the JSON: where a gproj step's extra time goes, kernels or the code around them.
 
 Usage: python benchmarks/train_step.py [--out PATH] [--configs a,b] [--arms a,b] [--warmup N] [--steps N]
+                                      [--profile-steps N]
        python benchmarks/train_step.py --smoke --out PATH   (CPU, a 2-layer hidden-64 Llama, a few steps)
 Writes PATH (default benchmarks/results/train_step_latest.json). ``--smoke`` times nothing meaningful
 (CPU, SDPA's default backend for the cudnn arm, the op's PyTorch reference for the others); it lets a
@@ -60,12 +63,31 @@ def _lightning():
 
 
 class StepTimer:
-    """Times each training step (on_train_batch_start → on_train_batch_end) and records its loss."""
+    """Times each training step (on_train_batch_start → on_train_batch_end) and records its loss; with
+    ``profile_path``, steps from ``profile_from`` on run under torch.profiler, whose kernel table
+    (sorted by device time) is written there when training ends."""
 
-    def __init__(self, cuda: bool):
+    def __init__(self, cuda: bool, profile_from: int | None = None, profile_path: str | None = None):
         self.cuda = cuda
         self.marks: list = []
         self.losses: list[float] = []
+        self.profile_from, self.profile_path = profile_from, profile_path
+        self.prof = None
+
+    def maybe_profile(self):
+        if self.profile_path and len(self.marks) == self.profile_from:
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+
+    def finish(self):
+        if self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            key = "cuda_time_total" if self.cuda else "cpu_time_total"
+            with open(self.profile_path, "w") as f:
+                f.write(self.prof.key_averages().table(sort_by=key, row_limit=40))
+            self.prof = None
 
     def _mark(self):
         if self.cuda:
@@ -93,15 +115,19 @@ def make_callback(timer: StepTimer):
 
     class _Cb(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            timer.maybe_profile()
             timer.start()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             timer.end(outputs["loss"].detach())
 
+        def on_train_end(self, trainer, pl_module):
+            timer.finish()
+
     return _Cb()
 
 
-def make_module(cfg: dict, sdpa_backend, seed: int):
+def make_module(cfg: dict, sdpa_backend, seed: int, device: str):
     import transformers
     L = _lightning()
 
@@ -109,10 +135,11 @@ def make_module(cfg: dict, sdpa_backend, seed: int):
         def __init__(self):
             super().__init__()
             torch.manual_seed(seed)
-            self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-                vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
-                num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
-                num_key_value_heads=cfg["heads"], max_position_embeddings=cfg["seq"], attn_implementation="sdpa"))
+            with torch.device(device):  # initialized where it trains: a 0.5B model inits slowly on CPU
+                self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                    vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
+                    num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+                    num_key_value_heads=cfg["heads"], max_position_embeddings=cfg["seq"], attn_implementation="sdpa"))
 
         def training_step(self, batch, batch_idx):
             (ids,) = batch
@@ -129,8 +156,10 @@ def make_module(cfg: dict, sdpa_backend, seed: int):
     return LitLlama()
 
 
-def run_arm(cfg_name: str, cfg: dict, arm: str, warmup: int, steps: int, smoke: bool, seed: int = 0) -> dict:
-    """Train ``warmup + steps`` steps of one arm; the timing summary of the last ``steps``."""
+def run_arm(cfg_name: str, cfg: dict, arm: str, warmup: int, steps: int, smoke: bool, seed: int = 0,
+            profile_steps: int = 0, profile_path: str | None = None) -> dict:
+    """Train ``warmup + steps (+ profile_steps)`` steps of one arm; the timing summary of the ``steps``
+    after the warm-up (profiled steps, if any, come after them and are not timed)."""
     from torch.utils.data import DataLoader, TensorDataset
     L = _lightning()
     cuda = not smoke
@@ -145,12 +174,13 @@ def run_arm(cfg_name: str, cfg: dict, arm: str, warmup: int, steps: int, smoke: 
         if fix is None and cuda:
             from torch.nn.attention import SDPBackend
             backend = SDPBackend.CUDNN_ATTENTION
-        module = make_module(cfg, backend, seed)
+        module = make_module(cfg, backend, seed, "cuda" if cuda else "cpu")
         g = torch.Generator().manual_seed(seed + 1)
-        n = (warmup + steps) * cfg["batch"]
+        total = warmup + steps + (profile_steps if profile_path else 0)
+        n = total * cfg["batch"]
         data = TensorDataset(torch.randint(0, cfg["vocab"], (n, cfg["seq"]), generator=g))
         loader = DataLoader(data, batch_size=cfg["batch"], shuffle=False, pin_memory=cuda)
-        timer = StepTimer(cuda)
+        timer = StepTimer(cuda, warmup + steps, profile_path if profile_steps else None)
         kwargs = {}
         plugin = None
         if fix is None:
@@ -159,13 +189,13 @@ def run_arm(cfg_name: str, cfg: dict, arm: str, warmup: int, steps: int, smoke: 
             from lightning_gproj import GProjPlugin
             plugin = GProjPlugin("bf16-mixed", fix=fix)
             kwargs["plugins"] = [plugin]
-        trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, max_steps=warmup + steps,
+        trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, max_steps=total,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, callbacks=[make_callback(timer)], **kwargs)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         trainer.fit(module, train_dataloaders=loader)
-        times = timer.times_ms()[warmup:]
+        times = timer.times_ms()[warmup:warmup + steps]
         if len(times) != steps:
             raise RuntimeError(f"{len(times)} timed steps recorded, expected {steps}")
         med = statistics.median(times)
@@ -174,7 +204,8 @@ def run_arm(cfg_name: str, cfg: dict, arm: str, warmup: int, steps: int, smoke: 
                    tokens_per_s=cfg["batch"] * cfg["seq"] / (med * 1e-3),
                    peak_mib=torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
                    loss_first=float(timer.losses[0]), loss_last=float(timer.losses[-1]),
-                   swapped_modules=None if plugin is None else len(plugin.report.swapped))
+                   swapped_modules=None if plugin is None else len(plugin.report.swapped),
+                   profile=profile_path if profile_steps else None)
     except Exception as exc:
         row["error"] = f"{exc.__class__.__name__}: {str(exc)[:300]}"
     finally:
@@ -216,6 +247,9 @@ def main(argv=None):
     ap.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, from {sorted(ARMS)}")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per arm (default 10; smoke 1)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per arm (default 30; smoke 2)")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after the timed steps, this many more under torch.profiler; kernel table per arm in "
+                         "OUT.profile_CONFIG_ARM.txt")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny Llama: checks the script, times nothing")
     args = ap.parse_args(argv)
     table = SMOKE_CONFIGS if args.smoke else CONFIGS
@@ -234,18 +268,20 @@ def main(argv=None):
     for c in configs:
         for arm in arms:
             t0 = time.time()
-            row = run_arm(c, table[c], arm, warmup, steps, args.smoke)
+            prof = f"{os.path.splitext(args.out)[0]}.profile_{c}_{arm}.txt" if args.profile_steps else None
+            row = run_arm(c, table[c], arm, warmup, steps, args.smoke, profile_steps=args.profile_steps, profile_path=prof)
             res["results"].append(row)
             print(f"[{time.time() - t0:.0f}s] {c} {arm}: " + (row["error"] if "error" in row else
                   f"step {row['step_ms_median']:.1f} ms (p10 {row['step_ms_p10']:.1f}, p90 {row['step_ms_p90']:.1f}), "
                   f"{row['tokens_per_s']:.0f} tokens/s, loss {row['loss_first']:.3f} -> {row['loss_last']:.3f}"),
                   flush=True)
-        base = next((r for r in res["results"] if r["config"] == c and r["arm"] == "cudnn" and "error" not in r), None)
-        if base is not None:
-            res["ratio_to_cudnn"][c] = {r["arm"]: r["step_ms_median"] / base["step_ms_median"]
-                                        for r in res["results"] if r["config"] == c and "error" not in r}
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+            base = next((r for r in res["results"] if r["config"] == c and r["arm"] == "cudnn" and "error" not in r),
+                        None)
+            if base is not None:
+                res["ratio_to_cudnn"][c] = {r["arm"]: r["step_ms_median"] / base["step_ms_median"]
+                                            for r in res["results"] if r["config"] == c and "error" not in r}
+            with open(args.out, "w") as f:  # after every arm: a run cut short keeps what it measured
+                json.dump(res, f, indent=1)
     print(json.dumps(res["ratio_to_cudnn"], indent=1))
     return res
 

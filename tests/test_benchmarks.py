@@ -57,7 +57,7 @@ def test_attention_smoke_writes_speed_records(tmp_path):
 
 def test_train_step_smoke_writes_step_times(tmp_path):
     out = tmp_path / "train_step.json"
-    _run(["benchmarks/train_step.py", "--smoke", "--out", str(out)], tmp_path)
+    _run(["benchmarks/train_step.py", "--smoke", "--out", str(out), "--profile-steps", "1"], tmp_path)
     res = json.loads(out.read_text())
     assert res["smoke"] is True and res["env"]["device"] == "cpu"
     rows = res["results"]
@@ -70,6 +70,9 @@ def test_train_step_smoke_writes_step_times(tmp_path):
         assert math.isfinite(r["loss_first"]) and math.isfinite(r["loss_last"])
         # the plugin arms swapped both attention layers; the cudnn arm is plain SDPA
         assert r["swapped_modules"] == (None if r["arm"] == "cudnn" else 2)
+        # one more step per arm under torch.profiler, its table beside the JSON
+        assert r["profile"] == str(tmp_path / f"train_step.profile_tiny_{r['arm']}.txt")
+        assert "aten::" in open(r["profile"]).read()
     # same seed, same tokens: the first losses agree to bf16 attention differences
     assert max(r["loss_first"] for r in rows) - min(r["loss_first"] for r in rows) < 0.05
     ratios = res["ratio_to_cudnn"]["tiny"]

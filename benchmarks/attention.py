@@ -1,18 +1,25 @@
-"""Attention speed (DESIGN.md §7): forward, backward and forward+backward TFLOP/s and peak memory.
+"""Attention speed (DESIGN.md §7, issue 12): forward, backward and forward+backward TFLOP/s and peak memory.
 
-Shapes (B×H×N×d, causal): 4×16×2048×128 no; 1×16×8192×128 no; 1×16×8192×128 yes; 2×16×4096×64 no;
-1×8×16384×128 yes; bf16, inputs from torch.randn. FLOPs: forward 4·B·H·N²·d (× ½ causal), backward
+Shapes (B×H×N×d), each without and with the causal mask: 4×16×2048×128, 1×16×8192×128, 2×16×4096×64,
+1×8×16384×128; bf16, inputs from torch.randn. FLOPs: forward 4·B·H·N²·d (× ½ causal), backward
 2.5 × forward. Time: triton.testing.do_bench, median (warm-up first; the first call of each shape
 autotunes / compiles). Peak memory: torch.cuda.max_memory_allocated over one forward+backward, minus
 the memory held before it (inputs), in MiB.
 
-Methods: gproj (default schedule: dK term as its own GEMM), gproj_fold (dK term folded into dS),
-none, gproj_uniform, cudnn (SDPA), sdpa_flash (SDPA FlashAttention-2), fa4 (flash-attn-4 CuTe, when
-importable).
+Methods (benchmarks/_methods.py): gproj, gproj_fold, none, gproj_uniform (our kernels, two-pass
+backward), gproj_1p, none_1p (the one-pass backward, ``schedule="one_pass"``), cudnn (SDPA),
+sdpa_flash (SDPA FlashAttention-2), fa4 (flash-attn-4 CuTe, when importable).
 
-Usage: python benchmarks/attention.py --out DIR [--smoke] [--methods a,b] [--shapes i,j]
-Writes DIR/attention.json, DIR/attention.md and (matplotlib permitting) DIR/attention.png, rewritten
-after every shape.
+Usage: python benchmarks/attention.py --out DIR [--json [PATH]] [--smoke] [--methods a,b] [--shapes i,j]
+Writes DIR/attention.json (environment, date, records), DIR/attention.md and (matplotlib permitting)
+DIR/attention.png, rewritten after every shape; with ``--json`` also PATH (default
+benchmarks/results/speed_latest.json): the list of records
+{shape: [B, H, N, d], causal, method, fwd_tflops, bwd_tflops, fwdbwd_tflops, peak_mib} (plus the
+times in ms, and ``error`` where a method failed, its numbers then null).
+
+``--smoke``: CPU, Triton's interpreter (TRITON_INTERPRET=1), two tiny shapes (causal and not), our
+kernels only. The timings are the interpreter's and mean nothing; it exists so that a CPU test can
+check that the script runs and what it writes.
 """
 
 from __future__ import annotations
@@ -31,15 +38,22 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _methods as M  # noqa: E402
 
-METHODS = ["gproj", "gproj_fold", "none", "gproj_uniform", "cudnn", "sdpa_flash", "fa4"]
-SHAPES = [(4, 16, 2048, 128, False), (1, 16, 8192, 128, False), (1, 16, 8192, 128, True),
-          (2, 16, 4096, 64, False), (1, 8, 16384, 128, True)]
-#: DESIGN.md §7 anchors measured earlier on an H200 (fwd+bwd TFLOP/s), for the table's context.
+METHODS = ["gproj", "gproj_fold", "none", "gproj_uniform", "gproj_1p", "none_1p", "cudnn", "sdpa_flash", "fa4"]
+SMOKE_METHODS = ["gproj", "none", "gproj_1p", "none_1p"]
+#: (B, H, N, d): DESIGN.md §7 and issue 12; each runs without and with the causal mask.
+BASE_SHAPES = [(4, 16, 2048, 128), (1, 16, 8192, 128), (2, 16, 4096, 64), (1, 8, 16384, 128)]
+SHAPES = [(*s, causal) for s in BASE_SHAPES for causal in (False, True)]
+SMOKE_SHAPES = [(1, 1, 24, 16, False), (1, 1, 24, 16, True)]
+#: The keys of one record of the --json output (issue 12).
+RECORD_KEYS = ("shape", "causal", "method", "fwd_tflops", "bwd_tflops", "fwdbwd_tflops", "peak_mib")
+DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "speed_latest.json")
+#: DESIGN.md §7 anchors measured earlier on an H200 (fwd+bwd TFLOP/s, FA4 / cuDNN / SDPA-flash).
 DESIGN_ANCHORS = {
     (4, 16, 2048, 128, False): (560, 500, 283), (1, 16, 8192, 128, False): (616, 546, 315),
     (1, 16, 8192, 128, True): (559, 483, 274), (2, 16, 4096, 64, False): (495, 429, 275),
     (1, 8, 16384, 128, True): (614, 524, 305),
 }
+MODES = (("fwd", "fwd"), ("bwd", "bwd"), ("fwdbwd", "fwd_bwd"))  # (record key, attn_flops mode)
 
 
 def bench(fn, smoke):
@@ -52,11 +66,14 @@ def bench(fn, smoke):
 
 
 def measure(shape, name, smoke):
+    """One record: shape (B, H, N, d, causal) timed with method ``name``."""
     b, h, n, d, causal = shape
     dev = "cpu" if smoke else "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v, do = (torch.randn(b, n, h, d, generator=g, device=dev).bfloat16() for _ in range(4))
-    row = {"shape": list(shape), "method": name}
+    row = {"shape": [b, h, n, d], "causal": causal, "method": name, "peak_mib": None}
+    for key, _ in MODES:
+        row[f"{key}_tflops"] = row[f"{key}_ms"] = None
     try:
         meth = M.make(name, q, k, v, do, causal)
         meth.fwd_bwd()  # compile / autotune
@@ -66,33 +83,36 @@ def measure(shape, name, smoke):
             base = torch.cuda.memory_allocated()
             meth.fwd_bwd()
             torch.cuda.synchronize()
-            row["peak_mem_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        t_fb = bench(meth.fwd_bwd, smoke)
-        t_f = bench(meth.fwd, smoke)
+            row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        times = {"fwdbwd": bench(meth.fwd_bwd, smoke), "fwd": bench(meth.fwd, smoke)}
         if name in M.OURS:
             meth.fwd()
-            t_b = bench(meth.bwd, smoke)
         else:
             meth.fwd_graph()
-            t_b = bench(meth.bwd, smoke)
-        for mode, t in (("fwd", t_f), ("bwd", t_b), ("fwd_bwd", t_fb)):
-            row[f"{mode}_ms"] = t
-            row[f"{mode}_tflops"] = M.attn_flops(b, h, n, n, d, causal, mode) / (t * 1e-3) / 1e12
+        times["bwd"] = bench(meth.bwd, smoke)
+        for key, mode in MODES:
+            row[f"{key}_ms"] = times[key]
+            row[f"{key}_tflops"] = M.attn_flops(b, h, n, n, d, causal, mode) / (times[key] * 1e-3) / 1e12
     except Exception as exc:
         row["error"] = f"{exc.__class__.__name__}: {str(exc)[:300]}"
     return row
 
 
+def _key(r):
+    return (*r["shape"], r["causal"])
+
+
+def _label(s):
+    return f"{s[0]}×{s[1]}×{s[2]}×{s[3]} {'causal' if s[4] else 'full'}"
+
+
 def markdown(res):
     rows = res["rows"]
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
-    shapes = []
-    for r in rows:
-        if tuple(r["shape"]) not in shapes:
-            shapes.append(tuple(r["shape"]))
+    shapes = list(dict.fromkeys(_key(r) for r in rows))
 
     def get(shape, m, key):
-        r = next((x for x in rows if tuple(x["shape"]) == shape and x["method"] == m), None)
+        r = next((x for x in rows if _key(x) == shape and x["method"] == m), None)
         if r is None:
             return None
         return "err" if "error" in r else r.get(key)
@@ -100,43 +120,47 @@ def markdown(res):
     def fmt(x, nd=0):
         return "—" if x is None else (x if isinstance(x, str) else f"{x:.{nd}f}")
 
+    def ratio(a, b):
+        return fmt(a / b, 2) if isinstance(a, float) and isinstance(b, float) else "—"
+
     out = [f"# Attention speed (DESIGN.md §7)\n\n{res['env']}\n\nDate {res['date']}. TFLOP/s from "
            "triton.testing.do_bench medians; bf16; FLOPs 4·B·H·N²·d (½ causal), bwd 2.5×.\n"]
-    for mode in ("fwd_bwd", "fwd", "bwd"):
-        out += [f"### {mode} TFLOP/s", "", "| B×H×N×d causal | " + " | ".join(methods) + " |",
+    for key, title in (("fwdbwd", "fwd+bwd"), ("fwd", "fwd"), ("bwd", "bwd")):
+        out += [f"### {title} TFLOP/s", "", "| B×H×N×d causal | " + " | ".join(methods) + " |",
                 "|---|" + "---|" * len(methods)]
         for s in shapes:
-            out.append(f"| {s[0]}×{s[1]}×{s[2]}×{s[3]} {'causal' if s[4] else 'full'} | "
-                       + " | ".join(fmt(get(s, m, f"{mode}_tflops")) for m in methods) + " |")
+            out.append(f"| {_label(s)} | " + " | ".join(fmt(get(s, m, f"{key}_tflops")) for m in methods) + " |")
         out.append("")
-    out += ["### Ratios (fwd+bwd)", "",
-            "| shape | gproj/none | gproj overhead vs none | gproj_fold overhead | gproj/sdpa_flash | gproj/fa4 |"
-            " gproj/cudnn |", "|---|---|---|---|---|---|---|"]
+    # Issue 12's goals: fwd+bwd ≥ 0.70× cuDNN (gproj), ≥ 0.90× (none), forward ≥ 0.90×.
+    ours = [m for m in methods if m in M.OURS]
+    out += ["### Against cuDNN (issue 12 goals: gproj fwd+bwd ≥ 0.70×, none ≥ 0.90×, fwd ≥ 0.90×)", "",
+            "| shape | " + " | ".join(f"{m} fwd+bwd" for m in ours) + " | gproj fwd |",
+            "|---|" + "---|" * (len(ours) + 1)]
     for s in shapes:
-        gp = get(s, "gproj", "fwd_bwd_tflops")
-        cells = []
-        for other in ("none",):
-            o = get(s, other, "fwd_bwd_tflops")
-            cells.append(fmt(gp / o, 3) if isinstance(gp, float) and isinstance(o, float) else "—")
-        for m in ("gproj", "gproj_fold"):
-            t = get(s, m, "fwd_bwd_ms")
-            t0 = get(s, "none", "fwd_bwd_ms")
-            cells.append(f"{100 * (t / t0 - 1):+.1f}%" if isinstance(t, float) and isinstance(t0, float) else "—")
-        for other in ("sdpa_flash", "fa4", "cudnn"):
-            o = get(s, other, "fwd_bwd_tflops")
-            cells.append(fmt(gp / o, 3) if isinstance(gp, float) and isinstance(o, float) else "—")
-        out.append(f"| {s[0]}×{s[1]}×{s[2]}×{s[3]} {'causal' if s[4] else 'full'} | " + " | ".join(cells) + " |")
+        c = get(s, "cudnn", "fwdbwd_tflops")
+        cells = [ratio(get(s, m, "fwdbwd_tflops"), c) for m in ours]
+        cells.append(ratio(get(s, "gproj", "fwd_tflops"), get(s, "cudnn", "fwd_tflops")))
+        out.append(f"| {_label(s)} | " + " | ".join(cells) + " |")
+    pairs = [(a, b) for a, b in (("gproj", "none"), ("gproj_fold", "none"), ("gproj_1p", "none_1p"),
+                                 ("none_1p", "none"), ("gproj_1p", "gproj")) if a in methods and b in methods]
+    if pairs:
+        out += ["", "### fwd+bwd time, one method over another", "",
+                "| shape | " + " | ".join(f"{a} / {b}" for a, b in pairs) + " |", "|---|" + "---|" * len(pairs)]
+        for s in shapes:
+            cells = []
+            for a, b in pairs:
+                ta, tb = get(s, a, "fwdbwd_ms"), get(s, b, "fwdbwd_ms")
+                cells.append(f"{100 * (ta / tb - 1):+.1f}%" if isinstance(ta, float) and isinstance(tb, float) else "—")
+            out.append(f"| {_label(s)} | " + " | ".join(cells) + " |")
     out += ["", "### Peak memory of one fwd+bwd above the inputs (MiB)", "",
             "| shape | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
     for s in shapes:
-        out.append(f"| {s[0]}×{s[1]}×{s[2]}×{s[3]} {'causal' if s[4] else 'full'} | "
-                   + " | ".join(fmt(get(s, m, "peak_mem_mib")) for m in methods) + " |")
+        out.append(f"| {_label(s)} | " + " | ".join(fmt(get(s, m, "peak_mib")) for m in methods) + " |")
     out += ["", "DESIGN.md §7 anchors (fwd+bwd, earlier H200 session): FA4 / cuDNN / SDPA-flash = "
-            + "; ".join(f"{k[0]}×{k[1]}×{k[2]}×{k[3]}{' causal' if k[4] else ''}: {v[0]}/{v[1]}/{v[2]}"
-                        for k, v in DESIGN_ANCHORS.items()), ""]
+            + "; ".join(f"{_label(k)}: {v[0]}/{v[1]}/{v[2]}" for k, v in DESIGN_ANCHORS.items()), ""]
     errs = [r for r in rows if "error" in r]
     if errs:
-        out += ["### Errors", ""] + [f"- {r['method']} {r['shape']}: {r['error']}" for r in errs]
+        out += ["### Errors", ""] + [f"- {r['method']} {_label(_key(r))}: {r['error']}" for r in errs]
     return "\n".join(out) + "\n"
 
 
@@ -147,49 +171,59 @@ def chart(res, path):
         import matplotlib.pyplot as plt
     except Exception:
         return False
-    rows = [r for r in res["rows"] if "error" not in r and "fwd_bwd_tflops" in r]
-    shapes = []
-    for r in rows:
-        if tuple(r["shape"]) not in shapes:
-            shapes.append(tuple(r["shape"]))
+    rows = [r for r in res["rows"] if r.get("fwdbwd_tflops") is not None]
+    shapes = list(dict.fromkeys(_key(r) for r in rows))
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
     if not shapes or not methods:
         return False
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    fig, ax = plt.subplots(figsize=(13, 4.5))
     w = 0.8 / len(methods)
     for i, m in enumerate(methods):
-        ys = [next((r["fwd_bwd_tflops"] for r in rows if tuple(r["shape"]) == s and r["method"] == m), 0) for s in shapes]
+        ys = [next((r["fwdbwd_tflops"] for r in rows if _key(r) == s and r["method"] == m), 0) for s in shapes]
         ax.bar([j + i * w for j in range(len(shapes))], ys, w, label=m)
     ax.set_xticks([j + 0.4 - w / 2 for j in range(len(shapes))])
-    ax.set_xticklabels([f"{s[0]}×{s[1]}×{s[2]}×{s[3]}{' c' if s[4] else ''}" for s in shapes])
+    ax.set_xticklabels([f"{s[0]}×{s[1]}×{s[2]}×{s[3]}{' c' if s[4] else ''}" for s in shapes], fontsize=8)
     ax.set_ylabel("fwd+bwd TFLOP/s (bf16)")
     ax.set_title(f"Attention fwd+bwd, {res['env'].get('device', 'cpu')}, {res['date']}")
-    ax.legend(ncol=4, fontsize=8)
+    ax.legend(ncol=5, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def records(rows):
+    """The --json records: RECORD_KEYS, the times, and ``error`` where there is one."""
+    keep = RECORD_KEYS + ("fwd_ms", "bwd_ms", "fwdbwd_ms", "error")
+    return [{k: r[k] for k in keep if k in r} for r in rows]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--smoke", action="store_true", help="CPU interpreter, one tiny shape, our kernels only")
-    ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES")
-    args = ap.parse_args()
+    ap.add_argument("--json", nargs="?", const=DEFAULT_JSON, default=None, metavar="PATH",
+                    help=f"also write the records as a JSON list (default path {DEFAULT_JSON})")
+    ap.add_argument("--smoke", action="store_true", help="CPU interpreter, two tiny shapes, our kernels only")
+    ap.add_argument("--methods", default=None, help="comma-separated (default: all available)")
+    ap.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES (or SMOKE_SHAPES)")
+    args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    methods = [m for m in args.methods.split(",") if M.available(m)]
-    shapes = [(1, 2, 48, 32, True)] if args.smoke else SHAPES
+    requested = args.methods.split(",") if args.methods else (SMOKE_METHODS if args.smoke else METHODS)
+    unknown = [m for m in requested if m not in METHODS and m not in M.OURS]
+    if unknown:
+        ap.error(f"unknown methods {unknown}; known: {METHODS} and {sorted(M.OURS)}")
+    methods = [m for m in requested if M.available(m)]
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
     if args.shapes:
         shapes = [shapes[int(i)] for i in args.shapes.split(",")]
-    res = {"env": M.env_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": []}
+    res = {"env": M.env_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": args.smoke,
+           "rows": []}
     for s in shapes:
         for m in methods:
             t0 = time.time()
             r = measure(s, m, args.smoke)
             res["rows"].append(r)
-            print(f"[{time.time() - t0:.1f}s] {s} {m}: " + (r["error"] if "error" in r else
-                  f"fwd {r['fwd_tflops']:.0f} bwd {r['bwd_tflops']:.0f} fwd+bwd {r['fwd_bwd_tflops']:.0f} TFLOP/s"),
+            print(f"[{time.time() - t0:.1f}s] {_label(s)} {m}: " + (r["error"] if "error" in r else
+                  f"fwd {r['fwd_tflops']:.0f} bwd {r['bwd_tflops']:.0f} fwd+bwd {r['fwdbwd_tflops']:.0f} TFLOP/s"),
                   flush=True)
             if not args.smoke:
                 torch.cuda.empty_cache()
@@ -197,6 +231,10 @@ def main():
             json.dump(res, f, indent=1)
         with open(os.path.join(args.out, "attention.md"), "w") as f:
             f.write(markdown(res))
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(records(res["rows"]), f, indent=1)
     chart(res, os.path.join(args.out, "attention.png"))
     print(markdown(res))
 

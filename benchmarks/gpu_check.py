@@ -3,6 +3,8 @@
 Usage: python benchmarks/gpu_check.py [--quick-speed] [--skip-cases] [--ds-formats bf16,e4m3,e5m2]
 Prints relative Frobenius differences Triton vs reference (same rounding points: expect <~1e-3,
 mostly 0), the constant checks of DESIGN.md §5, and (with --quick-speed) a few fwd+bwd timings.
+The backward schedule of the checks is GPROJ_BWD_SCHEDULE's (default two_pass; one_pass checks the
+one-pass kernels, which leave the fold variant and d = 256 to the two-pass ones); the timings name it.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ def main():
     ap.add_argument("--ds-formats", default="bf16", help="ds_format values to check (FP8 ones with none/gproj only)")
     args = ap.parse_args()
     import triton
-    print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())
+    print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(),
+          "backward schedule", B.default_schedule())
     torch.manual_seed(0)
     dev = "cuda"
     worst = 0.0
@@ -104,10 +107,12 @@ def main():
             q, k, v, do = (torch.randn(b, n, h, d, device=dev, dtype=torch.bfloat16, requires_grad=False) for _ in range(4))
             flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0) * 3.5
             res = {}
-            for name, fold, fix in [("none", False, "none"), ("gproj", False, "gproj"), ("gproj_fold", True, "gproj")]:
+            for name, fold, fix, sched in [("none", False, "none", "two_pass"), ("gproj", False, "gproj", "two_pass"),
+                                           ("gproj_fold", True, "gproj", "two_pass"),
+                                           ("none_1p", False, "none", "one_pass"), ("gproj_1p", False, "gproj", "one_pass")]:
                 def run():
                     o, m, l2 = F.forward(q, k, v, d ** -0.5, causal)
-                    B.backward(do, q, k, v, o, m, l2, d ** -0.5, causal, fix, False, dk_fold=fold)
+                    B.backward(do, q, k, v, o, m, l2, d ** -0.5, causal, fix, False, dk_fold=fold, schedule=sched)
                 run()
                 res[name] = flops / do_bench(run, warmup=50, rep=200, return_mode="median") * 1e-9
             for name, be in [("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]:

@@ -39,7 +39,7 @@ def main() -> int:
         do = torch.randn(b, nq, h, d, device="cuda").bfloat16()
         seqlens = torch.tensor(lengths, device="cuda", dtype=torch.int32)
         scale = d**-0.5
-        for fix in ("none", "gproj", "gproj_uniform"):
+        for fix in R.FIXES:
             o, m, l2 = F.forward(q, k, v, scale, causal, seqlens_k=seqlens)
             dq, dk, dv, _ = B.backward(do, q, k, v, o, m, l2, scale, causal, fix, False, seqlens_k=seqlens)
             ro, rm, rl = R.forward(q, k, v, scale, causal, seqlens_k=seqlens)

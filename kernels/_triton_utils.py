@@ -168,27 +168,57 @@ def round_ds(x, dtype: tl.constexpr, DS_BITS: tl.constexpr, INTERP: tl.constexpr
 
 
 @triton.jit
-def load_pair(A, B, rows, stride_an, stride_bn, offs_d, offs_da, offs_db, N,
-              HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
-    """Load the tiles of rows ``rows`` of two (seqlen, headdim) operands read together (K and V, or
-    Q and dO): masked past the valid row count ``N`` when MASKED (tile edge, key padding), and past
-    HEAD_DIM when the head dim is padded (not EVEN_D). ``offs_da`` / ``offs_db``: column offsets times
-    each operand's head-dim stride."""
-    a_ptrs = A + rows[:, None] * stride_an + offs_da[None, :]
-    b_ptrs = B + rows[:, None] * stride_bn + offs_db[None, :]
+def load_rows(A, rows, stride_an, offs_d, offs_da, N, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+              EVEN_D: tl.constexpr):
+    """Load the tile of rows ``rows`` of a (seqlen, headdim) operand: masked past the valid row count
+    ``N`` when MASKED (tile edge, key padding), and past HEAD_DIM when the head dim is padded (not
+    EVEN_D). ``offs_da``: column offsets times the operand's head-dim stride."""
+    ptrs = A + rows[:, None] * stride_an + offs_da[None, :]
     if MASKED:
         mask = rows[:, None] < N
         if not EVEN_D:
             mask = mask & (offs_d[None, :] < HEAD_DIM)
-        a = tl.load(a_ptrs, mask=mask, other=0.0)
-        b = tl.load(b_ptrs, mask=mask, other=0.0)
+        return tl.load(ptrs, mask=mask, other=0.0)
     elif EVEN_D:
-        a = tl.load(a_ptrs)
-        b = tl.load(b_ptrs)
+        return tl.load(ptrs)
     else:
-        a = tl.load(a_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-        b = tl.load(b_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+
+
+@triton.jit
+def load_pair(A, B, rows, stride_an, stride_bn, offs_d, offs_da, offs_db, N,
+              HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """:func:`load_rows` of two operands read together (K and V, or Q and dO)."""
+    a = load_rows(A, rows, stride_an, offs_d, offs_da, N, HEAD_DIM, MASKED, EVEN_D)
+    b = load_rows(B, rows, stride_bn, offs_d, offs_db, N, HEAD_DIM, MASKED, EVEN_D)
     return a, b
+
+
+@triton.jit
+def atomic_add_rows(A, rows, stride_an, offs_d, x, N, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+                    EVEN_D: tl.constexpr):
+    """fp32 ``A[rows, :HEAD_DIM] += x`` by relaxed atomic adds (the order of concurrent adds is not
+    fixed, so the sum is reproducible only to fp32 rounding); rows past ``N`` skipped when MASKED.
+    ``A``'s head dim is contiguous (stride 1)."""
+    ptrs = A + rows[:, None] * stride_an + offs_d[None, :]
+    if MASKED:
+        mask = rows[:, None] < N
+        if not EVEN_D:
+            mask = mask & (offs_d[None, :] < HEAD_DIM)
+        tl.atomic_add(ptrs, x, mask=mask, sem="relaxed")
+    elif EVEN_D:
+        tl.atomic_add(ptrs, x, sem="relaxed")
+    else:
+        tl.atomic_add(ptrs, x, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
+
+
+@triton.jit
+def atomic_add_vec(A, rows, x, N, MASKED: tl.constexpr):
+    """fp32 ``A[rows] += x`` by relaxed atomic adds; rows past ``N`` skipped when MASKED."""
+    if MASKED:
+        tl.atomic_add(A + rows, x, mask=rows < N, sem="relaxed")
+    else:
+        tl.atomic_add(A + rows, x, sem="relaxed")
 
 
 @triton.jit

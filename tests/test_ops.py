@@ -17,7 +17,7 @@ def _qkv(*shape, dtype=torch.float32):
     return tuple(torch.randn(*shape, dtype=dtype) for _ in range(3))
 
 
-@pytest.mark.parametrize("fix", ["none", "gproj", "gproj_uniform"])
+@pytest.mark.parametrize("fix", reference.FIXES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradcheck_fp64(fix, causal):
     """fp64 inputs run with no rounding emulation, so every fix is the exact gradient (the
@@ -29,7 +29,7 @@ def test_gradcheck_fp64(fix, causal):
     assert torch.autograd.gradcheck(lambda q, k, v: gproj_attn_func(q, k, v, causal=causal, fix=fix), (q, k, v))
 
 
-@pytest.mark.parametrize("fix", ["none", "gproj", "gproj_uniform"])
+@pytest.mark.parametrize("fix", reference.FIXES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradcheck_fp64_with_seqlens_k(fix, causal):
     """Key padding per batch row (lengths 7 = none, 3, 1), Nq < Nk and Nq == Nk, GQA."""

@@ -210,7 +210,7 @@ def test_plugin_pickles_and_names_its_base():
     [
         (dict(precision="bf16"), ValueError, r"`precision` must be one of \('bf16-mixed', '16-mixed', '32-true'"),
         (dict(precision=32), ValueError, "`precision` must be one of"),
-        (dict(fix="uniform"), ValueError, r"`fix` must be one of \('gproj', 'none', 'gproj_uniform'\)"),
+        (dict(fix="uniform"), ValueError, r"`fix` must be one of \('none', 'gproj', 'gproj_uniform'\)"),
         (dict(include=5), TypeError, "`include` must be None, a glob string or a sequence of glob strings"),
         (dict(exclude=[None]), TypeError, "`exclude` must be None"),
         (dict(catch_all="yes"), TypeError, "`catch_all` must be a bool"),

@@ -626,7 +626,7 @@ def test_deepcopy_keeps_the_swap(op_spy):
 
 def test_bad_arguments():
     model = TinyModel()
-    with pytest.raises(ValueError, match=r"`fix` must be one of \('gproj', 'none', 'gproj_uniform'\), got 'pweighted'"):
+    with pytest.raises(ValueError, match=r"`fix` must be one of \('none', 'gproj', 'gproj_uniform'\), got 'pweighted'"):
         swap_attention(model, fix="pweighted")
     with pytest.raises(TypeError, match="`include` must be None, a glob string or a sequence"):
         swap_attention(model, include=3)

@@ -13,10 +13,8 @@ from typing import Iterable, NamedTuple, Optional, Sequence
 import torch
 
 from lightning_gproj import ops
+from lightning_gproj.kernels.reference import FIXES
 from lightning_gproj.stats import RECORDER
-
-#: Values accepted for ``fix`` (see DESIGN.md §4): P-weighted projection, none (A/B baseline), uniform.
-FIXES = ("gproj", "none", "gproj_uniform")
 
 
 class GProjFallbackWarning(UserWarning):

@@ -1,0 +1,79 @@
+"""The speed benchmarks' CPU smoke modes (benchmarks/attention.py, benchmarks/train_step.py).
+
+Speed is measured on a GPU, never here: these tests run each script's ``--smoke`` mode (tiny shapes,
+Triton's interpreter / a 2-layer Llama on CPU) in a subprocess and check what it writes — the record
+format the next GPU session's results will have — not the timings, which mean nothing on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _scripts import REPO, load_script
+
+ISSUE_SHAPES = {(4, 16, 2048, 128), (1, 16, 8192, 128), (2, 16, 4096, 64), (1, 8, 16384, 128)}
+
+
+def _run(args, tmp_path, **env):
+    proc = subprocess.run([sys.executable, *args], cwd=str(REPO), env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _positive(x):
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+def test_attention_runs_every_shape_with_and_without_causal_mask():
+    attention = load_script("benchmarks/attention.py", "attention_benchmark")
+    assert {s[:4] for s in attention.SHAPES if s[4]} == {s[:4] for s in attention.SHAPES if not s[4]} >= ISSUE_SHAPES
+    assert len(attention.SHAPES) == len(set(attention.SHAPES))
+
+
+def test_attention_smoke_writes_speed_records(tmp_path):
+    out = tmp_path / "speed.json"
+    _run(["benchmarks/attention.py", "--smoke", "--out", str(tmp_path), "--json", str(out),
+          "--methods", "gproj,none_1p"], tmp_path, TRITON_INTERPRET="1")
+    records = json.loads(out.read_text())
+    assert isinstance(records, list) and len(records) == 4  # 2 shapes (full, causal) × 2 methods
+    assert {(r["method"], r["causal"]) for r in records} == {(m, c) for m in ("gproj", "none_1p") for c in (False, True)}
+    for r in records:
+        assert "error" not in r, r
+        assert {"shape", "causal", "method", "fwd_tflops", "bwd_tflops", "fwdbwd_tflops", "peak_mib"} <= set(r)
+        assert len(r["shape"]) == 4 and all(isinstance(x, int) for x in r["shape"])
+        assert all(_positive(r[k]) for k in ("fwd_tflops", "bwd_tflops", "fwdbwd_tflops", "fwd_ms", "bwd_ms"))
+        assert r["peak_mib"] is None  # CUDA memory statistics only
+    full = json.loads((tmp_path / "attention.json").read_text())
+    assert full["smoke"] is True and len(full["rows"]) == 4
+    assert "| 1×1×24×16 causal |" in (tmp_path / "attention.md").read_text()
+
+
+def test_train_step_smoke_writes_step_times(tmp_path):
+    out = tmp_path / "train_step.json"
+    _run(["benchmarks/train_step.py", "--smoke", "--out", str(out), "--profile-steps", "1"], tmp_path)
+    res = json.loads(out.read_text())
+    assert res["smoke"] is True and res["env"]["device"] == "cpu"
+    rows = res["results"]
+    assert [(r["config"], r["arm"]) for r in rows] == [("tiny", "cudnn"), ("tiny", "gproj"), ("tiny", "none")]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["layers"] == 2 and r["hidden"] == 64 and r["timed_steps"] == 2
+        assert _positive(r["step_ms_median"]) and r["step_ms_p10"] <= r["step_ms_median"] <= r["step_ms_p90"]
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["seq"] / (r["step_ms_median"] * 1e-3))
+        assert math.isfinite(r["loss_first"]) and math.isfinite(r["loss_last"])
+        # the plugin arms swapped both attention layers; the cudnn arm is plain SDPA
+        assert r["swapped_modules"] == (None if r["arm"] == "cudnn" else 2)
+        # one more step per arm under torch.profiler, its table beside the JSON
+        assert r["profile"] == str(tmp_path / f"train_step.profile_tiny_{r['arm']}.txt")
+        assert "aten::" in open(r["profile"]).read()
+    # same seed, same tokens: the first losses agree to bf16 attention differences
+    assert max(r["loss_first"] for r in rows) - min(r["loss_first"] for r in rows) < 0.05
+    ratios = res["ratio_to_cudnn"]["tiny"]
+    assert set(ratios) == {"cudnn", "gproj", "none"} and ratios["cudnn"] == 1.0

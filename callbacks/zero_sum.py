@@ -35,9 +35,10 @@ from torchmetrics.utilities import dim_zero_cat
 
 from lightning_gproj import stats as _stats
 
+from . import keys
 from .alerts import Alert, AlertDispatcher
 from .capture import AttentionCapture, ProbeCapture, ProbeResult, probe_backward
-from .detectors import ChangeDetector, Detection, level_rank
+from .detectors import ChangeDetector, Detection, DetectorConfig, as_config, level_rank
 
 from ._base import (
     Monitor,
@@ -59,6 +60,7 @@ _SUMMARY_STATS = (
     "leak_ratio",
     "mean_key_norm",
     "mean_query_norm",
+    "max_logit",
     "key_bias_grad_ratio",
     "c2_residual",
     "probe_dq_error",
@@ -254,6 +256,9 @@ DEFAULT_DETECT = ("leak_ratio", "c2_residual", "key_bias_grad_ratio", "probe_lea
 #: healthy run: provisional until the reproduction traces (issue 6) exist.
 #: Every statistic name ZeroSumMonitor logs (the names ``detect`` and ``floors`` accept).
 STATISTICS = _SUMMARY_STATS + ("key_bias_grad_norm", "probe_dq_error_max")
+#: Statistics reduced over ranks (and over a step's calls, in the recorder) by their maximum; the
+#: others by their mean.
+MAX_REDUCED = _stats.MAX_REDUCED | {"probe_dq_error_max"}
 DEFAULT_FLOORS = {
     "leak_ratio": 1e-2,
     "c2_residual": 3e-3,
@@ -261,6 +266,12 @@ DEFAULT_FLOORS = {
     "probe_leak_ratio": 1e-2,
     "probe_dq_error": 1e-3,
 }
+#: Default detector settings, per sample (``every_n_steps`` apart); floors per statistic come from
+#: ``floors`` / :data:`DEFAULT_FLOORS`.
+ZERO_SUM_DETECTOR = DetectorConfig(
+    window=20, warmup=10, warn_ratio=3.0, critical_ratio=10.0, cusum_warn=15.0, cusum_drift=1.0,
+    min_log_sigma=0.25, slope_window=10, slope_horizon=100,
+)
 
 
 class ZeroSumMonitor(Monitor):
@@ -285,6 +296,11 @@ class ZeroSumMonitor(Monitor):
         (the attention's key activations, before the softmax scale). Forward, op only.
     ``{p}/{layer}/mean_query_norm``
         Mean over (batch, head) of ‖mean_i q_i‖. Units of q. Forward, op only.
+    ``{p}/{layer}/max_logit``
+        max over (batch, head, i, j) of τ·s_ij, the largest attention logit (scaled score) of the step's
+        calls of the layer (max over calls, and over ranks), from the forward kernel's row max (no extra
+        pass over the scores). What QK-clip-style training (MuonClip) caps. Units of the logits.
+        Forward, op only; logged, not alerted on by default (add it to ``detect``).
     ``{p}/{layer}/c2_residual``
         ‖Σ_j dK_j‖₂ / ‖dK‖_F from a hook on the gradient of k (any kernel: op calls and SDPA calls not
         served by the op; ``c2=True``): the key gradient summed over key positions per (batch row, head),
@@ -317,7 +333,8 @@ class ZeroSumMonitor(Monitor):
         last ``window`` samples (see :mod:`~lightning_gproj.callbacks.detectors`).
 
     Alerts: each statistic in ``detect`` of each layer has a
-    :class:`~lightning_gproj.callbacks.detectors.ChangeDetector` (``window``/``warmup`` in samples);
+    :class:`~lightning_gproj.callbacks.detectors.ChangeDetector` (settings ``detector``, windows in
+    samples, floor from ``floors``);
     the layers whose detector rose in level at a step make one
     :class:`~lightning_gproj.callbacks.alerts.Alert` per statistic (signal ``{p}/{stat}``, layers
     strongest first), delivered as described in :mod:`~lightning_gproj.callbacks.alerts`.
@@ -330,10 +347,16 @@ class ZeroSumMonitor(Monitor):
     during the forward of sampled and probed steps; other steps cost nothing.
 
     Across ranks: the values of every rank are gathered with one torchmetrics ``Metric`` (state
-    ``dist_reduce_fx="cat"``; ``compute()`` syncs) and reduced: max for ``*_max``, mean for the rest
-    (mean of per-rank medians for ``violation_median``). Every rank gets the reduced values, so every
-    rank raises the same alerts and runs the same actions. All ranks must sample the same layers, as DDP
-    already requires; if the sets differ, each rank keeps its own values (warned once).
+    ``dist_reduce_fx="cat"``; ``compute()`` syncs) and reduced: max for :data:`MAX_REDUCED`
+    (``violation_max``, ``probe_dq_error_max``, ``max_logit``), mean for the rest (mean of per-rank
+    medians for ``violation_median``). Every rank gets the reduced values, so every rank raises the same
+    alerts and runs the same actions. All ranks must sample the same layers, as DDP already requires; if
+    the sets differ (or with ``sync_dist=False``), each rank keeps its own values (warned once) and the
+    decision to act is reduced across ranks by the dispatcher instead (any rank acting makes all act).
+
+    State: :meth:`state_dict` holds every detector, the summary's tracks, the probe's round robin and
+    the alerts, so a run resumed from a Lightning checkpoint raises the same alerts at the same steps as
+    an uninterrupted one (``state_key`` includes ``prefix``).
 
     Never stops training by accident: an exception in a hook is reported once as a
     :class:`~lightning_gproj.callbacks.MonitorDisabledWarning`, the recorder and capture are restored,
@@ -355,15 +378,16 @@ class ZeroSumMonitor(Monitor):
         detect: statistics to alert on (sequence of statistic names).
         floors: ``{statistic: floor}`` overriding :data:`DEFAULT_FLOORS` (values below a floor count as
             the floor in the detector, so rounding-level noise cannot alert).
-        window, warmup, warn_ratio, critical_ratio, cusum_warn, cusum_critical, cusum_drift,
-            min_log_sigma, slope_window, slope_horizon, slope_warn, slope_critical: detector settings
-            (windows in samples), see :class:`~lightning_gproj.callbacks.detectors.ChangeDetector`.
-        sync_dist: reduce the values over ranks before logging (bool).
+        detector: detector settings (:class:`~lightning_gproj.callbacks.detectors.DetectorConfig`,
+            windows in samples; default :data:`ZERO_SUM_DETECTOR`); its ``floor`` applies to the
+            statistics without one in ``floors``.
+        sync_dist: reduce the values over ranks before detecting and logging (bool).
         prefix: metric name prefix (non-empty str, no trailing '/').
         print_summary: print the summary table at the end of training (bool).
         recorder: the :class:`~lightning_gproj.stats.StatsRecorder` to drive; default
             :data:`lightning_gproj.stats.RECORDER`, the one the op writes into.
-        on_alert, actions, action_level, remediation, checkpoint_dir: alert delivery, see
+        on_alert, actions, action_level, remediation, checkpoint_dir, rollback_every_n_steps,
+            rollback_lr_factor: alert delivery and actions, see
             :class:`~lightning_gproj.callbacks.alerts.AlertDispatcher`.
 
     Raises:
@@ -382,18 +406,7 @@ class ZeroSumMonitor(Monitor):
         probe_layers: Optional[Sequence[str]] = None,
         detect: Sequence[str] = DEFAULT_DETECT,
         floors: Optional[dict[str, float]] = None,
-        window: int = 20,
-        warmup: int = 10,
-        warn_ratio: Optional[float] = 3.0,
-        critical_ratio: Optional[float] = 10.0,
-        cusum_warn: Optional[float] = 15.0,
-        cusum_critical: Optional[float] = None,
-        cusum_drift: float = 1.0,
-        min_log_sigma: float = 0.25,
-        slope_window: int = 10,
-        slope_horizon: int = 100,
-        slope_warn: Optional[float] = None,
-        slope_critical: Optional[float] = None,
+        detector: DetectorConfig = ZERO_SUM_DETECTOR,
         sync_dist: bool = True,
         prefix: str = "gproj",
         print_summary: bool = True,
@@ -403,6 +416,8 @@ class ZeroSumMonitor(Monitor):
         action_level: str = "critical",
         remediation: str = "gproj",
         checkpoint_dir: Optional[str] = None,
+        rollback_every_n_steps: int = 100,
+        rollback_lr_factor: float = 1.0,
     ) -> None:
         super().__init__()
         self.every_n_steps = check_int("every_n_steps", every_n_steps, 1)
@@ -433,20 +448,15 @@ class ZeroSumMonitor(Monitor):
             raise ValueError(f"`floors` has unknown statistic names {unknown}; accepted: {STATISTICS}")
         #: Detector floor per statistic (DEFAULT_FLOORS updated with ``floors``).
         self.floors = {**DEFAULT_FLOORS, **(floors or {})}
-        self.detector_args = dict(
-            window=window, warmup=warmup, warn_ratio=warn_ratio, critical_ratio=critical_ratio,
-            cusum_warn=cusum_warn, cusum_critical=cusum_critical, cusum_drift=cusum_drift,
-            min_log_sigma=min_log_sigma, slope_window=slope_window, slope_horizon=slope_horizon,
-            slope_warn=slope_warn, slope_critical=slope_critical,
-        )
-        ChangeDetector(**self.detector_args)  # validates
+        self.detector = as_config("detector", detector)
         self.sync_dist = check_bool("sync_dist", sync_dist)
         self.prefix = check_prefix("prefix", prefix)
         self.print_summary = check_bool("print_summary", print_summary)
         if recorder is not None and not isinstance(recorder, _stats.StatsRecorder):
             raise ValueError(f"`recorder` must be a lightning_gproj.stats.StatsRecorder or None, got {recorder!r}")
         self.dispatcher = AlertDispatcher(
-            type(self).__name__, on_alert, actions, action_level, remediation, checkpoint_dir
+            type(self).__name__, self.prefix, on_alert, actions, action_level, remediation, checkpoint_dir,
+            rollback_every_n_steps, rollback_lr_factor,
         )
         # The default is looked up at use, not stored: under ddp_spawn the callback is pickled into each
         # worker, where the op writes into that process's own lightning_gproj.stats.RECORDER.
@@ -471,9 +481,48 @@ class ZeroSumMonitor(Monitor):
         self._gather: Optional[_RankRows] = None
 
     @property
+    def state_key(self) -> str:
+        return self._generate_state_key(prefix=self.prefix)
+
+    @property
     def alerts(self) -> list[Alert]:
         """Every alert raised, in order."""
         return self.dispatcher.alerts
+
+    # ------------------------------------------------------------------ state (checkpoints)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "detectors": {key: det.state_dict() for key, det in self.detectors.items()},
+            "tracks": {layer: {stat: dataclasses.asdict(t) for stat, t in ts.items()} for layer, ts in self.tracks.items()},
+            "sdpa_layers": list(self.sdpa_layers),
+            "probes": self._probes,
+            "dispatcher": self.dispatcher.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.detectors = {}
+        for key, det in state_dict["detectors"].items():
+            parsed = keys.parse_layer_key(self.prefix, key)
+            if parsed is not None:
+                self._detector(key, parsed[1]).load_state_dict(det)
+        self.tracks = {
+            layer: {stat: _Track(**t) for stat, t in ts.items()} for layer, ts in state_dict["tracks"].items()
+        }
+        self.sdpa_layers[:] = state_dict["sdpa_layers"]
+        self._probes = int(state_dict["probes"])
+        self.dispatcher.load_state_dict(state_dict["dispatcher"])
+
+    def _detector(self, key: str, stat: str) -> ChangeDetector:
+        det = self.detectors.get(key)
+        if det is None:
+            floor = self.floors.get(stat, self.detector.floor)
+            det = self.detectors[key] = ChangeDetector(dataclasses.replace(self.detector, floor=floor))
+        return det
+
+    def quiet(self) -> bool:
+        """No detector of this monitor is in an alert episode."""
+        return all(det.level is None for det in self.detectors.values())
 
     # ------------------------------------------------------------------ recorder on / off
 
@@ -575,7 +624,7 @@ class ZeroSumMonitor(Monitor):
                 values.update(self._flatten(self._stop_recording()))
         if sampled and self.key_biases:
             values.update(self._key_bias_values(optimizer))
-        self._emit(trainer, pl_module, values, step)
+        self._emit(trainer, pl_module, values, step, optimizer)
 
     @guarded
     def on_train_batch_end(
@@ -588,7 +637,7 @@ class ZeroSumMonitor(Monitor):
             if self._recording_step == step:
                 values.update(self._flatten(self._stop_recording()))
             self._emit(trainer, pl_module, values, step)
-        self.dispatcher.run_actions(trainer, pl_module)
+        self.dispatcher.run_actions(trainer, pl_module, step, self.quiet())
 
     @guarded
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -610,7 +659,7 @@ class ZeroSumMonitor(Monitor):
     # ------------------------------------------------------------------ values
 
     def _flatten(self, stats: dict[str, dict[str, float]]) -> dict[str, float]:
-        return {f"{self.prefix}/{layer}/{key}": value for layer, d in stats.items() for key, value in d.items()}
+        return {keys.metric(self.prefix, layer, key): value for layer, d in stats.items() for key, value in d.items()}
 
     def _capture_values(self, step: int) -> dict[str, torch.Tensor]:
         """C2 residuals and the probe of the capture of ``step`` (then dropped)."""
@@ -619,17 +668,16 @@ class ZeroSumMonitor(Monitor):
             return {}
         capture.stop()
         self._capture, self._capture_step = None, None
-        out = {f"{self.prefix}/{layer}/c2_residual": v for layer, v in capture.c2_residuals().items()}
+        out = {keys.metric(self.prefix, layer, "c2_residual"): v for layer, v in capture.c2_residuals().items()}
         if capture.probe_layer is not None:
             self._probes += 1
             cap = capture.probe
             if cap is not None and cap.do is not None:
                 result = probe_backward(cap.q, cap.k, cap.v, cap.do, cap.attn_mask, cap.is_causal, cap.scale, cap.autocast_dtype)
                 self.last_probe = (step, cap, result)
-                p = f"{self.prefix}/{cap.layer}"
-                out[f"{p}/probe_dq_error"] = result.dq_error
-                out[f"{p}/probe_dq_error_max"] = result.dq_error_max
-                out[f"{p}/probe_leak_ratio"] = result.leak_ratio
+                out[keys.metric(self.prefix, cap.layer, "probe_dq_error")] = result.dq_error
+                out[keys.metric(self.prefix, cap.layer, "probe_dq_error_max")] = result.dq_error_max
+                out[keys.metric(self.prefix, cap.layer, "probe_leak_ratio")] = result.leak_ratio
         return out
 
     def _key_bias_values(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -643,9 +691,10 @@ class ZeroSumMonitor(Monitor):
             if norms is None:
                 continue
             bias_norm, weight_norm = norms
-            out[f"{self.prefix}/{kb.layer}/key_bias_grad_norm"] = bias_norm
+            out[keys.metric(self.prefix, kb.layer, "key_bias_grad_norm")] = bias_norm
             if weight_norm is not None:
-                out[f"{self.prefix}/{kb.layer}/key_bias_grad_ratio"] = bias_norm / weight_norm.to(bias_norm.device)
+                ratio = bias_norm / weight_norm.to(bias_norm.device)
+                out[keys.metric(self.prefix, kb.layer, "key_bias_grad_ratio")] = ratio
         return out
 
     def _emit(
@@ -654,32 +703,38 @@ class ZeroSumMonitor(Monitor):
         pl_module: "pl.LightningModule",
         values: dict[str, float | torch.Tensor],
         step: int,
+        optimizer: Optional[torch.optim.Optimizer] = None,
     ) -> None:
-        distributed = self.sync_dist and trainer.world_size > 1
+        """Reduce, detect, log and deliver one sample. Runs on every rank at every sampled step (the
+        gather and, where it fails, the dispatcher's decision are collectives)."""
+        distributed = trainer.world_size > 1
         if not values and not distributed:
             return
         device = trainer.strategy.root_device
-        keys = sorted(values)
-        flat = torch.zeros(len(keys), dtype=torch.float32, device=device)
-        for i, key in enumerate(keys):
-            flat[i] = torch.as_tensor(values[key]).reshape(())  # a device-side copy, no host sync
-        if distributed:
-            flat = self._reduce(flat, keys, device)
-        metrics = dict(zip(keys, flat.tolist()))  # one device -> host copy for all values
+        names = sorted(values)
+        flat = torch.zeros(len(names), dtype=torch.float32, device=device)
+        for i, name in enumerate(names):
+            flat[i] = torch.as_tensor(values[name]).reshape(())  # a device-side copy, no host sync
+        agreed = not distributed
+        if distributed and self.sync_dist:
+            flat, agreed = self._reduce(flat, names, device)
+        metrics = dict(zip(names, flat.tolist()))  # one device -> host copy for all values
         alerts, extra = self.observe(step, metrics)
-        for key, value in metrics.items():
-            layer, _, stat = key[len(self.prefix) + 1 :].rpartition("/")
-            self.tracks.setdefault(layer, {}).setdefault(stat, _Track()).add(value, step)
+        for name, value in metrics.items():
+            parsed = keys.parse_layer_key(self.prefix, name)
+            if parsed is not None:
+                self.tracks.setdefault(parsed[0], {}).setdefault(parsed[1], _Track()).add(value, step)
         log_to_loggers(trainer, {**metrics, **extra}, step)
-        self.dispatcher.deliver(trainer, alerts)
+        self.dispatcher.deliver(trainer, alerts, step, agreed=agreed, optimizer=optimizer)
 
-    def _reduce(self, flat: torch.Tensor, keys: list[str], device: torch.device) -> torch.Tensor:
-        """Mean (max for ``*_max``) over ranks through :class:`_RankRows` (one gather of all values)."""
+    def _reduce(self, flat: torch.Tensor, names: list[str], device: torch.device) -> tuple[torch.Tensor, bool]:
+        """Mean (max for :data:`MAX_REDUCED`) over ranks through :class:`_RankRows` (one gather of all
+        values): ``(values, True)``; ``(this rank's values, False)`` when the ranks' key sets differ."""
         if self._gather is None:
             self._gather = _RankRows()
         self._gather = self._gather.to(device)
-        n = len(keys)
-        tag = zlib.crc32("\n".join(keys).encode()) % (1 << 24)  # exact in float32
+        n = len(names)
+        tag = zlib.crc32("\n".join(names).encode()) % (1 << 24)  # exact in float32
         header = torch.tensor([float(n), float(tag)], device=device)
         self._gather.update(torch.cat([header, flat]))
         rows = self._gather.compute()
@@ -688,17 +743,18 @@ class ZeroSumMonitor(Monitor):
             rows = rows.reshape(-1, n + 2)
             if bool((rows[:, 0] == n).all()) and bool((rows[:, 1] == tag).all()):
                 values = rows[:, 2:]
-                is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)
-                return torch.where(is_max, values.max(dim=0).values, values.mean(dim=0))
+                stats = [keys.parse_layer_key(self.prefix, name) for name in names]
+                is_max = torch.tensor([p is not None and p[1] in MAX_REDUCED for p in stats], device=device)
+                return torch.where(is_max, values.max(dim=0).values, values.mean(dim=0)), True
         if not self._mismatch_warned:
             self._mismatch_warned = True
             warnings.warn(
                 "ZeroSumMonitor: ranks recorded different sets of layers; logging each rank's own values "
-                "without reduction where they differ.",
+                "without reduction where they differ (the decision to act is still reduced across ranks).",
                 RuntimeWarning,
                 stacklevel=2,
             )
-        return flat
+        return flat, False
 
     # ------------------------------------------------------------------ detection (online and offline)
 
@@ -709,19 +765,16 @@ class ZeroSumMonitor(Monitor):
         fired: dict[str, list[tuple[float, str, Detection]]] = {}
         extra: dict[str, float] = {}
         for key in sorted(metrics):
-            if not key.startswith(self.prefix + "/"):
+            parsed = keys.parse_layer_key(self.prefix, key)
+            if parsed is None or parsed[1] not in self.detect:
                 continue
-            layer, _, stat = key[len(self.prefix) + 1 :].rpartition("/")
-            if stat not in self.detect:
-                continue
-            det = self.detectors.get(key)
-            if det is None:
-                det = self.detectors[key] = ChangeDetector(**self.detector_args, floor=self.floors.get(stat, 0.0))
+            layer, stat = parsed
+            det = self._detector(key, stat)
             d = det.update(step, metrics[key])
             if d.cusum is not None:
-                extra[f"{key}/cusum"] = d.cusum
+                extra[keys.detector_key(key, "cusum")] = d.cusum
             if d.ratio is not None:
-                extra[f"{key}/ratio"] = d.ratio
+                extra[keys.detector_key(key, "ratio")] = d.ratio
             if d.new:
                 fired.setdefault(stat, []).append((level_rank(d.level), layer, d))
         alerts = []

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -26,6 +27,8 @@ import torch.nn.functional as F
 
 from lightning_gproj import GProjPlugin, gproj_attn_func, stats
 from lightning_gproj.callbacks import (
+    ZERO_SUM_DETECTOR,
+    DetectorConfig,
     GradNormMonitor,
     MonitorDisabledWarning,
     ZeroSumMonitor,
@@ -266,11 +269,13 @@ class OpModel(pl.LightningModule):
         self.fix = fix
         self.qkv = nn.Linear(16, 48)
         self.keys: dict[int, list[torch.Tensor]] = {}
+        self.queries: dict[int, list[torch.Tensor]] = {}
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         q, k, v = (t.reshape(B, N, 2, 8).to(torch.bfloat16) for t in self.qkv(batch).split(16, dim=-1))
         if stats.RECORDER.enabled:
             self.keys.setdefault(self.global_step, []).append(k.detach().float())
+            self.queries.setdefault(self.global_step, []).append(q.detach().float())
         o = gproj_attn_func(q, k, v, causal=True, fix=self.fix, stats_name="layer0")
         return o.float().pow(2).mean()
 
@@ -286,7 +291,7 @@ def test_zero_sum_with_the_real_op(tmp_path):
     trainer, logged = fit(model, [ZeroSumMonitor(every_n_steps=2, print_summary=False)], tmp_path, max_steps=5)
     sampled = [0, 2, 4]
     assert sorted(model.keys) == sampled
-    names = ("violation_median", "violation_max", "leak_ratio", "mean_key_norm", "mean_query_norm")
+    names = ("violation_median", "violation_max", "leak_ratio", "mean_key_norm", "mean_query_norm", "max_logit")
     series = {name: logged[f"gproj/layer0/{name}"] for name in names}
     for step in sampled:
         values = {name: v[step] for name, v in series.items()}
@@ -295,8 +300,11 @@ def test_zero_sum_with_the_real_op(tmp_path):
         # kernel keeps a leak.
         assert 0.0 < values["violation_median"] <= values["violation_max"] <= 1.0
         assert values["leak_ratio"] > 0.0
-        (k,) = model.keys[step]
+        (k,), (q,) = model.keys[step], model.queries[step]
         assert values["mean_key_norm"] == pytest.approx(float(k.mean(dim=1).norm(dim=-1).mean()), rel=1e-5)
+        logits = torch.einsum("bihd,bjhd->bhij", q.double(), k.double()) * 8**-0.5
+        causal = torch.ones(N, N, dtype=torch.bool).tril()
+        assert values["max_logit"] == pytest.approx(float(logits.masked_fill(~causal, -math.inf).amax()), rel=1e-5)
     assert sorted(series["violation_max"]) == sampled
 
 
@@ -431,9 +439,8 @@ def wobble(n: int, amplitude: float, phase: float) -> list[float]:
 def test_grad_norm_logs_norms_and_baseline_matching_independent_computation(tmp_path):
     steps, window = 14, 5
     model = LayeredModel([wobble(steps, 0.3, 0.0), wobble(steps, 0.5, 1.0)])
-    monitor = GradNormMonitor(
-        window=window, warn_ratio=1e6, critical_ratio=None, cusum_warn=None, warmup=2, ema_decay=0.8, print_summary=False
-    )
+    detector = DetectorConfig(window=window, warn_ratio=1e6, critical_ratio=None, cusum_warn=None, warmup=2, ema_decay=0.8)
+    monitor = GradNormMonitor(detector=detector, loss_detector=None, print_summary=False)
     trainer, logged = fit(model, [monitor], tmp_path, max_steps=steps)
 
     norms = [model.norms[s]["global"] for s in range(steps)]
@@ -464,9 +471,8 @@ def test_grad_norm_warns_exactly_at_the_spike_and_names_the_layer(tmp_path, capl
     steps, spikes = 22, {15: 200.0, 16: 150.0, 19: 300.0}  # 15-16: one episode; 19: a second one
     blocks1 = [f * spikes.get(s, 1.0) for s, f in enumerate(wobble(steps, 0.2, 1.0))]
     model = LayeredModel([wobble(steps, 0.2, 0.0), blocks1])
-    monitor = GradNormMonitor(
-        window=8, warn_ratio=10.0, critical_ratio=None, cusum_warn=None, warmup=5, print_summary=False
-    )
+    detector = DetectorConfig(window=8, warn_ratio=10.0, critical_ratio=None, cusum_warn=None, warmup=5)
+    monitor = GradNormMonitor(detector=detector, loss_detector=None, print_summary=False)
     with caplog.at_level(logging.WARNING, logger="lightning_gproj.alerts"):
         trainer, logged = fit(model, [monitor], tmp_path, max_steps=steps)
     spike_warnings = [r.getMessage() for r in caplog.records if r.name == "lightning_gproj.alerts"]
@@ -486,7 +492,7 @@ def test_grad_norm_warns_exactly_at_the_spike_and_names_the_layer(tmp_path, capl
         assert "Largest increases: blocks.1 (" in msg
     assert [logged["grad_norm/warnings"][s] for s in (14, 15, 16, 18, 19, 21)] == [0, 1, 1, 1, 2, 2]
     assert logged["alert/grad_norm/global"] == {15: 1.0, 19: 1.0}
-    assert monitor._states[0].steps_above == 3
+    assert monitor._states[0].stats.steps_above == 3
     assert "warnings" in monitor.summary()
 
 
@@ -495,7 +501,8 @@ def test_grad_norm_keeps_non_finite_norms_out_of_the_baseline(tmp_path, caplog):
     factors = wobble(steps, 0.2, 0.0)
     factors[6] = float("inf")  # inf and nan gradients
     model = LayeredModel([factors])
-    monitor = GradNormMonitor(window=4, warmup=2, cusum_warn=None, print_summary=False)
+    monitor = GradNormMonitor(detector=DetectorConfig(window=4, warmup=2, cusum_warn=None), loss_detector=None,
+                              print_summary=False)
     with caplog.at_level(logging.WARNING, logger="lightning_gproj.alerts"):
         trainer, logged = fit(model, [monitor], tmp_path, max_steps=steps)
     norms = [model.norms[s]["global"] for s in range(steps)]
@@ -504,7 +511,8 @@ def test_grad_norm_keeps_non_finite_norms_out_of_the_baseline(tmp_path, caplog):
     assert logged["grad_norm/baseline_median"][8] == pytest.approx(float(np.median(finite[3:7])), rel=1e-6)
     assert logged["grad_norm/baseline_median"][9] == pytest.approx(float(np.median(finite[4:8])), rel=1e-6)
     assert monitor.alerts == [] and not [r for r in caplog.records if r.name == "lightning_gproj.alerts"]
-    assert monitor._states[0].nonfinite_steps == 1 and monitor._states[0].peak == pytest.approx(max(finite))
+    stats = monitor._states[0].stats
+    assert stats.nonfinite_steps == 1 and stats.peak == pytest.approx(max(finite))
 
 
 class AmpLayeredModel(LayeredModel):
@@ -541,6 +549,57 @@ def test_grad_norm_sees_unscaled_gradients_before_clipping(tmp_path):
         assert model.clipped[s] == pytest.approx(clip, rel=1e-3)  # ... after the monitor read them
 
 
+class LossModel(pl.LightningModule):
+    """Positive loss, different per micro-batch; keeps every loss training_step returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(E, E)
+        self.returned: dict[int, list[float]] = {}
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.net(batch).float().pow(2).mean() + 0.1 * batch_idx  # fp32 under autocast too
+        self.returned.setdefault(self.global_step, []).append(float(loss))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        return loader(32, (B, E))
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_grad_norm_logs_the_training_loss_of_the_step(tmp_path, amp):
+    """The loss series: the mean over the step's micro-batches of what training_step returned, also
+    under 16-mixed, where Lightning hands the backward hooks the GradScaler-scaled loss."""
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))] if amp else []
+    model = LossModel()
+    monitor = GradNormMonitor(loss_detector=DetectorConfig(window=4, warmup=2), print_summary=False)
+    trainer, logged = fit(model, [monitor], tmp_path, max_steps=6, accumulate_grad_batches=3, plugins=plugins)
+    expected = {s: sum(v) / len(v) for s, v in model.returned.items()}
+    assert sorted(expected) == list(range(6)) and all(len(v) == 3 for v in model.returned.values())
+    assert logged["grad_norm/loss"] == pytest.approx(expected, rel=1e-5)
+    past = [expected[s] for s in range(2)]
+    assert logged["grad_norm/loss/ratio"][2] == pytest.approx(expected[2] / float(np.median(past)), rel=1e-5)
+    assert sorted(logged["grad_norm/loss/ratio"]) == [1, 2, 3, 4, 5] and sorted(logged["grad_norm/loss/cusum"]) == [2, 3, 4, 5]
+    assert "loss" in monitor.summary()
+
+
+def test_grad_norm_leaves_non_positive_losses_out_of_the_loss_detector(tmp_path):
+    class Negative(LossModel):
+        def training_step(self, batch, batch_idx):
+            return -1.0 - super().training_step(batch, batch_idx)
+
+    model = Negative()
+    monitor = GradNormMonitor(loss_detector=DetectorConfig(window=4, warmup=2), print_summary=False)
+    trainer, logged = fit(model, [monitor], tmp_path, max_steps=6)
+    assert all(v <= 0 for v in logged["grad_norm/loss"].values())
+    assert "grad_norm/loss/ratio" not in logged and monitor.alerts == []
+    assert len(monitor._loss_detector.baseline) == 0
+
+
 def test_default_layer_of():
     assert default_layer_of("transformer.h.3.attn.c_attn.weight") == "transformer.h.3"
     assert default_layer_of("model.layers.12.mlp.up_proj.weight") == "model.layers.12"
@@ -562,12 +621,18 @@ def test_default_layer_of():
         (ZeroSumMonitor, {"prefix": ""}, "prefix"),
         (ZeroSumMonitor, {"recorder": object()}, "recorder"),
         (GradNormMonitor, {"every_n_steps": -1}, "every_n_steps"),
-        (GradNormMonitor, {"window": 1}, "window"),
-        (GradNormMonitor, {"warn_ratio": 1.0}, "warn_ratio"),
-        (GradNormMonitor, {"warn_ratio": float("inf")}, "warn_ratio"),
-        (GradNormMonitor, {"window": 10, "warmup": 11}, "warmup"),
-        (GradNormMonitor, {"warmup": 0}, "warmup"),
-        (GradNormMonitor, {"ema_decay": 1.0}, "ema_decay"),
+        (GradNormMonitor, {"detector": {"window": 1}}, "window"),
+        (GradNormMonitor, {"detector": {"warn_ratio": 1.0}}, "warn_ratio"),
+        (GradNormMonitor, {"detector": {"warn_ratio": float("inf")}}, "warn_ratio"),
+        (GradNormMonitor, {"detector": {"window": 10, "warmup": 11}}, "warmup"),
+        (GradNormMonitor, {"loss_detector": {"warmup": 0}}, "warmup"),
+        (GradNormMonitor, {"detector": {"ema_decay": 1.0}}, "ema_decay"),
+        (GradNormMonitor, {"detector": {"windw": 10}}, "detector"),
+        (GradNormMonitor, {"detector": 10}, "detector"),
+        (ZeroSumMonitor, {"detector": {"floor": -1.0}}, "floor"),
+        (GradNormMonitor, {"actions": ("skip", "undo")}, "actions"),
+        (GradNormMonitor, {"rollback_lr_factor": 1.5}, "rollback_lr_factor"),
+        (ZeroSumMonitor, {"rollback_every_n_steps": 0}, "rollback_every_n_steps"),
         (GradNormMonitor, {"top_k": 0}, "top_k"),
         (GradNormMonitor, {"layer_of": "blocks"}, "layer_of"),
         (GradNormMonitor, {"prefix": "grad/"}, "prefix"),
@@ -601,9 +666,9 @@ def test_zero_sum_rejects_unknown_statistic_names(kwargs, argument, bad):
 )
 def test_constructor_rejects_warn_above_critical(cls, kwargs, argument):
     with pytest.raises(ValueError, match=f"`{argument}`.*must not exceed"):
-        cls(**kwargs)
+        cls(detector=kwargs)
     equal = {k: min(kwargs.values()) for k in kwargs}  # warn == critical stays accepted
-    cls(**equal)
+    cls(detector=DetectorConfig(**equal))
 
 
 def _break_zero_sum(monitor: ZeroSumMonitor, monkeypatch) -> None:
@@ -699,7 +764,8 @@ def test_zero_sum_reduces_over_ranks(tmp_path):
             f.write(f"{alert.step} {alert.signal} {alert.level} {alert.signal_value:.6f} {','.join(alert.layers)}\n")
 
     monitors = [
-        ZeroSumMonitor(every_n_steps=2, warmup=2, probe_every_n_steps=None, on_alert=on_alert, print_summary=False),
+        ZeroSumMonitor(every_n_steps=2, detector=replace(ZERO_SUM_DETECTOR, warmup=2),
+                       probe_every_n_steps=None, on_alert=on_alert, print_summary=False),
         GradNormMonitor(print_summary=False),
     ]
     trainer, logged = fit(RankModel(), monitors, tmp_path, max_steps=8, strategy="ddp_fork", devices=2)
@@ -723,7 +789,7 @@ def test_monitors_pickle_and_drive_the_recorder_of_their_process():
 
     zero_sum, grad_norm = pickle.loads(pickle.dumps([ZeroSumMonitor(), GradNormMonitor()]))
     assert zero_sum.recorder is stats.RECORDER
-    assert grad_norm.window == 100
+    assert grad_norm.detector.window == 100
 
 
 def test_key_bias_signals_off_for_rotary_models():

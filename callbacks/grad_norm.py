@@ -46,6 +46,7 @@ from ._base import (
     log_to_loggers,
     step_index,
 )
+from ._sharded import Layout, clean_name, fsdp1_layouts, layout_of, squared_norm, sum_over_shards
 
 def default_layer_of(name: str) -> str:
     """Group a parameter name into a layer: up to the first all-digit component, else its module.
@@ -275,6 +276,7 @@ class GradNormMonitor(Monitor):
         self._loss: torch.Tensor | None = None  # sum of this step's backward losses, on the device
         self._loss_nonpositive_warned = False
         self._layer_names: dict[int, str] = {}  # id(param) -> layer
+        self._fsdp1: Optional[dict[int, Layout]] = None  # id(param) -> Layout of FSDP1-sharded parameters
 
     @property
     def state_key(self) -> str:
@@ -326,58 +328,67 @@ class GradNormMonitor(Monitor):
 
     def _layers_by_param(self, pl_module: "pl.LightningModule") -> dict[int, str]:
         if not self._layer_names:
-            self._layer_names = {id(p): self.layer_of(n) for n, p in pl_module.named_parameters()}
+            self._layer_names = {id(p): self.layer_of(clean_name(n)) for n, p in pl_module.named_parameters()}
         return self._layer_names
 
     def measure(
         self,
         pl_module: "pl.LightningModule",
         optimizer: torch.optim.Optimizer,
+        model: Optional[torch.nn.Module] = None,
+    ) -> tuple[float, dict[str, float]]:
+        """(global norm, {layer: norm}) of the current gradients of ``optimizer``'s parameters.
+
+        Sharded gradients (FSDP1 units found in ``model``, default ``pl_module``; DTensors) are reduced over
+        their ranks (``callbacks/_sharded.py``): a collective that every rank must reach. A layer none of
+        whose parameters has a gradient on any rank is left out."""
+        norm, layers, _ = self._measure(pl_module, optimizer, model)
+        return norm, layers
+
+    def _measure(
+        self,
+        pl_module: "pl.LightningModule",
+        optimizer: torch.optim.Optimizer,
+        model: Optional[torch.nn.Module] = None,
         loss: torch.Tensor | None = None,
         trainer: "pl.Trainer | None" = None,
     ) -> tuple[float, dict[str, float], float | None]:
-        """(global norm, {layer: norm}, loss) of the current gradients of ``optimizer``'s parameters and
-        of ``loss`` (None stays None), with one device → host copy. With ``trainer`` distributed and
-        ``sync_dist``, reduced across ranks first (see the class docstring)."""
+        """:meth:`measure` and the loss (None stays None) with one device → host copy; with ``trainer``
+        distributed and ``sync_dist``, reduced across ranks first (see the class docstring)."""
         layer_by_param = self._layers_by_param(pl_module)
+        if self._fsdp1 is None:
+            self._fsdp1 = fsdp1_layouts(model if model is not None else pl_module)
         params = list({id(p): p for group in optimizer.param_groups for p in group["params"]}.values())
-        if not params:
+        if not params:  # the same on every rank: no collective is skipped on one rank only
             return math.nan, {}, None
         device = params[0].device
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        norms = []
+        # One (square, present) row per parameter, a missing gradient included as (0, 0), so that every
+        # rank holds the same rows in the same order (the reductions below need it); the loss last.
+        rows, groups = [], []
         for p in params:
-            g = p.grad
-            if g is None:  # kept as 0 so that every rank sends a row of the same length
-                norms.append(zero)
-                continue
-            g = g.detach()
-            if g.is_sparse:
-                g = g.coalesce().values()
-            norms.append(torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)).to(device, torch.float64))
-        norms.append(zero if loss is None else loss.detach().to(device, torch.float64).reshape(()))
-        row = torch.stack(norms)
+            layout = layout_of(p, self._fsdp1)
+            rows.append(squared_norm(p.grad, layout, device))
+            groups.append(layout.groups)
+        one = torch.ones((), dtype=torch.float64, device=device)
+        rows.append(torch.zeros(2, dtype=torch.float64, device=device) if loss is None
+                    else torch.stack([loss.detach().to(device, torch.float64).reshape(()), one]))
+        groups.append(())
+        table = sum_over_shards(torch.stack(rows), groups)
         n = len(params)
-        flags = [float(p.grad is not None) for p in params] + [float(loss is not None)]
         if trainer is not None and self.sync_dist and trainer.world_size > 1:
-            row = torch.cat([row, torch.tensor(flags, dtype=torch.float64).to(device)])
-            rows = trainer.strategy.all_gather(row).reshape(-1, row.numel())  # device-side; no host sync
-            with_loss = rows[:, -1]
-            row = torch.cat([
-                rows[:, :n].amax(dim=0),  # the same on every rank under DDP; a NaN anywhere stays NaN
-                ((rows[:, n] * with_loss).sum() / with_loss.sum().clamp_min(1.0)).reshape(1),
-                rows[:, n + 1:].amax(dim=0),
-            ])
-            host = row.cpu().tolist()  # the one device -> host copy
-            host, flags = host[: n + 1], host[n + 1 :]
-        else:
-            host = row.cpu().tolist()  # the one device -> host copy
+            every = trainer.strategy.all_gather(table).reshape(-1, n + 1, 2)  # device-side; no host sync
+            weight = every[:, n, 1]
+            loss_mean = (every[:, n, 0] * weight).sum() / weight.sum().clamp_min(1.0)
+            # Norms: the same on every rank under DDP (and after sum_over_shards); the max makes every rank
+            # see one series whatever happened (a NaN anywhere stays NaN).
+            table = torch.cat([every[:, :n].amax(dim=0), torch.stack([loss_mean, weight.amax()]).reshape(1, 2)])
+        host = table.cpu().tolist()  # the one device -> host copy
         sq: dict[str, float] = {}
-        for p, value, here in zip(params, host[:n], flags[:n]):
-            if here:
+        for p, (square, present) in zip(params, host[:n]):
+            if present:
                 layer = layer_by_param.get(id(p), "<unnamed>")
-                sq[layer] = sq.get(layer, 0.0) + value * value
-        loss_out = host[n] if flags[n] else None
+                sq[layer] = sq.get(layer, 0.0) + square
+        loss_out = host[n][0] if host[n][1] else None
         if not sq:
             return math.nan, {}, loss_out
         return math.sqrt(sum(sq.values())), {layer: math.sqrt(v) for layer, v in sq.items()}, loss_out
@@ -385,7 +396,7 @@ class GradNormMonitor(Monitor):
     # ------------------------------------------------------------------ detection (online and offline)
 
     def _signal(self, opt_idx: int, several: bool) -> str:
-        return f"{self.prefix}/opt{opt_idx}" if several else self.prefix
+        return keys.metric(self.prefix, f"opt{opt_idx}") if several else self.prefix
 
     def observe(
         self, step: int, norm: float, layers: dict[str, float], opt_idx: int = 0, several: bool = False
@@ -501,7 +512,7 @@ class GradNormMonitor(Monitor):
         if step % self.every_n_steps:
             return
         opt_idx = next((i for i, o in enumerate(trainer.optimizers) if o is optimizer), 0)
-        norm, layers, loss_value = self.measure(pl_module, optimizer, loss, trainer)
+        norm, layers, loss_value = self._measure(pl_module, optimizer, trainer.model, loss, trainer)
         several = len(trainer.optimizers) > 1
         alerts: list[Alert] = []
         metrics: dict[str, float] = {}

@@ -52,6 +52,7 @@ from ._base import (
     log_to_loggers,
     step_index,
 )
+from ._sharded import Layout, clean_name, fsdp1_layouts, layout_of, squared_norm, sum_over_shards
 
 #: Order of the columns of the summary table (statistics not seen are left out).
 _SUMMARY_STATS = (
@@ -100,26 +101,38 @@ class KeyBias:
     bias_part: tuple[int, int] | None = None
     weight_part: tuple[int, int, int] | None = None
 
-    def grad_norms(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(‖∇b_k‖₂, ‖∇W_k‖_F) as fp32 (or wider) 0-dim tensors; the second is None without a key
-        weight (or its gradient); None when the bias has no gradient."""
-        gb = self.bias.grad
-        if gb is None:
-            return None
-        gb = gb.detach()
-        if self.bias_part is not None:
-            gb = gb.narrow(0, *self.bias_part)
-        gw = None if self.weight is None else self.weight.grad
-        if gw is not None:
-            gw = gw.detach()
-            if self.weight_part is not None:
-                gw = gw.narrow(*self.weight_part)
-        return _norm(gb), None if gw is None else _norm(gw)
+    def grad_rows(self, fsdp1: dict[int, Layout], device: torch.device) -> tuple[torch.Tensor, list[tuple]]:
+        """This rank's share of ‖∇b_k‖² and ‖∇W_k‖² (key parts only): rows (square, present) of a (2, 2)
+        float64 tensor, bias then weight, and the process groups of each row; sum the rows over those groups
+        (:func:`~lightning_gproj.callbacks._sharded.sum_over_shards`) for the global values. Works for whole,
+        DTensor and FSDP1 gradients (``fsdp1``: :func:`~lightning_gproj.callbacks._sharded.fsdp1_layouts`)."""
+        bias_layout = layout_of(self.bias, fsdp1)
+        bias_part = None if self.bias_part is None else (0, *self.bias_part)
+        rows = [squared_norm(self.bias.grad, bias_layout, device, bias_part)]
+        groups = [bias_layout.groups]
+        if self.weight is None:
+            rows.append(torch.zeros(2, dtype=torch.float64, device=device))
+            groups.append(())
+        else:
+            weight_layout = layout_of(self.weight, fsdp1)
+            rows.append(squared_norm(self.weight.grad, weight_layout, device, self.weight_part))
+            groups.append(weight_layout.groups)
+        return torch.stack(rows), groups
+
+    def grad_norms(self, fsdp1: Optional[dict[int, Layout]] = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(‖∇b_k‖₂, ‖∇W_k‖_F) as 0-dim float64 tensors, global over ranks for sharded gradients (a
+        collective then); the second is None without a key weight (or its gradient); None when the bias has
+        no gradient."""
+        rows, groups = self.grad_rows(fsdp1 or {}, self.bias.device)
+        return _key_bias_norms(sum_over_shards(rows, groups))
 
 
-def _norm(x: torch.Tensor) -> torch.Tensor:
-    # Accumulate 16-bit gradients in fp32; keep fp64 as fp64.
-    return torch.linalg.vector_norm(x, dtype=torch.promote_types(x.dtype, torch.float32))
+def _key_bias_norms(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(bias norm, weight norm or None) from summed :meth:`KeyBias.grad_rows`, None without a bias gradient."""
+    (bias_sq, bias_present), (weight_sq, weight_present) = rows.unbind(0)
+    if not bias_present:
+        return None
+    return bias_sq.sqrt(), (weight_sq.sqrt() if weight_present else None)
 
 
 def _fused_parts(weight: torch.Tensor, bias: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int, int]] | None:
@@ -147,15 +160,20 @@ def uses_rotary(module: torch.nn.Module) -> bool:
     return any("rotary" in type(m).__name__.lower() for m in module.modules())
 
 
-def find_key_biases(module: torch.nn.Module) -> list[KeyBias]:
+def find_key_biases(module: torch.nn.Module, shape_of: Optional[Callable[[torch.Tensor], torch.Size]] = None) -> list[KeyBias]:
     """Key biases of ``module`` by the name heuristic above (see :data:`SEPARATE_KEY_MODULES`).
+
+    ``shape_of(param)``: the full shape of a parameter that is sharded in place (FSDP1 keeps 1-D views of
+    each rank's elements; default: ``param.shape``).
 
     Returns at most one entry per attention layer, in ``named_parameters`` order. A parameter that
     matches a name but not the expected shapes is skipped, never guessed. A layer with both a
     projection bias and a vector added to the keys (:data:`DIRECT_KEY_BIASES`) reports the latter: both
     receive Σ_j dK_j, the direct one is what the optimizer moves as a pure key offset.
     """
-    params = dict(module.named_parameters())
+    real = {clean_name(n): p for n, p in module.named_parameters()}  # FSDP1 / checkpoint wrappers dropped
+    # The shape tests run on meta stand-ins of the full shapes; the results hold the real parameters.
+    params = real if shape_of is None else {n: torch.empty(shape_of(p), device="meta") for n, p in real.items()}
     found: dict[str, KeyBias] = {}
     direct: dict[str, KeyBias] = {}
     for name, bias in params.items():
@@ -188,7 +206,10 @@ def find_key_biases(module: torch.nn.Module) -> list[KeyBias]:
                     found.setdefault(parent or owner, kb)
     found.update(direct)
     order = {name: i for i, name in enumerate(params)}
-    return sorted(found.values(), key=lambda kb: order[kb.bias_name])
+    out = sorted(found.values(), key=lambda kb: order[kb.bias_name])
+    if shape_of is not None:
+        out = [dataclasses.replace(kb, bias=real[kb.bias_name], weight=real.get(kb.weight_name)) for kb in out]
+    return out
 
 
 def _key_weight_of(
@@ -463,6 +484,7 @@ class ZeroSumMonitor(Monitor):
         self._recorder = recorder
         #: Key biases found at ``on_train_start`` (empty with ``key_bias=False``).
         self.key_biases: list[KeyBias] = []
+        self._fsdp1: dict[int, Layout] = {}  # id(param) -> Layout of FSDP1-sharded parameters
         #: ``{layer: {statistic: _Track}}``: last and peak of every logged value.
         self.tracks: dict[str, dict[str, _Track]] = {}
         #: ``{metric: ChangeDetector}`` of the detected statistics.
@@ -567,14 +589,18 @@ class ZeroSumMonitor(Monitor):
 
     @guarded
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.key_biases = find_key_biases(pl_module) if self.key_bias else []
+        # FSDP1 wraps the LightningModule from outside: its units are found from trainer.model.
+        root = getattr(trainer, "model", None)
+        self._fsdp1 = fsdp1_layouts(root if root is not None else pl_module)
+        shape_of = (lambda p: layout_of(p, self._fsdp1).shape) if self._fsdp1 else None
+        self.key_biases = find_key_biases(pl_module, shape_of) if self.key_bias else []
         if self.key_biases and uses_rotary(pl_module):
             rank_zero_info(
                 "ZeroSumMonitor: the model uses rotary embeddings, so a key bias is not a shared key offset "
                 "and its gradient need not vanish; key-bias signals are off (the C2 residual still applies)."
             )
             self.key_biases = []
-        self._names = {id(m): path for path, m in pl_module.named_modules()}
+        self._names = {id(m): clean_name(path) for path, m in pl_module.named_modules()}
 
     @guarded
     def on_train_batch_start(
@@ -623,7 +649,7 @@ class ZeroSumMonitor(Monitor):
             if self._recording_step == step:
                 values.update(self._flatten(self._stop_recording()))
         if sampled and self.key_biases:
-            values.update(self._key_bias_values(optimizer))
+            values.update(self._key_bias_values(optimizer, trainer.strategy.root_device))
         self._emit(trainer, pl_module, values, step, optimizer)
 
     @guarded
@@ -680,21 +706,28 @@ class ZeroSumMonitor(Monitor):
                 out[keys.metric(self.prefix, cap.layer, "probe_leak_ratio")] = result.leak_ratio
         return out
 
-    def _key_bias_values(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        # Only the biases this optimizer steps (several optimizers: each sees its own parameters).
+    def _key_bias_values(self, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, torch.Tensor]:
+        """Key-bias signals of the biases ``optimizer`` steps, global over ranks for sharded gradients (one
+        reduction for all layers; every rank takes part)."""
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        biases = [kb for kb in self.key_biases if id(kb.bias) in stepped]
+        if not biases:
+            return {}
+        rows, groups = [], []
+        for kb in biases:
+            r, g = kb.grad_rows(self._fsdp1, device)
+            rows.append(r)
+            groups += g
+        summed = sum_over_shards(torch.cat(rows), groups).reshape(len(biases), 2, 2)
         out: dict[str, torch.Tensor] = {}
-        for kb in self.key_biases:
-            if id(kb.bias) not in stepped:
-                continue
-            norms = kb.grad_norms()
+        for kb, kb_rows in zip(biases, summed):
+            norms = _key_bias_norms(kb_rows)
             if norms is None:
                 continue
             bias_norm, weight_norm = norms
             out[keys.metric(self.prefix, kb.layer, "key_bias_grad_norm")] = bias_norm
             if weight_norm is not None:
-                ratio = bias_norm / weight_norm.to(bias_norm.device)
-                out[keys.metric(self.prefix, kb.layer, "key_bias_grad_ratio")] = ratio
+                out[keys.metric(self.prefix, kb.layer, "key_bias_grad_ratio")] = bias_norm / weight_norm
         return out
 
     def _emit(
@@ -782,7 +815,7 @@ class ZeroSumMonitor(Monitor):
             hits.sort(key=lambda h: (h[0], h[2].score / h[2].threshold), reverse=True)
             _, _, top = hits[0]
             alerts.append(Alert(
-                step=step, signal=f"{self.prefix}/{stat}", level=top.level, statistic=top.statistic,
+                step=step, signal=keys.metric(self.prefix, stat), level=top.level, statistic=top.statistic,
                 value=top.score, threshold=top.threshold, layers=tuple(h[1] for h in hits),
                 signal_value=top.value, source=type(self).__name__,
                 detail=f"baseline median {top.median:.4g} over the last {top.window} samples",

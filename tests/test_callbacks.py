@@ -682,7 +682,7 @@ def _break_grad_norm(monitor: GradNormMonitor, monkeypatch) -> None:
     def measure(*args):
         raise RuntimeError("measure failed")
 
-    monkeypatch.setattr(monitor, "measure", measure)
+    monkeypatch.setattr(monitor, "_measure", measure)
 
 
 @pytest.mark.parametrize(

@@ -298,7 +298,7 @@ class GradNormMonitor(Monitor):
             "dispatcher": self.dispatcher.state_dict(),
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def _load_state(self, state_dict: dict[str, Any]) -> None:
         self._states = {}
         for idx, s in state_dict["optimizers"].items():
             state = self._new_state()

@@ -522,7 +522,7 @@ class ZeroSumMonitor(Monitor):
             "dispatcher": self.dispatcher.state_dict(),
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def _load_state(self, state_dict: dict[str, Any]) -> None:
         self.detectors = {}
         for key, det in state_dict["detectors"].items():
             parsed = keys.parse_layer_key(self.prefix, key)

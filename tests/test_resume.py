@@ -133,3 +133,14 @@ def test_detector_state_round_trip_continues_identically():
     restored.load_state_dict(part.state_dict())
     assert [restored.update(s, v) for s, v in enumerate(values) if s >= 9] == expected[9:]
     assert any(d.new for d in expected[9:])
+
+
+def test_an_unreadable_state_warns_and_keeps_the_monitor_usable():
+    zero_sum, grad_norm = ZeroSumMonitor(print_summary=False), GradNormMonitor(print_summary=False)
+    zero_sum.observe(0, {"gproj/a/leak_ratio": 0.1})
+    grad_norm.observe(0, 1.0, {"a": 1.0})
+    for monitor in (zero_sum, grad_norm):
+        before = monitor.state_dict()
+        with pytest.warns(RuntimeWarning, match="could not restore its state"):
+            monitor.load_state_dict({"detectors": {"gproj/a/leak_ratio": {"nonsense": 1}}, "optimizers": {"0": {}}})
+        assert monitor.state_dict() == before and not monitor.disabled

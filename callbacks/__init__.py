@@ -21,7 +21,8 @@ from .alerts import ACTIONS, REMEDIATIONS, Alert, AlertDispatcher, attention_sit
 from .capture import AttentionCapture, ProbeCapture, ProbeResult, probe_backward, reference_dq
 from .detectors import ChangeDetector, Detection, DetectorConfig, RobustBaseline
 from .grad_norm import GRAD_NORM_DETECTOR, LOSS_DETECTOR, GradNormMonitor, GradNormStep, default_layer_of
-from .zero_sum import DEFAULT_DETECT, DEFAULT_FLOORS, ZERO_SUM_DETECTOR, KeyBias, ZeroSumMonitor, find_key_biases
+from .key_bias import KeyBias, find_key_biases
+from .zero_sum import DEFAULT_DETECT, DEFAULT_FLOORS, ZERO_SUM_DETECTOR, ZeroSumMonitor
 
 __all__ = [
     "ACTIONS",

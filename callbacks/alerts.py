@@ -37,7 +37,7 @@ One :class:`Alert` per (signal, step, level rise). :class:`AlertDispatcher` deli
 
 Across ranks every action acts identically on every rank: the decision to act is taken from values
 reduced across ranks (the monitors reduce before detecting), or, where a monitor could not reduce its
-values (``agreed=False``), reduced itself with ``trainer.strategy.reduce_boolean_decision`` (any rank
+values (``agreed=False``), reduced itself (:func:`~lightning_gproj.callbacks.ranks.any_rank`: any rank
 that wants to act makes every rank act). Collective actions (checkpoint, rollback) therefore line up.
 
 A user function, a logger or an action that raises is logged once (per function/logger/action) with its
@@ -59,6 +59,7 @@ from lightning.pytorch.loggers import WandbLogger
 from . import keys
 from ._base import check_callable, check_choice, check_float, check_int
 from .detectors import LEVELS, level_rank
+from .ranks import any_rank
 
 log = logging.getLogger("lightning_gproj.alerts")
 
@@ -312,8 +313,8 @@ class AlertDispatcher:
             return
         acting = [a for a in alerts if level_rank(a.level) >= level_rank(self.action_level)]
         act = bool(acting)
-        if not agreed and trainer.world_size > 1:
-            act = trainer.strategy.reduce_boolean_decision(act, all=False)
+        if not agreed:
+            act = any_rank(trainer, act)
         if not act:
             return
         self._pending += acting

@@ -32,6 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from . import keys
 from .alerts import Alert, AlertDispatcher
 from .detectors import MAD_TO_STD, ChangeDetector, Detection, DetectorConfig, RobustBaseline, as_config
+from .ranks import max_norms_mean_loss
 
 from ._base import (
     Monitor,
@@ -376,12 +377,7 @@ class GradNormMonitor(Monitor):
         table = sum_over_shards(torch.stack(rows), groups)
         n = len(params)
         if trainer is not None and self.sync_dist and trainer.world_size > 1:
-            every = trainer.strategy.all_gather(table).reshape(-1, n + 1, 2)  # device-side; no host sync
-            weight = every[:, n, 1]
-            loss_mean = (every[:, n, 0] * weight).sum() / weight.sum().clamp_min(1.0)
-            # Norms: the same on every rank under DDP (and after sum_over_shards); the max makes every rank
-            # see one series whatever happened (a NaN anywhere stays NaN).
-            table = torch.cat([every[:, :n].amax(dim=0), torch.stack([loss_mean, weight.amax()]).reshape(1, 2)])
+            table = max_norms_mean_loss(trainer.strategy, table)
         host = table.cpu().tolist()  # the one device -> host copy
         sq: dict[str, float] = {}
         for p, (square, present) in zip(params, host[:n]):

@@ -23,15 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import warnings
-import zlib
 from typing import Any, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
-import torchmetrics
 from lightning.pytorch.utilities import rank_zero_info
-from torchmetrics.utilities import dim_zero_cat
 
 from lightning_gproj import stats as _stats
 
@@ -39,6 +35,8 @@ from . import keys
 from .alerts import Alert, AlertDispatcher
 from .capture import AttentionCapture, ProbeCapture, ProbeResult, probe_backward
 from .detectors import ChangeDetector, Detection, DetectorConfig, as_config, level_rank
+from .key_bias import KeyBias, find_key_biases, key_bias_values, uses_rotary
+from .ranks import RankRows, reduce_values
 
 from ._base import (
     Monitor,
@@ -52,7 +50,7 @@ from ._base import (
     log_to_loggers,
     step_index,
 )
-from ._sharded import Layout, clean_name, fsdp1_layouts, layout_of, squared_norm, sum_over_shards
+from ._sharded import Layout, clean_name, fsdp1_layouts, layout_of
 
 #: Order of the columns of the summary table (statistics not seen are left out).
 _SUMMARY_STATS = (
@@ -67,168 +65,6 @@ _SUMMARY_STATS = (
     "probe_dq_error",
     "probe_leak_ratio",
 )
-
-#: Key-bias detection, by parameter name. A module with one of these names owning a ``bias`` is a
-#: key projection (HF Llama/Qwen2/OPT/BART/Whisper ``k_proj``, BERT/ViT ``key``, diffusers ``to_k``,
-#: DistilBERT ``k_lin``, Meta-style ``wk``, plain ``k``); its sibling ``weight`` is the key weight.
-SEPARATE_KEY_MODULES = ("k_proj", "key", "to_k", "k_lin", "wk", "k")
-#: Parameters added to the keys directly (``k = k + key_bias``), as in examples/gpt.py's ``key_bias``; the
-#: key weight beside them is looked up in the same module (a separate or fused projection), if any.
-DIRECT_KEY_BIASES = ("key_bias", "k_bias")
-#: Modules whose output is the concatenation [q | k | v] of three equal parts (GPT-2 ``c_attn``, timm and
-#: others ``qkv``/``qkv_proj``/``Wqkv``); the key part is the middle third. Accepted only when the
-#: weight is (3E, E) or (E, 3E) with 3E the bias length, so fused GQA projections (unequal parts) are
-#: skipped rather than sliced wrong. Per-head interleaved layouts (GPT-NeoX/Falcon ``query_key_value``)
-#: are deliberately not listed. ``nn.MultiheadAttention``'s ``in_proj_bias`` (same [q | k | v] layout)
-#: is handled too.
-FUSED_QKV_MODULES = ("c_attn", "qkv", "qkv_proj", "Wqkv", "in_proj")
-
-
-@dataclasses.dataclass(frozen=True)
-class KeyBias:
-    """A key bias found in the model and the key weight it is compared with.
-
-    ``layer`` is the attention module's path (the parent of the key projection, or the
-    ``nn.MultiheadAttention`` itself). ``bias_part`` = ``(start, length)`` of the key part of the bias and
-    ``weight_part`` = ``(dim, start, length)`` of the key part of the weight, ``None`` meaning all of it.
-    """
-
-    layer: str
-    bias_name: str
-    weight_name: str
-    bias: torch.nn.Parameter
-    weight: torch.nn.Parameter | None
-    bias_part: tuple[int, int] | None = None
-    weight_part: tuple[int, int, int] | None = None
-
-    def grad_rows(self, fsdp1: dict[int, Layout], device: torch.device) -> tuple[torch.Tensor, list[tuple]]:
-        """This rank's share of ‖∇b_k‖² and ‖∇W_k‖² (key parts only): rows (square, present) of a (2, 2)
-        float64 tensor, bias then weight, and the process groups of each row; sum the rows over those groups
-        (:func:`~lightning_gproj.callbacks._sharded.sum_over_shards`) for the global values. Works for whole,
-        DTensor and FSDP1 gradients (``fsdp1``: :func:`~lightning_gproj.callbacks._sharded.fsdp1_layouts`)."""
-        bias_layout = layout_of(self.bias, fsdp1)
-        bias_part = None if self.bias_part is None else (0, *self.bias_part)
-        rows = [squared_norm(self.bias.grad, bias_layout, device, bias_part)]
-        groups = [bias_layout.groups]
-        if self.weight is None:
-            rows.append(torch.zeros(2, dtype=torch.float64, device=device))
-            groups.append(())
-        else:
-            weight_layout = layout_of(self.weight, fsdp1)
-            rows.append(squared_norm(self.weight.grad, weight_layout, device, self.weight_part))
-            groups.append(weight_layout.groups)
-        return torch.stack(rows), groups
-
-    def grad_norms(self, fsdp1: Optional[dict[int, Layout]] = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(‖∇b_k‖₂, ‖∇W_k‖_F) as 0-dim float64 tensors, global over ranks for sharded gradients (a
-        collective then); the second is None without a key weight (or its gradient); None when the bias has
-        no gradient."""
-        rows, groups = self.grad_rows(fsdp1 or {}, self.bias.device)
-        return _key_bias_norms(sum_over_shards(rows, groups))
-
-
-def _key_bias_norms(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(bias norm, weight norm or None) from summed :meth:`KeyBias.grad_rows`, None without a bias gradient."""
-    (bias_sq, bias_present), (weight_sq, weight_present) = rows.unbind(0)
-    if not bias_present:
-        return None
-    return bias_sq.sqrt(), (weight_sq.sqrt() if weight_present else None)
-
-
-def _fused_parts(weight: torch.Tensor, bias: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int, int]] | None:
-    """Key parts of a [q | k | v] projection, or None if the shapes do not prove that layout."""
-    n = bias.numel()
-    if bias.ndim != 1 or weight.ndim != 2 or n % 3:
-        return None
-    e = n // 3
-    # (3E, E): nn.Linear and in_proj_weight; (E, 3E): GPT-2's Conv1D. Anything else is not [q|k|v].
-    if tuple(weight.shape) == (n, e):
-        return (e, e), (0, e, e)
-    if tuple(weight.shape) == (e, n):
-        return (e, e), (1, e, e)
-    return None
-
-
-def uses_rotary(module: torch.nn.Module) -> bool:
-    """Whether ``module`` holds a rotary position embedding (a submodule whose class name contains
-    "Rotary", as in Hugging Face's ``LlamaRotaryEmbedding`` / ``Qwen2RotaryEmbedding``).
-
-    RoPE rotates the key bias differently at every position, so it is no longer a shared key offset:
-    its gradient is not Σ_j dK_j and is legitimately non-zero (a float64 check on a 1-layer Qwen2 gave
-    ‖∂b_k‖/‖∂W_k‖ = 0.058, against 7e-17 for GPT-2). The key-bias signals are switched off then.
-    """
-    return any("rotary" in type(m).__name__.lower() for m in module.modules())
-
-
-def find_key_biases(module: torch.nn.Module, shape_of: Optional[Callable[[torch.Tensor], torch.Size]] = None) -> list[KeyBias]:
-    """Key biases of ``module`` by the name heuristic above (see :data:`SEPARATE_KEY_MODULES`).
-
-    ``shape_of(param)``: the full shape of a parameter that is sharded in place (FSDP1 keeps 1-D views of
-    each rank's elements; default: ``param.shape``).
-
-    Returns at most one entry per attention layer, in ``named_parameters`` order. A parameter that
-    matches a name but not the expected shapes is skipped, never guessed. A layer with both a
-    projection bias and a vector added to the keys (:data:`DIRECT_KEY_BIASES`) reports the latter: both
-    receive Σ_j dK_j, the direct one is what the optimizer moves as a pure key offset.
-    """
-    real = {clean_name(n): p for n, p in module.named_parameters()}  # FSDP1 / checkpoint wrappers dropped
-    # The shape tests run on meta stand-ins of the full shapes; the results hold the real parameters.
-    params = real if shape_of is None else {n: torch.empty(shape_of(p), device="meta") for n, p in real.items()}
-    found: dict[str, KeyBias] = {}
-    direct: dict[str, KeyBias] = {}
-    for name, bias in params.items():
-        owner, _, attr = name.rpartition(".")
-        dot = f"{owner}." if owner else ""
-        if attr in DIRECT_KEY_BIASES and bias.ndim == 1:
-            weight_name, weight, part = _key_weight_of(params, dot, bias.numel())
-            direct.setdefault(owner, KeyBias(owner, name, weight_name, bias, weight, None, part))
-        elif attr == "in_proj_bias":  # nn.MultiheadAttention: the owner is the attention module
-            if f"{dot}in_proj_weight" in params:
-                weight = params[f"{dot}in_proj_weight"]
-                parts = _fused_parts(weight, bias)
-                if parts is not None:
-                    found.setdefault(owner, KeyBias(owner, name, f"{dot}in_proj_weight", bias, weight, *parts))
-            elif f"{dot}k_proj_weight" in params:  # kdim != embed_dim: separate key weight
-                weight, n = params[f"{dot}k_proj_weight"], bias.numel()
-                if n % 3 == 0 and weight.ndim == 2 and weight.shape[0] == n // 3:
-                    kb = KeyBias(owner, name, f"{dot}k_proj_weight", bias, weight, (n // 3, n // 3))
-                    found.setdefault(owner, kb)
-        elif attr == "bias" and f"{dot}weight" in params:
-            parent, _, proj = owner.rpartition(".")
-            weight = params[f"{dot}weight"]
-            if proj in SEPARATE_KEY_MODULES:
-                if weight.ndim == 2 and bias.ndim == 1 and bias.numel() in weight.shape:
-                    found.setdefault(parent or owner, KeyBias(parent or owner, name, f"{dot}weight", bias, weight))
-            elif proj in FUSED_QKV_MODULES:
-                parts = _fused_parts(weight, bias)
-                if parts is not None:
-                    kb = KeyBias(parent or owner, name, f"{dot}weight", bias, weight, *parts)
-                    found.setdefault(parent or owner, kb)
-    found.update(direct)
-    order = {name: i for i, name in enumerate(params)}
-    out = sorted(found.values(), key=lambda kb: order[kb.bias_name])
-    if shape_of is not None:
-        out = [dataclasses.replace(kb, bias=real[kb.bias_name], weight=real.get(kb.weight_name)) for kb in out]
-    return out
-
-
-def _key_weight_of(
-    params: dict[str, torch.nn.Parameter], dot: str, n: int
-) -> tuple[str, torch.nn.Parameter | None, tuple[int, int, int] | None]:
-    """The key weight beside a direct key bias of length ``n`` in the module ``dot``, if one is found."""
-    for proj in SEPARATE_KEY_MODULES:
-        weight = params.get(f"{dot}{proj}.weight")
-        if weight is not None and weight.ndim == 2 and n in weight.shape:
-            return f"{dot}{proj}.weight", weight, None
-    for name in [f"{dot}{proj}.weight" for proj in FUSED_QKV_MODULES] + [f"{dot}in_proj_weight"]:
-        weight = params.get(name)
-        if weight is not None and weight.ndim == 2:
-            if tuple(weight.shape) == (3 * n, n):
-                return name, weight, (0, n, n)
-            if tuple(weight.shape) == (n, 3 * n):
-                return name, weight, (1, n, n)
-    return "", None, None
-
 
 @dataclasses.dataclass
 class _Track:
@@ -247,39 +83,17 @@ class _Track:
             self.peak, self.peak_step = new_peak, step
 
 
-class _RankRows(torchmetrics.Metric):
-    """Gathers one row of values per rank (``dist_reduce_fx="cat"``); :meth:`compute` syncs across ranks
-    (torchmetrics' all-gather over the default process group) and returns the rows concatenated."""
-
-    full_state_update = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.add_state("rows", default=[], dist_reduce_fx="cat")
-
-    def update(self, row: torch.Tensor) -> None:
-        self.rows.append(row.reshape(-1))
-
-    def compute(self) -> torch.Tensor:
-        return dim_zero_cat(self.rows)
-
-
-#: Statistics alerted on by default (the others are logged only; see ``detect``).
-DEFAULT_DETECT = ("leak_ratio", "c2_residual", "key_bias_grad_ratio", "probe_leak_ratio", "probe_dq_error")
-#: Default detector floors (see ``ChangeDetector(floor=...)``): below these, values are rounding level
-#: and their relative jumps must not alert. C2 residual: rounding dK itself to bf16 gives ~1.6e-3 even
-#: with GProj (measured on examples/gpt.py, bf16-mixed; 1e-7–1e-5 on fp32 accumulators, DESIGN.md §8),
-#: an uncorrected bf16 kernel 0.3–4.9%. Key-bias gradient ratio: 1e-5–2e-4 in a 150-step GProj run of
-#: examples/gpt.py, up to 1.1e-3 in its fix="none" twin (benchmarks/monitor_pair.py).
-#: Leak ratio: 4e-4–6e-2 over the 150 steps of the healthy GProj demo (examples/configs/gpt_demo.yaml,
-#: CPU, 2026-11-29; a floor of 1e-3 raised a false warning there at step 100); an uncorrected kernel on an
-#: unstable run leaks 8–14% of dQ (DESIGN.md §4), so 1e-2 keeps a 3x warning below that. Tuned on that one
-#: healthy run: provisional until the reproduction traces (issue 6) exist.
 #: Every statistic name ZeroSumMonitor logs (the names ``detect`` and ``floors`` accept).
 STATISTICS = _SUMMARY_STATS + ("key_bias_grad_norm", "probe_dq_error_max")
 #: Statistics reduced over ranks (and over a step's calls, in the recorder) by their maximum; the
 #: others by their mean.
 MAX_REDUCED = _stats.MAX_REDUCED | {"probe_dq_error_max"}
+#: Statistics alerted on by default (the others are logged only; see ``detect``).
+DEFAULT_DETECT = ("leak_ratio", "c2_residual", "key_bias_grad_ratio", "probe_leak_ratio", "probe_dq_error")
+#: Default detector floors (see ``DetectorConfig.floor``): below these, values are rounding level and
+#: their relative jumps must not alert. Each sits between what a healthy bf16 GProj run shows and what
+#: an uncorrected kernel does (the measurements they come from: docs/monitoring.md, "Detectors").
+#: Provisional until traces of a real divergence exist.
 DEFAULT_FLOORS = {
     "leak_ratio": 1e-2,
     "c2_residual": 3e-3,
@@ -499,8 +313,7 @@ class ZeroSumMonitor(Monitor):
         self._capture_step: Optional[int] = None
         self._recording_step: int | None = None  # step whose recording we started, while it runs
         self._previous_enabled = False
-        self._mismatch_warned = False
-        self._gather: Optional[_RankRows] = None
+        self._gather = RankRows()
 
     @property
     def state_key(self) -> str:
@@ -707,27 +520,15 @@ class ZeroSumMonitor(Monitor):
         return out
 
     def _key_bias_values(self, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, torch.Tensor]:
-        """Key-bias signals of the biases ``optimizer`` steps, global over ranks for sharded gradients (one
-        reduction for all layers; every rank takes part)."""
+        """Key-bias signals of the biases ``optimizer`` steps (several optimizers: each sees its own),
+        global over ranks for sharded gradients (every rank takes part)."""
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         biases = [kb for kb in self.key_biases if id(kb.bias) in stepped]
-        if not biases:
-            return {}
-        rows, groups = [], []
-        for kb in biases:
-            r, g = kb.grad_rows(self._fsdp1, device)
-            rows.append(r)
-            groups += g
-        summed = sum_over_shards(torch.cat(rows), groups).reshape(len(biases), 2, 2)
         out: dict[str, torch.Tensor] = {}
-        for kb, kb_rows in zip(biases, summed):
-            norms = _key_bias_norms(kb_rows)
-            if norms is None:
-                continue
-            bias_norm, weight_norm = norms
-            out[keys.metric(self.prefix, kb.layer, "key_bias_grad_norm")] = bias_norm
+        for layer, (bias_norm, weight_norm) in key_bias_values(biases, self._fsdp1, device).items():
+            out[keys.metric(self.prefix, layer, "key_bias_grad_norm")] = bias_norm
             if weight_norm is not None:
-                out[keys.metric(self.prefix, kb.layer, "key_bias_grad_ratio")] = bias_norm / weight_norm
+                out[keys.metric(self.prefix, layer, "key_bias_grad_ratio")] = bias_norm / weight_norm
         return out
 
     def _emit(
@@ -761,33 +562,10 @@ class ZeroSumMonitor(Monitor):
         self.dispatcher.deliver(trainer, alerts, step, agreed=agreed, optimizer=optimizer)
 
     def _reduce(self, flat: torch.Tensor, names: list[str], device: torch.device) -> tuple[torch.Tensor, bool]:
-        """Mean (max for :data:`MAX_REDUCED`) over ranks through :class:`_RankRows` (one gather of all
-        values): ``(values, True)``; ``(this rank's values, False)`` when the ranks' key sets differ."""
-        if self._gather is None:
-            self._gather = _RankRows()
-        self._gather = self._gather.to(device)
-        n = len(names)
-        tag = zlib.crc32("\n".join(names).encode()) % (1 << 24)  # exact in float32
-        header = torch.tensor([float(n), float(tag)], device=device)
-        self._gather.update(torch.cat([header, flat]))
-        rows = self._gather.compute()
-        self._gather.reset()
-        if rows.numel() % (n + 2) == 0:
-            rows = rows.reshape(-1, n + 2)
-            if bool((rows[:, 0] == n).all()) and bool((rows[:, 1] == tag).all()):
-                values = rows[:, 2:]
-                stats = [keys.parse_layer_key(self.prefix, name) for name in names]
-                is_max = torch.tensor([p is not None and p[1] in MAX_REDUCED for p in stats], device=device)
-                return torch.where(is_max, values.max(dim=0).values, values.mean(dim=0)), True
-        if not self._mismatch_warned:
-            self._mismatch_warned = True
-            warnings.warn(
-                "ZeroSumMonitor: ranks recorded different sets of layers; logging each rank's own values "
-                "without reduction where they differ (the decision to act is still reduced across ranks).",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return flat, False
+        """Mean (max for :data:`MAX_REDUCED`) over ranks, see :func:`.ranks.reduce_values`."""
+        stats = [keys.parse_layer_key(self.prefix, name) for name in names]
+        by_max = [p is not None and p[1] in MAX_REDUCED for p in stats]
+        return reduce_values(self._gather, flat.to(device), names, by_max, type(self).__name__)
 
     # ------------------------------------------------------------------ detection (online and offline)
 

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.loggers import Logger, WandbLogger
 from torch import nn
 
 from lightning_gproj import stats
@@ -31,7 +31,8 @@ from lightning_gproj.callbacks import (
     GradNormMonitor,
     ZeroSumMonitor,
 )
-from lightning_gproj.report import load_logs
+
+from _monitors import fit
 
 pytestmark = pytest.mark.usefixtures("recorder_off")
 
@@ -88,16 +89,6 @@ class Trainable(pl.LightningModule):
         return torch.utils.data.DataLoader([x] * 64, batch_size=None)
 
 
-def fit(model, callbacks, tmp_path: Path, max_steps: int, **kwargs):
-    trainer = pl.Trainer(
-        accelerator="cpu", max_steps=max_steps, logger=CSVLogger(tmp_path, name="logs", version=0),
-        log_every_n_steps=1, callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path, **kwargs,
-    )
-    trainer.fit(model)
-    return trainer
-
-
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
@@ -109,7 +100,7 @@ def test_skip_drops_the_step_whose_gradients_spiked(tmp_path, caplog):
     model = Trainable(factors(18, {12: 50.0}))
     monitor = GradNormMonitor(detector=SHORT, loss_detector=None, actions=("skip",), print_summary=False)
     with caplog.at_level(logging.WARNING, logger="lightning_gproj.alerts"):
-        trainer = fit(model, [monitor], tmp_path, max_steps=18)
+        trainer, logged = fit(model, [monitor], tmp_path, max_steps=18)
     assert [(a.step, a.level) for a in monitor.alerts] == [(12, "critical")]
     w, m = model.weights, model.momenta
     # Step 12 left weights and momentum untouched; every other step moved both.
@@ -119,7 +110,7 @@ def test_skip_drops_the_step_whose_gradients_spiked(tmp_path, caplog):
     assert trainer.global_step == 18  # the skipped step still counts
     assert monitor.dispatcher.skipped_steps == 1
     assert monitor.dispatcher.action_log == [("skip", 12, "ok: gradients dropped")]
-    assert load_logs(tmp_path / "logs" / "version_0")["grad_norm/skipped_steps"] == {12: 1.0}
+    assert logged["grad_norm/skipped_steps"] == {12: 1.0}
     assert any("skipped the optimizer step of step 12" in r.getMessage() for r in caplog.records)
     assert "1 step(s) skipped" in monitor.summary()
 
@@ -130,10 +121,9 @@ def test_skip_on_a_loss_spike_replaces_spike_detection(tmp_path):
     model = Trainable(factors(16, {11: 5.0}))
     monitor = GradNormMonitor(detector=OFF, loss_detector=replace(SHORT, critical_ratio=3.0, warn_ratio=None),
                               actions=("skip",), print_summary=False)
-    fit(model, [monitor], tmp_path, max_steps=16)
+    _, logged = fit(model, [monitor], tmp_path, max_steps=16)
     assert [(a.step, a.signal, a.level, a.statistic) for a in monitor.alerts] == [(11, "grad_norm/loss", "critical", "ratio")]
     assert same(model.weights[12], model.weights[11]) and not same(model.weights[11], model.weights[10])
-    logged = load_logs(tmp_path / "logs" / "version_0")
     assert logged["grad_norm/loss"] == pytest.approx(model.losses, rel=1e-6)
     assert logged["alert/grad_norm/loss"] == {11: 2.0}
 
@@ -159,7 +149,7 @@ def test_rollback_restores_the_last_good_checkpoint_and_scales_the_learning_rate
         detector=SHORT, loss_detector=None, actions=("rollback",), rollback_every_n_steps=4, rollback_lr_factor=0.5,
         checkpoint_dir=str(ckpt_dir), print_summary=False,
     )
-    fit(model, [monitor], tmp_path, max_steps=steps)
+    _, logged = fit(model, [monitor], tmp_path, max_steps=steps)
     assert [(a.step, a.level) for a in monitor.alerts] == [(13, "critical")]
     w, m = model.weights, model.momenta
     # The step-12 good checkpoint holds the state after step 12, i.e. the one step 13 started from:
@@ -177,7 +167,7 @@ def test_rollback_restores_the_last_good_checkpoint_and_scales_the_learning_rate
     assert [e[1] for e in saved] == [0, 4, 8, 12, 16]
     assert monitor.dispatcher.action_log[4][:2] == ("rollback", 13)
     assert monitor.dispatcher.action_log[4][2].endswith("good-GradNormMonitor-step=12.ckpt")
-    assert load_logs(tmp_path / "logs" / "version_0")["grad_norm/rollbacks"] == {13: 1.0}
+    assert logged["grad_norm/rollbacks"] == {13: 1.0}
 
 
 def test_rollback_without_a_good_checkpoint_goes_on(caplog):

@@ -8,17 +8,17 @@ the warm-up a fresh detector would need, so a monitor that forgot its state at t
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_gproj import stats
 from lightning_gproj.callbacks import ChangeDetector, DetectorConfig, GradNormMonitor, ZeroSumMonitor
+
+from _monitors import fit
 
 pytestmark = pytest.mark.usefixtures("recorder_off")
 
@@ -62,44 +62,29 @@ def monitors() -> list[pl.Callback]:
 
 def run(tmp_path: Path, max_steps: int, ckpt_path: str | None = None):
     callbacks = monitors()
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=max_steps, logger=CSVLogger(tmp_path, name="logs", version=0),
-        log_every_n_steps=1, callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path,
-    )
-    trainer.fit(StepModel(), ckpt_path=ckpt_path)
-    return trainer, callbacks
-
-
-def logged(tmp_path: Path) -> dict[str, dict[int, float]]:
-    out: dict[str, dict[int, float]] = {}
-    with open(tmp_path / "logs" / "version_0" / "metrics.csv", newline="") as f:
-        for row in csv.DictReader(f):
-            for key, value in row.items():
-                if key not in ("step", "epoch") and value:
-                    out.setdefault(key, {})[int(row["step"])] = float(value)
-    return out
+    trainer, logged = fit(StepModel(), callbacks, tmp_path, max_steps, ckpt_path=ckpt_path)
+    return trainer, callbacks, logged
 
 
 def test_resumed_run_raises_the_same_alerts_at_the_same_steps(tmp_path):
-    _, whole = run(tmp_path / "whole", STEPS)
+    _, whole, whole_logged = run(tmp_path / "whole", STEPS)
     expected = [a.as_dict() for m in whole for a in m.alerts]
     # The spike raises an alert in each series (leak ratio, grad norm, loss), and nothing else does.
     assert sorted((a["step"], a["signal"]) for a in expected) == [
         (SPIKE, "gproj/leak_ratio"), (SPIKE, "grad_norm/global"), (SPIKE, "grad_norm/loss")
     ]
 
-    first, _ = run(tmp_path / "part", STOP)
+    first, _, _ = run(tmp_path / "part", STOP)
     ckpt = tmp_path / "stop.ckpt"
     first.save_checkpoint(ckpt)
     states = torch.load(ckpt, weights_only=True)["callbacks"]  # plain containers: loads without pickle
     assert set(states) == {"ZeroSumMonitor{'prefix': 'gproj'}", "GradNormMonitor{'prefix': 'grad_norm'}"}
-    resumed_trainer, resumed = run(tmp_path / "resumed", STEPS, ckpt_path=str(ckpt))
+    resumed_trainer, resumed, resumed_logged = run(tmp_path / "resumed", STEPS, ckpt_path=str(ckpt))
     assert resumed_trainer.global_step == STEPS
     assert [a.as_dict() for m in resumed for a in m.alerts] == expected
 
     # Every detector statistic logged after the restart matches the uninterrupted run's.
-    a, b = logged(tmp_path / "whole"), logged(tmp_path / "resumed")
+    a, b = whole_logged, resumed_logged
     compared = 0
     for key in a:
         if key.endswith(("/cusum", "/ratio", "baseline_median", "/warnings")):
@@ -113,11 +98,7 @@ def test_resumed_run_raises_the_same_alerts_at_the_same_steps(tmp_path):
     unrestored = monitors()
     for m in unrestored:
         m.prefix = m.prefix + "_other"  # a different state_key: Lightning restores nothing into it
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=STEPS, logger=False, callbacks=unrestored,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )
-    trainer.fit(StepModel(), ckpt_path=str(ckpt))
+    fit(StepModel(), unrestored, tmp_path / "unrestored", STEPS, ckpt_path=str(ckpt))
     assert [a for m in unrestored for a in m.alerts] == []
 
 

@@ -203,16 +203,17 @@ class DetectorConfig:
         put("floor", check_float("floor", self.floor, above=-1e-300, accepted="a finite number >= 0"))
 
 
-def as_config(name: str, value: object) -> DetectorConfig:
-    """``value`` if it is a :class:`DetectorConfig`, a mapping of its fields built into one (JSON, YAML
-    without ``LightningCLI``), else a ValueError naming ``name``."""
+def as_config(name: str, value: object, base: DetectorConfig | None = None) -> DetectorConfig:
+    """``value`` if it is a :class:`DetectorConfig`; a mapping of some of its fields (JSON, a plain
+    dict) applied to ``base`` (default ``DetectorConfig()``), as LightningCLI merges a partial YAML
+    mapping into a default; else a ValueError naming ``name``."""
     if isinstance(value, DetectorConfig):
         return value
     if isinstance(value, dict):
         unknown = sorted(set(value) - {f.name for f in dataclasses.fields(DetectorConfig)})
         if unknown:
             raise ValueError(f"`{name}` has unknown fields {unknown}; accepted: the fields of DetectorConfig")
-        return DetectorConfig(**value)
+        return dataclasses.replace(base or DetectorConfig(), **value)
     raise ValueError(f"`{name}` must be a DetectorConfig or a dict of its fields, got {value!r}")
 
 

@@ -176,7 +176,7 @@ class GradNormMonitor(Monitor):
     ``{p}/loss``, ``{p}/loss/ratio``, ``{p}/loss/cusum``
         The training loss of the step (see the module docstring: the sum over its micro-batches of the
         loss each backward started from, mean over ranks), its ratio to the median of the last
-        ``loss_detector.window`` measured losses and its CUSUM; with ``loss_detector=None``, absent.
+        ``loss_detector.window`` measured losses and its CUSUM; with ``loss=False``, absent.
         Alert signal ``{p}/loss``: what Lightning's ``SpikeDetection`` watches, through the same
         detector and actions (``actions=("skip",)`` drops a spiking step instead of raising). Units of
         the loss. A loss <= 0 is logged but kept out of the detector (it works on log(loss)).
@@ -220,8 +220,8 @@ class GradNormMonitor(Monitor):
         detector: detector settings of the global norm (:class:`DetectorConfig`, windows in measured
             steps; default :data:`GRAD_NORM_DETECTOR`). Its ``window`` and ``ema_decay`` also set the
             per-layer baselines.
-        loss_detector: detector settings of the training loss (default :data:`LOSS_DETECTOR`), or None
-            to leave the loss alone.
+        loss: watch the training loss (bool).
+        loss_detector: detector settings of the training loss (default :data:`LOSS_DETECTOR`).
         top_k: layers named in an alert (int >= 1).
         log_layers: log the per-layer norms (bool).
         layer_of: ``name -> layer`` grouping of parameter names (callable or None for the default).
@@ -241,7 +241,8 @@ class GradNormMonitor(Monitor):
         every_n_steps: int = 1,
         *,
         detector: DetectorConfig = GRAD_NORM_DETECTOR,
-        loss_detector: Optional[DetectorConfig] = LOSS_DETECTOR,
+        loss: bool = True,
+        loss_detector: DetectorConfig = LOSS_DETECTOR,
         top_k: int = 3,
         log_layers: bool = True,
         layer_of: Callable[[str], str] | None = None,
@@ -258,8 +259,9 @@ class GradNormMonitor(Monitor):
     ) -> None:
         super().__init__()
         self.every_n_steps = check_int("every_n_steps", every_n_steps, 1)
-        self.detector = as_config("detector", detector)
-        self.loss_detector = None if loss_detector is None else as_config("loss_detector", loss_detector)
+        self.detector = as_config("detector", detector, GRAD_NORM_DETECTOR)
+        self.loss = check_bool("loss", loss)
+        self.loss_detector = as_config("loss_detector", loss_detector, LOSS_DETECTOR)
         self.top_k = check_int("top_k", top_k, 1)
         self.log_layers = check_bool("log_layers", log_layers)
         check_callable("layer_of", layer_of, "a callable name -> layer")
@@ -272,7 +274,7 @@ class GradNormMonitor(Monitor):
             rollback_every_n_steps, rollback_lr_factor,
         )
         self._states: dict[int, _OptimizerState] = {}
-        self._loss_detector = None if self.loss_detector is None else ChangeDetector(self.loss_detector)
+        self._loss_detector = ChangeDetector(self.loss_detector) if self.loss else None
         self._loss_stats = _SeriesStats()
         self._loss: torch.Tensor | None = None  # sum of this step's backward losses, on the device
         self._loss_nonpositive_warned = False
@@ -459,7 +461,7 @@ class GradNormMonitor(Monitor):
         """Feed one training loss to the loss detector (``loss_detector`` must be set): its verdict and the
         new alerts (not delivered). Offline as online (``lightning_gproj.evaluate``)."""
         if self._loss_detector is None:
-            raise ValueError("observe_loss needs a loss detector (loss_detector=None switched it off)")
+            raise ValueError("observe_loss needs the loss series (loss=False switched it off)")
         base = self._loss_detector.baseline
         median, window = base.median, len(base)
         if math.isfinite(loss) and loss <= 0:
@@ -468,7 +470,7 @@ class GradNormMonitor(Monitor):
             if not self._loss_nonpositive_warned:
                 self._loss_nonpositive_warned = True
                 rank_zero_info(f"GradNormMonitor: loss {loss:.4g} <= 0 at step {step}: the loss detector "
-                               "only follows positive losses; such steps are left out (pass loss_detector=None "
+                               "only follows positive losses; such steps are left out (pass loss=False "
                                "for a loss that can be negative)")
             detection = Detection(step, loss, window, median, base.mad)
             self._loss_stats.add(step, loss, detection, False)

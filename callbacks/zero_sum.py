@@ -283,7 +283,7 @@ class ZeroSumMonitor(Monitor):
             raise ValueError(f"`floors` has unknown statistic names {unknown}; accepted: {STATISTICS}")
         #: Detector floor per statistic (DEFAULT_FLOORS updated with ``floors``).
         self.floors = {**DEFAULT_FLOORS, **(floors or {})}
-        self.detector = as_config("detector", detector)
+        self.detector = as_config("detector", detector, ZERO_SUM_DETECTOR)
         self.sync_dist = check_bool("sync_dist", sync_dist)
         self.prefix = check_prefix("prefix", prefix)
         self.print_summary = check_bool("print_summary", print_summary)

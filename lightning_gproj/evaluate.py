@@ -45,7 +45,7 @@ def replay(series: Series, grad_norm: GradNormMonitor, zero_sum: ZeroSumMonitor)
     """Feed the logged ``series`` to the monitors' detectors in step order; returns their alerts."""
     g = grad_norm.prefix
     glob = series.get(keys.metric(g, "global"), {})
-    loss = series.get(keys.metric(g, "loss"), {}) if grad_norm.loss_detector is not None else {}
+    loss = series.get(keys.metric(g, "loss"), {}) if grad_norm.loss else {}
     layer_head = keys.metric(g, "layer", "")
     layer_keys = {k: k[len(layer_head):] for k in series if k.startswith(layer_head)}
     zs_keys = [k for k in series if keys.parse_layer_key(zero_sum.prefix, k) is not None]

@@ -98,7 +98,7 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def test_skip_drops_the_step_whose_gradients_spiked(tmp_path, caplog):
     model = Trainable(factors(18, {12: 50.0}))
-    monitor = GradNormMonitor(detector=SHORT, loss_detector=None, actions=("skip",), print_summary=False)
+    monitor = GradNormMonitor(detector=SHORT, loss=False, actions=("skip",), print_summary=False)
     with caplog.at_level(logging.WARNING, logger="lightning_gproj.alerts"):
         trainer, logged = fit(model, [monitor], tmp_path, max_steps=18)
     assert [(a.step, a.level) for a in monitor.alerts] == [(12, "critical")]
@@ -146,7 +146,7 @@ def test_rollback_restores_the_last_good_checkpoint_and_scales_the_learning_rate
     model = Trainable(factors(steps, {13: 50.0}), lr=base_lr, schedule=True)
     ckpt_dir = tmp_path / "ckpt"
     monitor = GradNormMonitor(
-        detector=SHORT, loss_detector=None, actions=("rollback",), rollback_every_n_steps=4, rollback_lr_factor=0.5,
+        detector=SHORT, loss=False, actions=("rollback",), rollback_every_n_steps=4, rollback_lr_factor=0.5,
         checkpoint_dir=str(ckpt_dir), print_summary=False,
     )
     _, logged = fit(model, [monitor], tmp_path, max_steps=steps)
@@ -213,7 +213,7 @@ def test_skip_acts_on_every_rank_when_one_rank_spikes(tmp_path, sync_dist):
     detects on its own and the decision is reduced (any rank)."""
     steps = 14
     model = Trainable(factors(steps, {}), rank_spike={10: 100.0})
-    monitor = GradNormMonitor(detector=SHORT, loss_detector=None, actions=("skip",), sync_dist=sync_dist,
+    monitor = GradNormMonitor(detector=SHORT, loss=False, actions=("skip",), sync_dist=sync_dist,
                               print_summary=False)
     r0, r1 = two_ranks(model, monitor, tmp_path, steps)
     assert r0["actions"] == r1["actions"] == [["skip", 10, "ok: gradients dropped"]]

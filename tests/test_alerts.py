@@ -201,7 +201,7 @@ class SDPAAttention(nn.Module):
 
 def spike_monitor(**kwargs) -> GradNormMonitor:
     """A GradNormMonitor on the gradient norm only, with a short warm-up (5 steps, window 10)."""
-    return GradNormMonitor(detector=DetectorConfig(warmup=5, window=10), loss_detector=None, print_summary=False, **kwargs)
+    return GradNormMonitor(detector=DetectorConfig(warmup=5, window=10), loss=False, print_summary=False, **kwargs)
 
 
 def spike_factors(n: int, at: int) -> list[float]:

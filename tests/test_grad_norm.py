@@ -23,7 +23,7 @@ def test_grad_norm_logs_norms_and_baseline_matching_independent_computation(tmp_
     steps, window = 14, 5
     model = LayeredModel([wobble(steps, 0.3, 0.0), wobble(steps, 0.5, 1.0)])
     detector = DetectorConfig(window=window, warn_ratio=1e6, critical_ratio=None, cusum_warn=None, warmup=2, ema_decay=0.8)
-    monitor = GradNormMonitor(detector=detector, loss_detector=None, print_summary=False)
+    monitor = GradNormMonitor(detector=detector, loss=False, print_summary=False)
     trainer, logged = fit(model, [monitor], tmp_path, max_steps=steps)
 
     norms = [model.norms[s]["global"] for s in range(steps)]
@@ -55,7 +55,7 @@ def test_grad_norm_warns_exactly_at_the_spike_and_names_the_layer(tmp_path, capl
     blocks1 = [f * spikes.get(s, 1.0) for s, f in enumerate(wobble(steps, 0.2, 1.0))]
     model = LayeredModel([wobble(steps, 0.2, 0.0), blocks1])
     detector = DetectorConfig(window=8, warn_ratio=10.0, critical_ratio=None, cusum_warn=None, warmup=5)
-    monitor = GradNormMonitor(detector=detector, loss_detector=None, print_summary=False)
+    monitor = GradNormMonitor(detector=detector, loss=False, print_summary=False)
     with caplog.at_level(logging.WARNING, logger="lightning_gproj.alerts"):
         trainer, logged = fit(model, [monitor], tmp_path, max_steps=steps)
     spike_warnings = [r.getMessage() for r in caplog.records if r.name == "lightning_gproj.alerts"]
@@ -84,7 +84,7 @@ def test_grad_norm_keeps_non_finite_norms_out_of_the_baseline(tmp_path, caplog):
     factors = wobble(steps, 0.2, 0.0)
     factors[6] = float("inf")  # inf and nan gradients
     model = LayeredModel([factors])
-    monitor = GradNormMonitor(detector=DetectorConfig(window=4, warmup=2, cusum_warn=None), loss_detector=None,
+    monitor = GradNormMonitor(detector=DetectorConfig(window=4, warmup=2, cusum_warn=None), loss=False,
                               print_summary=False)
     with caplog.at_level(logging.WARNING, logger="lightning_gproj.alerts"):
         trainer, logged = fit(model, [monitor], tmp_path, max_steps=steps)

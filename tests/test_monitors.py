@@ -93,6 +93,19 @@ def test_constructor_rejects_bad_arguments(cls, kwargs, argument):
         cls(**kwargs)
 
 
+def test_a_mapping_of_detector_fields_overrides_the_monitors_own_defaults():
+    from dataclasses import replace
+
+    from lightning_gproj.callbacks import GRAD_NORM_DETECTOR, LOSS_DETECTOR, ZERO_SUM_DETECTOR
+
+    gn = GradNormMonitor(detector={"window": 200}, loss_detector={"critical_ratio": 2.0})
+    assert gn.detector == replace(GRAD_NORM_DETECTOR, window=200)
+    assert gn.loss_detector == replace(LOSS_DETECTOR, critical_ratio=2.0)
+    assert ZeroSumMonitor(detector={"warmup": 3}).detector == replace(ZERO_SUM_DETECTOR, warmup=3)
+    config = DetectorConfig(window=7, warmup=2)
+    assert GradNormMonitor(detector=config).detector is config
+
+
 @pytest.mark.parametrize(
     ("kwargs", "argument", "bad"),
     [({"detect": ("leak_ratio", "nope")}, "detect", "nope"), ({"floors": {"leek_ratio": 1e-2}}, "floors", "leek_ratio")],

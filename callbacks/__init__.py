@@ -3,10 +3,11 @@
 - :class:`ZeroSumMonitor`: zero-sum violation, leak ratio, mean-key/query norms (from
   :data:`lightning_gproj.stats.RECORDER`), the C2 residual and key-bias gradient (any model), and a
   probe of unswapped attention against float64, every N steps; alerts on their change.
-- :class:`GradNormMonitor`: global and per-layer gradient norms, robust baseline, CUSUM, log-slope;
-  warn/critical alerts naming the layers.
+- :class:`GradNormMonitor`: global and per-layer gradient norms and the training loss, robust
+  baseline, CUSUM, log-slope; warn/critical alerts naming the layers.
 - :class:`Alert`, :class:`AlertDispatcher`: alert records and their delivery (log warning, loggers,
-  user function, checkpoint / stop / remediate actions).
+  W&B alerts, user function, skip / rollback / checkpoint / stop / remediate actions, decided
+  identically on every rank).
 - :class:`ChangeDetector`, :class:`DetectorConfig`: the detector and its settings, shared with the
   offline replay (``lightning_gproj.evaluate``).
 - :mod:`.keys`: the metric-key layout, built and parsed in one place.

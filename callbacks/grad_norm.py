@@ -203,8 +203,9 @@ class GradNormMonitor(Monitor):
     same numbers, raises the same alerts and takes the same actions. ``sync_dist=False`` skips the
     gather; each rank then detects on its own values and the decision to act, when actions are
     configured, is reduced across ranks at every measured step (``reduce_boolean_decision``: one more
-    collective and host sync per measured step). With sharded gradients (FSDP, DeepSpeed ZeRO-2/3)
-    each rank sees its shard only — not supported yet.
+    collective and host sync per measured step). Sharded gradients (FSDP1, FSDP2 / DTensor) are summed
+    over their shard groups first (:mod:`._sharded`); DeepSpeed ZeRO is not supported. Under DDP an
+    error in this monitor on one rank only can leave the other ranks waiting in a collective.
 
     Never stops training by accident: an exception in a hook is reported once as a
     :class:`~lightning_gproj.callbacks.MonitorDisabledWarning` and the monitor switches itself off; a

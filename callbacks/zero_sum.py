@@ -9,14 +9,15 @@ Four sources:
 * the key-bias gradient, for any model whatever its kernel: the gradient of a key bias is exactly
   Σ_j dK_j (summed over batch and positions), which conservation law C2 (DESIGN.md §2) makes 0 in exact
   arithmetic. It is read from ``param.grad`` in ``on_before_optimizer_step`` (after every backward of the
-  step, after AMP unscaling, before clipping), so it needs no hook and includes gradient accumulation;
+  step, after AMP unscaling, before clipping), so it needs no hook and includes gradient accumulation
+  (:mod:`.key_bias` finds the biases and reduces sharded gradients);
 * the C2 residual ‖Σ_j dK_j‖ / ‖dK‖_F, for any model whatever its kernel, from a hook on the gradient of
   k of every attention call of the sampled steps (:mod:`.capture`);
 * the probe, for attention the op does not serve (SDPA with any backend): every ``probe_every_n_steps``
   one layer's slice is recomputed in the user's kernel and in float64 (:mod:`.capture`).
 
-Each statistic listed in ``detect`` runs through a change detector (:mod:`.detectors`); alerts are
-delivered by :mod:`.alerts`.
+Values are reduced across ranks (:mod:`.ranks`) before each statistic listed in ``detect`` runs through a
+change detector (:mod:`.detectors`); alerts are delivered, and actions taken, by :mod:`.alerts`.
 """
 
 from __future__ import annotations

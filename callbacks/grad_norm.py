@@ -148,7 +148,7 @@ class GradNormMonitor(Monitor):
     before gradient clipping; see the module docstring), over the parameters that optimizer steps:
 
     ``{p}/global``
-        ‖g‖₂, the L2 norm of all their gradients (per-tensor norms in fp32, summed in fp64 on the host).
+        ‖g‖₂, the L2 norm of all their gradients (per-tensor norms in fp32, squares summed in fp64).
         Units of the loss per unit of parameter; the same quantity ``clip_grad_norm_`` clips.
     ``{p}/layer/{layer}``
         ‖g‖₂ of the parameters of one layer. Layers are groups of parameter names given by
@@ -203,9 +203,11 @@ class GradNormMonitor(Monitor):
     same numbers, raises the same alerts and takes the same actions. ``sync_dist=False`` skips the
     gather; each rank then detects on its own values and the decision to act, when actions are
     configured, is reduced across ranks at every measured step (``reduce_boolean_decision``: one more
-    collective and host sync per measured step). Sharded gradients (FSDP1, FSDP2 / DTensor) are summed
-    over their shard groups first (:mod:`._sharded`); DeepSpeed ZeRO is not supported. Under DDP an
-    error in this monitor on one rank only can leave the other ranks waiting in a collective.
+    collective and host sync per measured step). Sharded gradients (FSDP2 / DTensor, FSDP1 with
+    ``use_orig_params=True``) give the same global norms on every rank: the local squares are summed
+    over the shard group in one ``all_reduce`` first (``callbacks/_sharded.py``). FSDP1 with
+    ``use_orig_params=False``: right global norm, no per-layer names. DeepSpeed ZeRO-2/3: not supported.
+    Under DDP an error in this monitor on one rank only can leave the other ranks waiting in a collective.
 
     Never stops training by accident: an exception in a hook is reported once as a
     :class:`~lightning_gproj.callbacks.MonitorDisabledWarning` and the monitor switches itself off; a

@@ -189,6 +189,9 @@ class ZeroSumMonitor(Monitor):
     alerts and runs the same actions. All ranks must sample the same layers, as DDP already requires; if
     the sets differ (or with ``sync_dist=False``), each rank keeps its own values (warned once) and the
     decision to act is reduced across ranks by the dispatcher instead (any rank acting makes all act).
+    The key-bias signals of sharded gradients (FSDP2 / DTensor, FSDP1 with ``use_orig_params=True``)
+    are global norms before that reduction: the squares of the key parts each rank holds are summed
+    over the shard group (``callbacks/_sharded.py``; this all-reduce runs whatever ``sync_dist`` says).
 
     State: :meth:`state_dict` holds every detector, the summary's tracks, the probe's round robin and
     the alerts, so a run resumed from a Lightning checkpoint raises the same alerts at the same steps as

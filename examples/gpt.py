@@ -23,8 +23,9 @@ import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 VOCAB_SIZE = 256  # one token per byte
 
@@ -169,6 +170,9 @@ class GPT(L.LightningModule):
             if name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
         self.val_history: list[tuple[int, float]] = []  # (global_step, val_loss) of every validation
+        # ndim of each parameter as built: FSDP1 (use_orig_params) keeps these Parameter objects but turns
+        # them into 1-D views of each rank's shard before configure_optimizers sees them.
+        self._built_ndim = {id(p): p.ndim for p in self.parameters()}
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -194,13 +198,43 @@ class GPT(L.LightningModule):
         logits = self(x)
         return F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), y.reshape(-1))
 
-    def on_train_start(self) -> None:
-        # b_k(0) of every key bias, for the drift ‖b_k(t) - b_k(0)‖; restored from a checkpoint on resume
-        if not getattr(self, "_key_bias_init", None):
-            self._key_bias_init = {
-                f"blocks.{i}.attn": b.attn.key_bias.detach().float().clone()
-                for i, b in enumerate(self.blocks) if b.attn.key_bias is not None
-            }
+    def configure_model(self) -> None:
+        """FSDP2 under Lightning's ``ModelParallelStrategy`` (``examples/configs/gpt_fsdp2.yaml``): each block
+        is sharded with ``fully_shard`` over the data-parallel mesh, then the root (embeddings, final norm and
+        the tied LM head, which must stay in one group). No-op under other strategies (no device mesh) and
+        when already sharded (Lightning calls this hook again for every stage).
+
+        Raises:
+            ValueError: a tensor-parallel mesh dimension larger than 1 (not implemented for this model).
+        """
+        mesh = self.device_mesh
+        if mesh is None:
+            return
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(self.blocks[0], FSDPModule):
+            return
+        if mesh["tensor_parallel"].size() != 1:
+            raise ValueError(f"tensor_parallel_size must be 1 for this GPT (FSDP2 only), got {mesh['tensor_parallel'].size()}")
+        data_parallel = mesh["data_parallel"]
+        for block in self.blocks:
+            fully_shard(block, mesh=data_parallel)
+        fully_shard(self, mesh=data_parallel)
+
+    def _key_biases(self) -> dict[str, torch.Tensor]:
+        """``{layer: b_k}`` as whole fp32 vectors (a DTensor under FSDP2 is gathered); a layer whose bias
+        this rank holds only a shard of (FSDP1 units per block, outside their forward) is left out."""
+        out = {}
+        for i, block in enumerate(self.blocks):
+            b = block.attn.key_bias
+            if b is None:
+                continue
+            b = b.detach()
+            if hasattr(b, "full_tensor"):  # DTensor
+                b = b.full_tensor()
+            if b.numel() == self.hparams.n_embd:
+                out[f"blocks.{i}.attn"] = b.float()
+        return out
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if getattr(self, "_key_bias_init", None):
@@ -213,12 +247,15 @@ class GPT(L.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)  # mean over ranks under DDP/FSDP
-        init = getattr(self, "_key_bias_init", {})
-        for i, block in enumerate(self.blocks):
-            name = f"blocks.{i}.attn"
-            if name in init:  # before this step's update: b_k(t) at step t
-                drift = (block.attn.key_bias.detach().float() - init[name].to(loss.device)).norm()
-                self.log(f"key_bias_drift/{name}", drift)
+        # Key-bias drift ‖b_k(t) - b_k(0)‖, before this step's update. b_k(0) is taken at the first step (or
+        # restored from a checkpoint on resume), here rather than in on_train_start, where FSDP1 holds each
+        # rank's shard only; after the forward it holds the whole parameters of the root unit.
+        biases = self._key_biases()
+        if not getattr(self, "_key_bias_init", None):
+            self._key_bias_init = {name: b.clone() for name, b in biases.items()}
+        for name, b in biases.items():
+            if name in self._key_bias_init:
+                self.log(f"key_bias_drift/{name}", (b - self._key_bias_init[name].to(b.device)).norm())
         return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -237,9 +274,10 @@ class GPT(L.LightningModule):
         for name, p in self.named_parameters():  # the tied lm_head weight is listed once, as tok_emb
             if not p.requires_grad:
                 continue
-            if name.startswith("blocks.") and p.ndim == 2:
+            ndim = self._built_ndim.get(id(p), p.ndim)  # FSDP2 DTensors are new objects with the full ndim
+            if name.startswith("blocks.") and ndim == 2:
                 hidden.append(p)
-            elif p.ndim >= 2:
+            elif ndim >= 2:
                 decay.append(p)
             else:
                 no_decay.append(p)
@@ -390,7 +428,20 @@ class ByteDataModule(L.LightningDataModule):
         self.val_set = RandomWindows(as_tensor(val), hp.block_size, hp.val_samples, hp.seed + 1)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=False,
+        """Windows in dataset order on any number of devices (they already sit at random offsets).
+
+        Data-parallel strategies get a ``DistributedSampler(shuffle=False)`` built here: rank r of R then
+        takes windows r, r + R, r + 2R, …, so optimizer step s covers windows ``s·R·B … (s+1)·R·B − 1``,
+        exactly step s of one device with batch R·B. Lightning would otherwise inject its own sampler,
+        which shuffles the training set whatever the loader's ``shuffle`` says (lightning 2.6.6,
+        ``_process_dataloader``), and the runs would see other windows than one device.
+        """
+        sampler = None
+        trainer = self.trainer
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
+        if kwargs and kwargs.get("num_replicas", 1) > 1:
+            sampler = DistributedSampler(self.train_set, shuffle=False, **kwargs)
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, sampler=sampler,
                           num_workers=self.hparams.num_workers, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
@@ -403,20 +454,47 @@ class ByteDataModule(L.LightningDataModule):
 # --------------------------------------------------------------------------------------------------
 
 
+class ValidateAtStart(Callback):
+    """Records the validation that Lightning's sanity check runs before the first training step, over every
+    validation batch (``GPTCLI`` sets ``num_sanity_val_steps`` to all), as the validation at step 0:
+    appended to ``val_history`` and sent to every logger at step 0, which Lightning does not do for a
+    sanity check.
+
+    Why not ``trainer.validate()`` before ``fit``: under ``FSDPStrategy``, ``validate`` wraps the
+    LightningModule in FSDP and leaves its parameters as 1-D views of each rank's shard; ``fit`` then wraps
+    the module again, flattens those views as if they were the parameters, and the first training forward
+    fails (``RuntimeError: 'weight' must be 2-D`` in the embedding; lightning 2.6.6 with torch 2.11 and
+    2.13). The sanity check runs inside ``fit``, on the model ``fit`` set up, under every strategy.
+    """
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            return
+        val = trainer.callback_metrics.get("val_loss")
+        if val is None:
+            return
+        pl_module.val_history.append((trainer.global_step, float(val)))
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics({"val_loss": float(val)}, step=trainer.global_step)
+
+
 class GPTCLI(LightningCLI):
-    """LightningCLI that validates once before ``fit`` (so the starting val loss is logged at step 0)
-    and prints the first and last validation loss after it."""
+    """LightningCLI that validates at step 0 of ``fit`` (:class:`ValidateAtStart`; so the starting val loss
+    is logged) and prints the first and last validation loss after it."""
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.block_size", "data.block_size")
         parser.add_argument("--validate_first", type=bool, default=True,
-                            help="run validation at step 0 before fit (skipped when resuming from --ckpt_path)")
+                            help="validate at step 0 of fit (skipped when resuming from --ckpt_path)")
 
     def before_fit(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        # Not when resuming: validate() would run on the freshly initialized weights, before fit restores them.
+        # Not when resuming: the step-0 validation is of the initial weights (and Lightning skips the
+        # sanity check of a restarted loop anyway).
         if config.get("validate_first", True) and not config.get("ckpt_path"):
-            self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+            self.trainer.num_sanity_val_steps = float("inf")  # every validation batch, as Trainer(-1) does
+            self.trainer.callbacks.append(ValidateAtStart())
 
     def after_fit(self) -> None:
         hist = getattr(self.model, "val_history", [])

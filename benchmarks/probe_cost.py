@@ -26,9 +26,12 @@ every step, ``every_n_steps=50``, ``probe_every_n_steps=500``):
 
     cost = (median monitored step − median plain step) / (cadence × median plain step)
 
-and ``total_at_default_cadence_pct`` adds the arms' costs. The paired difference carries the machine's
-step-to-step noise; the wall time spent inside the monitor's hooks (``hook_*``: median per monitored /
-plain step, amortized the same way) is a low-noise lower bound of the same cost.
+and ``total_at_default_cadence_pct`` adds the arms' costs. The paired difference of wall times carries
+the machine's step-to-step noise; ``cpu_*`` is the same with the process's CPU time per step
+(``time.process_time``, less sensitive to other processes on a shared machine; run with ``--threads 1``
+so that it is not inflated by threads waiting for a core); the wall time spent inside the monitor's
+hooks (``hook_*``, amortized the same way) is a low-noise lower bound of the cost (all of it for
+``grad_norm``, whose work is all in its hooks).
 """
 
 from __future__ import annotations
@@ -75,10 +78,12 @@ class StepTimer(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.first:
             self.times["start"] = time.perf_counter()
+            self.times["cpu_start"] = time.process_time()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if not self.first:
             self.times.setdefault("steps", []).append(time.perf_counter() - self.times["start"])
+            self.times.setdefault("cpu", []).append(time.process_time() - self.times["cpu_start"])
             self.times.setdefault("hooks", []).append(self.times.pop("in_hooks", 0.0))
 
 
@@ -133,16 +138,18 @@ def main() -> None:
     parser.add_argument("--key-bias", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--plugin", choices=("none", "gproj"), default="none")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "probe_cost.json"))
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     gpt = load_gpt()
     arms = {name: ARMS[name] for name in args.arms.split(",")}
     result = {
         "command": "python benchmarks/probe_cost.py " + " ".join(
             (f"--{k.replace('_', '-')}" if v else f"--no-{k.replace('_', '-')}") if isinstance(v, bool)
             else f"--{k.replace('_', '-')} {v}"
-            for k, v in vars(args).items() if k != "out"
+            for k, v in vars(args).items() if k != "out" and v is not None
         ),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores (shared with other users), "
@@ -159,7 +166,12 @@ def main() -> None:
         def median(key: str, parity: int) -> float:
             return statistics.median(t for i, t in enumerate(times[key]) if i >= args.warmup and i % 2 == parity)
 
+        def iqr(key: str, parity: int) -> float:
+            q = statistics.quantiles([t for i, t in enumerate(times[key]) if i >= args.warmup and i % 2 == parity], n=4)
+            return q[2] - q[0]
+
         m, p = median("steps", 0), median("steps", 1)
+        cpu_m, cpu_p = median("cpu", 0), median("cpu", 1)
         monitored = [i for i in range(args.warmup, len(times["steps"])) if i % 2 == 0]
         plain = [i for i in range(args.warmup, len(times["steps"])) if i % 2 == 1]
         hooks_m, hooks_p = median("hooks", 0), median("hooks", 1)
@@ -172,9 +184,15 @@ def main() -> None:
             "default_cadence": cadence,
             "cost_at_default_cadence_pct": 100 * (m - p) / (cadence * p),
             "cost_if_every_step_pct": 100 * (m - p) / p,
+            "median_cpu_ms_monitored_step": cpu_m * 1e3,
+            "median_cpu_ms_plain_step": cpu_p * 1e3,
+            "cpu_cost_at_default_cadence_pct": 100 * (cpu_m - cpu_p) / (cadence * cpu_p),
+            "plain_step_iqr_ms": iqr("steps", 1) * 1e3,
+            "plain_cpu_iqr_ms": iqr("cpu", 1) * 1e3,
             "median_hook_ms_monitored_step": hooks_m * 1e3,
             "median_hook_ms_plain_step": hooks_p * 1e3,
             "hook_cost_at_default_cadence_pct": 100 * hooks_per_step / p,
+            "per_step_s": {key: times[key] for key in ("steps", "cpu", "hooks")},
         }
         if getattr(monitor, "last_probe", None) is not None:  # the recomputation alone, timed on the last captured slice
             _, cap, _ = monitor.last_probe
@@ -186,6 +204,7 @@ def main() -> None:
             result[name]["median_recompute_ms"] = statistics.median(recompute) * 1e3
             result[name]["recompute_cost_at_default_cadence_pct"] = 100 * statistics.median(recompute) / (cadence * p)
     result["total_at_default_cadence_pct"] = sum(result[name]["cost_at_default_cadence_pct"] for name in arms)
+    result["cpu_total_at_default_cadence_pct"] = sum(result[name]["cpu_cost_at_default_cadence_pct"] for name in arms)
     result["hook_total_at_default_cadence_pct"] = sum(result[name]["hook_cost_at_default_cadence_pct"] for name in arms)
     print(json.dumps(result, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ import math
 import os
 import sys
 
-from lightning_gproj.report import load_logs
+from lightning_gproj.report import layer_series, load_logs
 
 
 def load(logdir: str) -> dict[str, dict[int, float]]:
@@ -45,9 +45,6 @@ def _last(s: dict[int, float]) -> float:
 
 
 def summarize(series: dict[str, dict[int, float]]) -> dict:
-    def layers(stat: str) -> dict[str, dict[int, float]]:
-        return {k.split("/")[1]: v for k, v in series.items() if k.startswith("gproj/") and k.endswith("/" + stat)}
-
     out: dict = {"val_loss": {str(s): v for s, v in sorted(series.get("val_loss", {}).items())}}
     out["final_val_loss"] = _last(series["val_loss"]) if "val_loss" in series else None
     out["final_train_loss"] = _last(series["train_loss"]) if "train_loss" in series else None
@@ -55,7 +52,7 @@ def summarize(series: dict[str, dict[int, float]]) -> dict:
     out["key_bias_drift_last"] = {k: _last(v) for k, v in drift.items()}
     out["key_bias_drift_max_last"] = max(out["key_bias_drift_last"].values(), default=None)
     for stat in ("mean_key_norm", "c2_residual", "leak_ratio", "key_bias_grad_ratio", "violation_median"):
-        per = layers(stat)
+        per = layer_series(series, "gproj", stat)
         out[stat] = {
             "last_max_over_layers": max((_last(v) for v in per.values()), default=None),
             "peak": max((x for v in per.values() for x in v.values()), default=None),

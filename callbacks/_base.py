@@ -82,6 +82,26 @@ class Monitor(Callback):
     def _on_disable(self) -> None:
         """Undo global side effects when the monitor switches off (subclasses override)."""
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (Lightning calls it when a fit resumes from a checkpoint).
+
+        A state this code cannot read (e.g. from another version) is reported with one warning and the
+        monitor keeps the state it had: a resume never fails because of a monitor."""
+        before = self.state_dict()
+        try:
+            self._load_state(state_dict)
+        except Exception as exc:  # noqa: BLE001 - a monitor must never stop training
+            self._load_state(before)
+            warnings.warn(
+                f"{type(self).__name__} could not restore its state from the checkpoint "
+                f"({type(exc).__name__}: {exc}); it goes on from a fresh state.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _load_state(self, state_dict: dict[str, Any]) -> None:
+        raise NotImplementedError
+
 
 def step_index(trainer: "pl.Trainer") -> int:
     """The 0-based index of the current optimizer step, on the step axis Lightning's loggers use.

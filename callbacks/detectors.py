@@ -23,6 +23,9 @@ window. An *episode* is a run of consecutive values at a level; :meth:`ChangeDet
 a new alert only when the level rises within an episode (None → warn, warn → critical, None →
 critical), so a sustained excursion alerts once per level. Non-finite values are reported but never
 added to the baseline and never alert (a NaN/inf gradient is the GradScaler's business).
+
+The settings are one :class:`DetectorConfig`; a detector's state round-trips through
+:meth:`ChangeDetector.state_dict` (the monitors put it in Lightning checkpoints).
 """
 
 from __future__ import annotations
@@ -71,6 +74,14 @@ class RobustBaseline:
         """Median absolute deviation from the median (unscaled; × 1.4826 estimates σ)."""
         med = self.median
         return None if med is None else statistics.median(abs(v - med) for v in self.values)
+
+    def state_dict(self) -> dict:
+        return {"values": list(self.values), "ema": self.ema}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.values.clear()
+        self.values.extend(float(v) for v in state["values"])
+        self.ema = None if state["ema"] is None else float(state["ema"])
 
     def update(self, value: float) -> None:
         if not math.isfinite(value):
@@ -123,10 +134,12 @@ def _check_threshold(name: str, value: object, above: float) -> float | None:
     return check_float(name, value, above=above, accepted=f"None or a finite number > {above:g}")
 
 
-class ChangeDetector:
-    """Robust-baseline ratio, CUSUM and log-slope detector of a positive series (see module docstring).
+@dataclasses.dataclass(frozen=True)
+class DetectorConfig:
+    """Settings of one :class:`ChangeDetector` (one configuration object shared by every monitor and
+    the offline replay; usable from YAML under ``LightningCLI``, e.g. ``detector: {window: 50}``).
 
-    Args:
+    Attributes:
         window: values in the rolling baseline (int >= 2).
         warmup: finite values needed in the window before anything fires (int in [1, window]).
         warn_ratio, critical_ratio: thresholds of ``ratio`` (None or > 1).
@@ -144,59 +157,116 @@ class ChangeDetector:
             keeps the raw value.
 
     Raises:
-        ValueError: an argument outside the accepted values (the message names it).
+        ValueError: a field outside the accepted values (the message names it).
     """
 
-    def __init__(
-        self,
-        *,
-        window: int = 100,
-        warmup: int = 20,
-        warn_ratio: float | None = 4.0,
-        critical_ratio: float | None = 10.0,
-        cusum_warn: float | None = 25.0,
-        cusum_critical: float | None = None,
-        cusum_drift: float = 1.0,
-        min_log_sigma: float = 0.02,
-        slope_window: int = 50,
-        slope_horizon: int = 100,
-        slope_warn: float | None = None,
-        slope_critical: float | None = None,
-        ema_decay: float = 0.9,
-        floor: float = 0.0,
-    ) -> None:
-        self.window = check_int("window", window, 2)
-        self.warmup = check_int("warmup", warmup, 1, self.window)
-        self.warn_ratio = _check_threshold("warn_ratio", warn_ratio, 1.0)
-        self.critical_ratio = _check_threshold("critical_ratio", critical_ratio, 1.0)
-        self.cusum_warn = _check_threshold("cusum_warn", cusum_warn, 0.0)
-        self.cusum_critical = _check_threshold("cusum_critical", cusum_critical, 0.0)
-        self.cusum_drift = check_float("cusum_drift", cusum_drift, above=-1e-300, accepted="a finite number >= 0")
-        self.min_log_sigma = check_float("min_log_sigma", min_log_sigma, above=0.0, accepted="a finite number > 0")
-        self.slope_window = check_int("slope_window", slope_window, 3)
-        self.slope_horizon = check_int("slope_horizon", slope_horizon, 1)
-        self.slope_warn = _check_threshold("slope_warn", slope_warn, 1.0)
-        self.slope_critical = _check_threshold("slope_critical", slope_critical, 1.0)
+    window: int = 100
+    warmup: int = 20
+    warn_ratio: Optional[float] = 4.0
+    critical_ratio: Optional[float] = 10.0
+    cusum_warn: Optional[float] = 25.0
+    cusum_critical: Optional[float] = None
+    cusum_drift: float = 1.0
+    min_log_sigma: float = 0.02
+    slope_window: int = 50
+    slope_horizon: int = 100
+    slope_warn: Optional[float] = None
+    slope_critical: Optional[float] = None
+    ema_decay: float = 0.9
+    floor: float = 0.0
+
+    def __post_init__(self) -> None:
+        # Normalized in place (ints stay ints, numbers become floats) so that equal settings compare equal.
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        put("window", check_int("window", self.window, 2))
+        put("warmup", check_int("warmup", self.warmup, 1, self.window))
+        put("warn_ratio", _check_threshold("warn_ratio", self.warn_ratio, 1.0))
+        put("critical_ratio", _check_threshold("critical_ratio", self.critical_ratio, 1.0))
+        put("cusum_warn", _check_threshold("cusum_warn", self.cusum_warn, 0.0))
+        put("cusum_critical", _check_threshold("cusum_critical", self.cusum_critical, 0.0))
+        put("cusum_drift", check_float("cusum_drift", self.cusum_drift, above=-1e-300, accepted="a finite number >= 0"))
+        put("min_log_sigma", check_float("min_log_sigma", self.min_log_sigma, above=0.0, accepted="a finite number > 0"))
+        put("slope_window", check_int("slope_window", self.slope_window, 3))
+        put("slope_horizon", check_int("slope_horizon", self.slope_horizon, 1))
+        put("slope_warn", _check_threshold("slope_warn", self.slope_warn, 1.0))
+        put("slope_critical", _check_threshold("slope_critical", self.slope_critical, 1.0))
         for low, high in (("warn_ratio", "critical_ratio"), ("cusum_warn", "cusum_critical"),
                           ("slope_warn", "slope_critical")):
             lo, hi = getattr(self, low), getattr(self, high)
             if lo is not None and hi is not None and lo > hi:
                 raise ValueError(f"`{low}` ({lo:g}) must not exceed `{high}` ({hi:g})")
-        self.ema_decay = check_float(
-            "ema_decay", ema_decay, above=0.0, below=1.0, accepted="a number in the open interval (0, 1)"
-        )
-        self.floor = check_float("floor", floor, above=-1e-300, accepted="a finite number >= 0")
-        self.baseline = RobustBaseline(self.window, self.ema_decay)
-        self._log_window: collections.deque[float] = collections.deque(maxlen=self.window)
-        self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.slope_window - 1)
+        put("ema_decay", check_float(
+            "ema_decay", self.ema_decay, above=0.0, below=1.0, accepted="a number in the open interval (0, 1)"
+        ))
+        put("floor", check_float("floor", self.floor, above=-1e-300, accepted="a finite number >= 0"))
+
+
+def as_config(name: str, value: object, base: DetectorConfig | None = None) -> DetectorConfig:
+    """``value`` if it is a :class:`DetectorConfig`; a mapping of some of its fields (JSON, a plain
+    dict) applied to ``base`` (default ``DetectorConfig()``), as LightningCLI merges a partial YAML
+    mapping into a default; else a ValueError naming ``name``."""
+    if isinstance(value, DetectorConfig):
+        return value
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(DetectorConfig)})
+        if unknown:
+            raise ValueError(f"`{name}` has unknown fields {unknown}; accepted: the fields of DetectorConfig")
+        return dataclasses.replace(base or DetectorConfig(), **value)
+    raise ValueError(f"`{name}` must be a DetectorConfig or a dict of its fields, got {value!r}")
+
+
+class ChangeDetector:
+    """Robust-baseline ratio, CUSUM and log-slope detector of a positive series (see module docstring).
+
+    Args:
+        config: the settings (:class:`DetectorConfig`; default ``DetectorConfig()``).
+
+    State (:meth:`state_dict` / :meth:`load_state_dict`): the baseline window, the EMA, the CUSUM, the
+    log-slope points and the current episode's level, as plain Python numbers and lists, so a
+    checkpoint restores a detector exactly where it stopped (the settings come from ``config``).
+    """
+
+    def __init__(self, config: DetectorConfig | None = None) -> None:
+        self.config = DetectorConfig() if config is None else as_config("config", config)
+        c = self.config
+        self.window, self.warmup, self.floor = c.window, c.warmup, c.floor
+        self.baseline = RobustBaseline(c.window, c.ema_decay)
+        self._log_window: collections.deque[float] = collections.deque(maxlen=c.window)
+        self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=c.slope_window - 1)
         self.cusum = 0.0
         self._episode = 0  # highest level rank reached in the current episode
+
+    @property
+    def level(self) -> Optional[str]:
+        """The highest level of the current episode (None when the last value was below every threshold)."""
+        return None if self._episode == 0 else LEVELS[self._episode - 1]
+
+    def state_dict(self) -> dict:
+        return {
+            "baseline": self.baseline.state_dict(),
+            "log_window": list(self._log_window),
+            "recent": [[t, y] for t, y in self._recent],
+            "cusum": self.cusum,
+            "episode": self._episode,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (windows longer than this config's keep their newest values)."""
+        self.baseline.load_state_dict(state["baseline"])
+        self._log_window.clear()
+        self._log_window.extend(float(v) for v in state["log_window"])
+        self._recent.clear()
+        self._recent.extend((int(t), float(y)) for t, y in state["recent"])
+        self.cusum = float(state["cusum"])
+        self._episode = int(state["episode"])
 
     # ------------------------------------------------------------------ statistics
 
     def _growth(self, step: int, log_value: float) -> float | None:
         points = list(self._recent) + [(step, log_value)]
-        if len(points) < self.slope_window:
+        if len(points) < self.config.slope_window:
             return None
         n = len(points)
         mean_t = sum(t for t, _ in points) / n
@@ -205,11 +275,12 @@ class ChangeDetector:
         if sxx == 0:
             return None
         slope = sum((t - mean_t) * (y - mean_y) for t, y in points) / sxx
-        return math.exp(min(700.0, slope * self.slope_horizon))
+        return math.exp(min(700.0, slope * self.config.slope_horizon))
 
     def update(self, step: int, value: float) -> Detection:
         """Compare ``value`` (measured at ``step``) with the past, then add it to the baseline."""
         raw = float(value)
+        c = self.config
         base = self.baseline
         n = len(base)
         if not math.isfinite(raw):
@@ -223,20 +294,20 @@ class ChangeDetector:
         if n >= self.warmup:
             log_median = statistics.median(self._log_window)
             log_mad = statistics.median(abs(v - log_median) for v in self._log_window)
-            sigma = max(MAD_TO_STD * log_mad, self.min_log_sigma)
-            self.cusum = max(0.0, self.cusum + (log_value - log_median) / sigma - self.cusum_drift)
+            sigma = max(MAD_TO_STD * log_mad, c.min_log_sigma)
+            self.cusum = max(0.0, self.cusum + (log_value - log_median) / sigma - c.cusum_drift)
             cusum = self.cusum
         growth = self._growth(step, log_value)
 
         level, statistic, score, threshold = None, None, None, None
         if n >= self.warmup:
             checks = (
-                ("critical", "ratio", ratio, self.critical_ratio),
-                ("critical", "cusum", cusum, self.cusum_critical),
-                ("critical", "log_slope", growth, self.slope_critical),
-                ("warn", "ratio", ratio, self.warn_ratio),
-                ("warn", "cusum", cusum, self.cusum_warn),
-                ("warn", "log_slope", growth, self.slope_warn),
+                ("critical", "ratio", ratio, c.critical_ratio),
+                ("critical", "cusum", cusum, c.cusum_critical),
+                ("critical", "log_slope", growth, c.slope_critical),
+                ("warn", "ratio", ratio, c.warn_ratio),
+                ("warn", "cusum", cusum, c.cusum_warn),
+                ("warn", "log_slope", growth, c.slope_warn),
             )
             for lvl, stat, x, thr in checks:
                 if thr is not None and x is not None and x > thr:

@@ -9,35 +9,35 @@ Four sources:
 * the key-bias gradient, for any model whatever its kernel: the gradient of a key bias is exactly
   Σ_j dK_j (summed over batch and positions), which conservation law C2 (DESIGN.md §2) makes 0 in exact
   arithmetic. It is read from ``param.grad`` in ``on_before_optimizer_step`` (after every backward of the
-  step, after AMP unscaling, before clipping), so it needs no hook and includes gradient accumulation;
+  step, after AMP unscaling, before clipping), so it needs no hook and includes gradient accumulation
+  (:mod:`.key_bias` finds the biases and reduces sharded gradients);
 * the C2 residual ‖Σ_j dK_j‖ / ‖dK‖_F, for any model whatever its kernel, from a hook on the gradient of
   k of every attention call of the sampled steps (:mod:`.capture`);
 * the probe, for attention the op does not serve (SDPA with any backend): every ``probe_every_n_steps``
   one layer's slice is recomputed in the user's kernel and in float64 (:mod:`.capture`).
 
-Each statistic listed in ``detect`` runs through a change detector (:mod:`.detectors`); alerts are
-delivered by :mod:`.alerts`.
+Values are reduced across ranks (:mod:`.ranks`) before each statistic listed in ``detect`` runs through a
+change detector (:mod:`.detectors`); alerts are delivered, and actions taken, by :mod:`.alerts`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import warnings
-import zlib
 from typing import Any, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
-import torchmetrics
 from lightning.pytorch.utilities import rank_zero_info
-from torchmetrics.utilities import dim_zero_cat
 
 from lightning_gproj import stats as _stats
 
+from . import keys
 from .alerts import Alert, AlertDispatcher
 from .capture import AttentionCapture, ProbeCapture, ProbeResult, probe_backward
-from .detectors import ChangeDetector, Detection, level_rank
+from .detectors import ChangeDetector, Detection, DetectorConfig, as_config, level_rank
+from .key_bias import KeyBias, find_key_biases, key_bias_values, uses_rotary
+from .ranks import RankRows, reduce_values
 
 from ._base import (
     Monitor,
@@ -51,7 +51,7 @@ from ._base import (
     log_to_loggers,
     step_index,
 )
-from ._sharded import Layout, clean_name, fsdp1_layouts, layout_of, squared_norm, sum_over_shards
+from ._sharded import Layout, clean_name, fsdp1_layouts, layout_of
 
 #: Order of the columns of the summary table (statistics not seen are left out). ``violation_max`` is
 #: logged, not summarized: a near-one-hot row has a Σ_j |dS̃_ij| of rounding noise and ρ_i ≈ 1, so the
@@ -62,173 +62,12 @@ _SUMMARY_STATS = (
     "leak_removed_ratio",
     "mean_key_norm",
     "mean_query_norm",
+    "max_logit",
     "key_bias_grad_ratio",
     "c2_residual",
     "probe_dq_error",
     "probe_leak_ratio",
 )
-
-#: Key-bias detection, by parameter name. A module with one of these names owning a ``bias`` is a
-#: key projection (HF Llama/Qwen2/OPT/BART/Whisper ``k_proj``, BERT/ViT ``key``, diffusers ``to_k``,
-#: DistilBERT ``k_lin``, Meta-style ``wk``, plain ``k``); its sibling ``weight`` is the key weight.
-SEPARATE_KEY_MODULES = ("k_proj", "key", "to_k", "k_lin", "wk", "k")
-#: Parameters added to the keys directly (``k = k + key_bias``), as in examples/gpt.py's ``key_bias``; the
-#: key weight beside them is looked up in the same module (a separate or fused projection), if any.
-DIRECT_KEY_BIASES = ("key_bias", "k_bias")
-#: Modules whose output is the concatenation [q | k | v] of three equal parts (GPT-2 ``c_attn``, timm and
-#: others ``qkv``/``qkv_proj``/``Wqkv``); the key part is the middle third. Accepted only when the
-#: weight is (3E, E) or (E, 3E) with 3E the bias length, so fused GQA projections (unequal parts) are
-#: skipped rather than sliced wrong. Per-head interleaved layouts (GPT-NeoX/Falcon ``query_key_value``)
-#: are deliberately not listed. ``nn.MultiheadAttention``'s ``in_proj_bias`` (same [q | k | v] layout)
-#: is handled too.
-FUSED_QKV_MODULES = ("c_attn", "qkv", "qkv_proj", "Wqkv", "in_proj")
-
-
-@dataclasses.dataclass(frozen=True)
-class KeyBias:
-    """A key bias found in the model and the key weight it is compared with.
-
-    ``layer`` is the attention module's path (the parent of the key projection, or the
-    ``nn.MultiheadAttention`` itself). ``bias_part`` = ``(start, length)`` of the key part of the bias and
-    ``weight_part`` = ``(dim, start, length)`` of the key part of the weight, ``None`` meaning all of it.
-    """
-
-    layer: str
-    bias_name: str
-    weight_name: str
-    bias: torch.nn.Parameter
-    weight: torch.nn.Parameter | None
-    bias_part: tuple[int, int] | None = None
-    weight_part: tuple[int, int, int] | None = None
-
-    def grad_rows(self, fsdp1: dict[int, Layout], device: torch.device) -> tuple[torch.Tensor, list[tuple]]:
-        """This rank's share of ‖∇b_k‖² and ‖∇W_k‖² (key parts only): rows (square, present) of a (2, 2)
-        float64 tensor, bias then weight, and the process groups of each row; sum the rows over those groups
-        (:func:`~lightning_gproj.callbacks._sharded.sum_over_shards`) for the global values. Works for whole,
-        DTensor and FSDP1 gradients (``fsdp1``: :func:`~lightning_gproj.callbacks._sharded.fsdp1_layouts`)."""
-        bias_layout = layout_of(self.bias, fsdp1)
-        bias_part = None if self.bias_part is None else (0, *self.bias_part)
-        rows = [squared_norm(self.bias.grad, bias_layout, device, bias_part)]
-        groups = [bias_layout.groups]
-        if self.weight is None:
-            rows.append(torch.zeros(2, dtype=torch.float64, device=device))
-            groups.append(())
-        else:
-            weight_layout = layout_of(self.weight, fsdp1)
-            rows.append(squared_norm(self.weight.grad, weight_layout, device, self.weight_part))
-            groups.append(weight_layout.groups)
-        return torch.stack(rows), groups
-
-    def grad_norms(self, fsdp1: Optional[dict[int, Layout]] = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(‖∇b_k‖₂, ‖∇W_k‖_F) as 0-dim float64 tensors, global over ranks for sharded gradients (a
-        collective then); the second is None without a key weight (or its gradient); None when the bias has
-        no gradient."""
-        rows, groups = self.grad_rows(fsdp1 or {}, self.bias.device)
-        return _key_bias_norms(sum_over_shards(rows, groups))
-
-
-def _key_bias_norms(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(bias norm, weight norm or None) from summed :meth:`KeyBias.grad_rows`, None without a bias gradient."""
-    (bias_sq, bias_present), (weight_sq, weight_present) = rows.unbind(0)
-    if not bias_present:
-        return None
-    return bias_sq.sqrt(), (weight_sq.sqrt() if weight_present else None)
-
-
-def _fused_parts(weight: torch.Tensor, bias: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int, int]] | None:
-    """Key parts of a [q | k | v] projection, or None if the shapes do not prove that layout."""
-    n = bias.numel()
-    if bias.ndim != 1 or weight.ndim != 2 or n % 3:
-        return None
-    e = n // 3
-    # (3E, E): nn.Linear and in_proj_weight; (E, 3E): GPT-2's Conv1D. Anything else is not [q|k|v].
-    if tuple(weight.shape) == (n, e):
-        return (e, e), (0, e, e)
-    if tuple(weight.shape) == (e, n):
-        return (e, e), (1, e, e)
-    return None
-
-
-def uses_rotary(module: torch.nn.Module) -> bool:
-    """Whether ``module`` holds a rotary position embedding (a submodule whose class name contains
-    "Rotary", as in Hugging Face's ``LlamaRotaryEmbedding`` / ``Qwen2RotaryEmbedding``).
-
-    RoPE rotates the key bias differently at every position, so it is no longer a shared key offset:
-    its gradient is not Σ_j dK_j and is legitimately non-zero (a float64 check on a 1-layer Qwen2 gave
-    ‖∂b_k‖/‖∂W_k‖ = 0.058, against 7e-17 for GPT-2). The key-bias signals are switched off then.
-    """
-    return any("rotary" in type(m).__name__.lower() for m in module.modules())
-
-
-def find_key_biases(module: torch.nn.Module, shape_of: Optional[Callable[[torch.Tensor], torch.Size]] = None) -> list[KeyBias]:
-    """Key biases of ``module`` by the name heuristic above (see :data:`SEPARATE_KEY_MODULES`).
-
-    ``shape_of(param)``: the full shape of a parameter that is sharded in place (FSDP1 keeps 1-D views of
-    each rank's elements; default: ``param.shape``).
-
-    Returns at most one entry per attention layer, in ``named_parameters`` order. A parameter that
-    matches a name but not the expected shapes is skipped, never guessed. A layer with both a
-    projection bias and a vector added to the keys (:data:`DIRECT_KEY_BIASES`) reports the latter: both
-    receive Σ_j dK_j, the direct one is what the optimizer moves as a pure key offset.
-    """
-    real = {clean_name(n): p for n, p in module.named_parameters()}  # FSDP1 / checkpoint wrappers dropped
-    # The shape tests run on meta stand-ins of the full shapes; the results hold the real parameters.
-    params = real if shape_of is None else {n: torch.empty(shape_of(p), device="meta") for n, p in real.items()}
-    found: dict[str, KeyBias] = {}
-    direct: dict[str, KeyBias] = {}
-    for name, bias in params.items():
-        owner, _, attr = name.rpartition(".")
-        dot = f"{owner}." if owner else ""
-        if attr in DIRECT_KEY_BIASES and bias.ndim == 1:
-            weight_name, weight, part = _key_weight_of(params, dot, bias.numel())
-            direct.setdefault(owner, KeyBias(owner, name, weight_name, bias, weight, None, part))
-        elif attr == "in_proj_bias":  # nn.MultiheadAttention: the owner is the attention module
-            if f"{dot}in_proj_weight" in params:
-                weight = params[f"{dot}in_proj_weight"]
-                parts = _fused_parts(weight, bias)
-                if parts is not None:
-                    found.setdefault(owner, KeyBias(owner, name, f"{dot}in_proj_weight", bias, weight, *parts))
-            elif f"{dot}k_proj_weight" in params:  # kdim != embed_dim: separate key weight
-                weight, n = params[f"{dot}k_proj_weight"], bias.numel()
-                if n % 3 == 0 and weight.ndim == 2 and weight.shape[0] == n // 3:
-                    kb = KeyBias(owner, name, f"{dot}k_proj_weight", bias, weight, (n // 3, n // 3))
-                    found.setdefault(owner, kb)
-        elif attr == "bias" and f"{dot}weight" in params:
-            parent, _, proj = owner.rpartition(".")
-            weight = params[f"{dot}weight"]
-            if proj in SEPARATE_KEY_MODULES:
-                if weight.ndim == 2 and bias.ndim == 1 and bias.numel() in weight.shape:
-                    found.setdefault(parent or owner, KeyBias(parent or owner, name, f"{dot}weight", bias, weight))
-            elif proj in FUSED_QKV_MODULES:
-                parts = _fused_parts(weight, bias)
-                if parts is not None:
-                    kb = KeyBias(parent or owner, name, f"{dot}weight", bias, weight, *parts)
-                    found.setdefault(parent or owner, kb)
-    found.update(direct)
-    order = {name: i for i, name in enumerate(params)}
-    out = sorted(found.values(), key=lambda kb: order[kb.bias_name])
-    if shape_of is not None:
-        out = [dataclasses.replace(kb, bias=real[kb.bias_name], weight=real.get(kb.weight_name)) for kb in out]
-    return out
-
-
-def _key_weight_of(
-    params: dict[str, torch.nn.Parameter], dot: str, n: int
-) -> tuple[str, torch.nn.Parameter | None, tuple[int, int, int] | None]:
-    """The key weight beside a direct key bias of length ``n`` in the module ``dot``, if one is found."""
-    for proj in SEPARATE_KEY_MODULES:
-        weight = params.get(f"{dot}{proj}.weight")
-        if weight is not None and weight.ndim == 2 and n in weight.shape:
-            return f"{dot}{proj}.weight", weight, None
-    for name in [f"{dot}{proj}.weight" for proj in FUSED_QKV_MODULES] + [f"{dot}in_proj_weight"]:
-        weight = params.get(name)
-        if weight is not None and weight.ndim == 2:
-            if tuple(weight.shape) == (3 * n, n):
-                return name, weight, (0, n, n)
-            if tuple(weight.shape) == (n, 3 * n):
-                return name, weight, (1, n, n)
-    return "", None, None
-
 
 @dataclasses.dataclass
 class _Track:
@@ -247,36 +86,18 @@ class _Track:
             self.peak, self.peak_step = new_peak, step
 
 
-class _RankRows(torchmetrics.Metric):
-    """Gathers one row of values per rank (``dist_reduce_fx="cat"``); :meth:`compute` syncs across ranks
-    (torchmetrics' all-gather over the default process group) and returns the rows concatenated."""
-
-    full_state_update = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.add_state("rows", default=[], dist_reduce_fx="cat")
-
-    def update(self, row: torch.Tensor) -> None:
-        self.rows.append(row.reshape(-1))
-
-    def compute(self) -> torch.Tensor:
-        return dim_zero_cat(self.rows)
-
-
-#: Statistics alerted on by default (the others are logged only; see ``detect``).
-DEFAULT_DETECT = ("leak_ratio", "c2_residual", "key_bias_grad_ratio", "probe_leak_ratio", "probe_dq_error")
-#: Default detector floors (see ``ChangeDetector(floor=...)``): below these, values are rounding level
-#: and their relative jumps must not alert. C2 residual: rounding dK itself to bf16 gives ~1.6e-3 even
-#: with GProj (measured on examples/gpt.py, bf16-mixed; 1e-7–1e-5 on fp32 accumulators, DESIGN.md §8),
-#: an uncorrected bf16 kernel 0.3–4.9%. Key-bias gradient ratio: 1e-5–2e-4 in a 150-step GProj run of
-#: examples/gpt.py, up to 1.1e-3 in its fix="none" twin (benchmarks/monitor_pair.py).
-#: Leak ratio: 4e-4–6e-2 over the 150 steps of the healthy GProj demo (examples/configs/gpt_demo.yaml,
-#: CPU, 2026-11-29; a floor of 1e-3 raised a false warning there at step 100); an uncorrected kernel on an
-#: unstable run leaks 8–14% of dQ (DESIGN.md §4), so 1e-2 keeps a 3x warning below that. Tuned on that one
-#: healthy run: provisional until the reproduction traces (issue 6) exist.
 #: Every statistic name ZeroSumMonitor logs (the names ``detect`` and ``floors`` accept).
 STATISTICS = _SUMMARY_STATS + ("violation_max", "key_bias_grad_norm", "probe_dq_error_max")
+#: Statistics reduced over ranks (and over a step's calls, in the recorder) by their maximum; the
+#: others by their mean.
+MAX_REDUCED = _stats.MAX_REDUCED | {"probe_dq_error_max"}
+#: Statistics alerted on by default (the others are logged only; see ``detect``).
+DEFAULT_DETECT = ("leak_ratio", "c2_residual", "key_bias_grad_ratio", "probe_leak_ratio", "probe_dq_error")
+#: Default detector floors (see ``DetectorConfig.floor``): below these, values are rounding level and
+#: their relative jumps must not alert. Each sits between what a healthy bf16 GProj run shows and what
+#: an uncorrected kernel does (the measurements they come from: docs/monitoring.md, "Detectors").
+#: Unchanged after the accelerated H200 divergence (docs/reproduction.md), where they warned ahead of it
+#: with no false alarm on the healthy arms.
 DEFAULT_FLOORS = {
     "leak_ratio": 1e-2,
     "c2_residual": 3e-3,
@@ -284,6 +105,12 @@ DEFAULT_FLOORS = {
     "probe_leak_ratio": 1e-2,
     "probe_dq_error": 1e-3,
 }
+#: Default detector settings, per sample (``every_n_steps`` apart); floors per statistic come from
+#: ``floors`` / :data:`DEFAULT_FLOORS`.
+ZERO_SUM_DETECTOR = DetectorConfig(
+    window=20, warmup=10, warn_ratio=3.0, critical_ratio=10.0, cusum_warn=15.0, cusum_drift=1.0,
+    min_log_sigma=0.25, slope_window=10, slope_horizon=100,
+)
 
 
 class ZeroSumMonitor(Monitor):
@@ -311,6 +138,11 @@ class ZeroSumMonitor(Monitor):
         (the attention's key activations, before the softmax scale). Forward, op only.
     ``{p}/{layer}/mean_query_norm``
         Mean over (batch, head) of ‖mean_i q_i‖. Units of q. Forward, op only.
+    ``{p}/{layer}/max_logit``
+        max over (batch, head, i, j) of τ·s_ij, the largest attention logit (scaled score) of the step's
+        calls of the layer (max over calls, and over ranks), from the forward kernel's row max (no extra
+        pass over the scores). What QK-clip-style training (MuonClip) caps. Units of the logits.
+        Forward, op only; logged, not alerted on by default (add it to ``detect``).
     ``{p}/{layer}/c2_residual``
         ‖Σ_j dK_j‖₂ / ‖dK‖_F from a hook on the gradient of k (any kernel: op calls and SDPA calls not
         served by the op; ``c2=True``): the key gradient summed over key positions per (batch row, head),
@@ -343,7 +175,8 @@ class ZeroSumMonitor(Monitor):
         last ``window`` samples (see :mod:`~lightning_gproj.callbacks.detectors`).
 
     Alerts: each statistic in ``detect`` of each layer has a
-    :class:`~lightning_gproj.callbacks.detectors.ChangeDetector` (``window``/``warmup`` in samples);
+    :class:`~lightning_gproj.callbacks.detectors.ChangeDetector` (settings ``detector``, windows in
+    samples, floor from ``floors``);
     the layers whose detector rose in level at a step make one
     :class:`~lightning_gproj.callbacks.alerts.Alert` per statistic (signal ``{p}/{stat}``, layers
     strongest first), delivered as described in :mod:`~lightning_gproj.callbacks.alerts`.
@@ -356,13 +189,19 @@ class ZeroSumMonitor(Monitor):
     during the forward of sampled and probed steps; other steps cost nothing.
 
     Across ranks: the values of every rank are gathered with one torchmetrics ``Metric`` (state
-    ``dist_reduce_fx="cat"``; ``compute()`` syncs) and reduced: max for ``*_max``, mean for the rest
-    (mean of per-rank medians for ``violation_median``). Every rank gets the reduced values, so every
-    rank raises the same alerts and runs the same actions. All ranks must sample the same layers, as DDP
-    already requires; if the sets differ, each rank keeps its own values (warned once). The key-bias
-    signals of sharded gradients (FSDP2 / DTensor, FSDP1 with ``use_orig_params=True``) are global norms
-    before that reduction: the squares of the key parts each rank holds are summed over the shard group
-    (``callbacks/_sharded.py``; this all-reduce runs whatever ``sync_dist`` says).
+    ``dist_reduce_fx="cat"``; ``compute()`` syncs) and reduced: max for :data:`MAX_REDUCED`
+    (``violation_max``, ``probe_dq_error_max``, ``max_logit``), mean for the rest (mean of per-rank
+    medians for ``violation_median``). Every rank gets the reduced values, so every rank raises the same
+    alerts and runs the same actions. All ranks must sample the same layers, as DDP already requires; if
+    the sets differ (or with ``sync_dist=False``), each rank keeps its own values (warned once) and the
+    decision to act is reduced across ranks by the dispatcher instead (any rank acting makes all act).
+    The key-bias signals of sharded gradients (FSDP2 / DTensor, FSDP1 with ``use_orig_params=True``)
+    are global norms before that reduction: the squares of the key parts each rank holds are summed
+    over the shard group (``callbacks/_sharded.py``; this all-reduce runs whatever ``sync_dist`` says).
+
+    State: :meth:`state_dict` holds every detector, the summary's tracks, the probe's round robin and
+    the alerts, so a run resumed from a Lightning checkpoint raises the same alerts at the same steps as
+    an uninterrupted one (``state_key`` includes ``prefix``).
 
     Never stops training by accident: an exception in a hook is reported once as a
     :class:`~lightning_gproj.callbacks.MonitorDisabledWarning`, the recorder and capture are restored,
@@ -384,15 +223,16 @@ class ZeroSumMonitor(Monitor):
         detect: statistics to alert on (sequence of statistic names).
         floors: ``{statistic: floor}`` overriding :data:`DEFAULT_FLOORS` (values below a floor count as
             the floor in the detector, so rounding-level noise cannot alert).
-        window, warmup, warn_ratio, critical_ratio, cusum_warn, cusum_critical, cusum_drift,
-            min_log_sigma, slope_window, slope_horizon, slope_warn, slope_critical: detector settings
-            (windows in samples), see :class:`~lightning_gproj.callbacks.detectors.ChangeDetector`.
-        sync_dist: reduce the values over ranks before logging (bool).
+        detector: detector settings (:class:`~lightning_gproj.callbacks.detectors.DetectorConfig`,
+            windows in samples; default :data:`ZERO_SUM_DETECTOR`); its ``floor`` applies to the
+            statistics without one in ``floors``.
+        sync_dist: reduce the values over ranks before detecting and logging (bool).
         prefix: metric name prefix (non-empty str, no trailing '/').
         print_summary: print the summary table at the end of training (bool).
         recorder: the :class:`~lightning_gproj.stats.StatsRecorder` to drive; default
             :data:`lightning_gproj.stats.RECORDER`, the one the op writes into.
-        on_alert, actions, action_level, remediation, checkpoint_dir: alert delivery, see
+        on_alert, actions, action_level, remediation, checkpoint_dir, rollback_every_n_steps,
+            rollback_lr_factor: alert delivery and actions, see
             :class:`~lightning_gproj.callbacks.alerts.AlertDispatcher`.
 
     Raises:
@@ -411,18 +251,7 @@ class ZeroSumMonitor(Monitor):
         probe_layers: Optional[Sequence[str]] = None,
         detect: Sequence[str] = DEFAULT_DETECT,
         floors: Optional[dict[str, float]] = None,
-        window: int = 20,
-        warmup: int = 10,
-        warn_ratio: Optional[float] = 3.0,
-        critical_ratio: Optional[float] = 10.0,
-        cusum_warn: Optional[float] = 15.0,
-        cusum_critical: Optional[float] = None,
-        cusum_drift: float = 1.0,
-        min_log_sigma: float = 0.25,
-        slope_window: int = 10,
-        slope_horizon: int = 100,
-        slope_warn: Optional[float] = None,
-        slope_critical: Optional[float] = None,
+        detector: DetectorConfig = ZERO_SUM_DETECTOR,
         sync_dist: bool = True,
         prefix: str = "gproj",
         print_summary: bool = True,
@@ -432,6 +261,8 @@ class ZeroSumMonitor(Monitor):
         action_level: str = "critical",
         remediation: str = "gproj",
         checkpoint_dir: Optional[str] = None,
+        rollback_every_n_steps: int = 100,
+        rollback_lr_factor: float = 1.0,
     ) -> None:
         super().__init__()
         self.every_n_steps = check_int("every_n_steps", every_n_steps, 1)
@@ -462,20 +293,15 @@ class ZeroSumMonitor(Monitor):
             raise ValueError(f"`floors` has unknown statistic names {unknown}; accepted: {STATISTICS}")
         #: Detector floor per statistic (DEFAULT_FLOORS updated with ``floors``).
         self.floors = {**DEFAULT_FLOORS, **(floors or {})}
-        self.detector_args = dict(
-            window=window, warmup=warmup, warn_ratio=warn_ratio, critical_ratio=critical_ratio,
-            cusum_warn=cusum_warn, cusum_critical=cusum_critical, cusum_drift=cusum_drift,
-            min_log_sigma=min_log_sigma, slope_window=slope_window, slope_horizon=slope_horizon,
-            slope_warn=slope_warn, slope_critical=slope_critical,
-        )
-        ChangeDetector(**self.detector_args)  # validates
+        self.detector = as_config("detector", detector, ZERO_SUM_DETECTOR)
         self.sync_dist = check_bool("sync_dist", sync_dist)
         self.prefix = check_prefix("prefix", prefix)
         self.print_summary = check_bool("print_summary", print_summary)
         if recorder is not None and not isinstance(recorder, _stats.StatsRecorder):
             raise ValueError(f"`recorder` must be a lightning_gproj.stats.StatsRecorder or None, got {recorder!r}")
         self.dispatcher = AlertDispatcher(
-            type(self).__name__, on_alert, actions, action_level, remediation, checkpoint_dir
+            type(self).__name__, self.prefix, on_alert, actions, action_level, remediation, checkpoint_dir,
+            rollback_every_n_steps, rollback_lr_factor,
         )
         # The default is looked up at use, not stored: under ddp_spawn the callback is pickled into each
         # worker, where the op writes into that process's own lightning_gproj.stats.RECORDER.
@@ -497,13 +323,51 @@ class ZeroSumMonitor(Monitor):
         self._capture_step: Optional[int] = None
         self._recording_step: int | None = None  # step whose recording we started, while it runs
         self._previous_enabled = False
-        self._mismatch_warned = False
-        self._gather: Optional[_RankRows] = None
+        self._gather = RankRows()
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(prefix=self.prefix)
 
     @property
     def alerts(self) -> list[Alert]:
         """Every alert raised, in order."""
         return self.dispatcher.alerts
+
+    # ------------------------------------------------------------------ state (checkpoints)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "detectors": {key: det.state_dict() for key, det in self.detectors.items()},
+            "tracks": {layer: {stat: dataclasses.asdict(t) for stat, t in ts.items()} for layer, ts in self.tracks.items()},
+            "sdpa_layers": list(self.sdpa_layers),
+            "probes": self._probes,
+            "dispatcher": self.dispatcher.state_dict(),
+        }
+
+    def _load_state(self, state_dict: dict[str, Any]) -> None:
+        self.detectors = {}
+        for key, det in state_dict["detectors"].items():
+            parsed = keys.parse_layer_key(self.prefix, key)
+            if parsed is not None:
+                self._detector(key, parsed[1]).load_state_dict(det)
+        self.tracks = {
+            layer: {stat: _Track(**t) for stat, t in ts.items()} for layer, ts in state_dict["tracks"].items()
+        }
+        self.sdpa_layers[:] = state_dict["sdpa_layers"]
+        self._probes = int(state_dict["probes"])
+        self.dispatcher.load_state_dict(state_dict["dispatcher"])
+
+    def _detector(self, key: str, stat: str) -> ChangeDetector:
+        det = self.detectors.get(key)
+        if det is None:
+            floor = self.floors.get(stat, self.detector.floor)
+            det = self.detectors[key] = ChangeDetector(dataclasses.replace(self.detector, floor=floor))
+        return det
+
+    def quiet(self) -> bool:
+        """No detector of this monitor is in an alert episode."""
+        return all(det.level is None for det in self.detectors.values())
 
     # ------------------------------------------------------------------ recorder on / off
 
@@ -609,7 +473,7 @@ class ZeroSumMonitor(Monitor):
                 values.update(self._flatten(self._stop_recording()))
         if sampled and self.key_biases:
             values.update(self._key_bias_values(optimizer, trainer.strategy.root_device))
-        self._emit(trainer, pl_module, values, step)
+        self._emit(trainer, pl_module, values, step, optimizer)
 
     @guarded
     def on_train_batch_end(
@@ -622,7 +486,7 @@ class ZeroSumMonitor(Monitor):
             if self._recording_step == step:
                 values.update(self._flatten(self._stop_recording()))
             self._emit(trainer, pl_module, values, step)
-        self.dispatcher.run_actions(trainer, pl_module)
+        self.dispatcher.run_actions(trainer, pl_module, step, self.quiet())
 
     @guarded
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -644,7 +508,7 @@ class ZeroSumMonitor(Monitor):
     # ------------------------------------------------------------------ values
 
     def _flatten(self, stats: dict[str, dict[str, float]]) -> dict[str, float]:
-        return {f"{self.prefix}/{layer}/{key}": value for layer, d in stats.items() for key, value in d.items()}
+        return {keys.metric(self.prefix, layer, key): value for layer, d in stats.items() for key, value in d.items()}
 
     def _capture_values(self, step: int) -> dict[str, torch.Tensor]:
         """C2 residuals and the probe of the capture of ``step`` (then dropped)."""
@@ -653,41 +517,28 @@ class ZeroSumMonitor(Monitor):
             return {}
         capture.stop()
         self._capture, self._capture_step = None, None
-        out = {f"{self.prefix}/{layer}/c2_residual": v for layer, v in capture.c2_residuals().items()}
+        out = {keys.metric(self.prefix, layer, "c2_residual"): v for layer, v in capture.c2_residuals().items()}
         if capture.probe_layer is not None:
             self._probes += 1
             cap = capture.probe
             if cap is not None and cap.do is not None:
                 result = probe_backward(cap.q, cap.k, cap.v, cap.do, cap.attn_mask, cap.is_causal, cap.scale, cap.autocast_dtype)
                 self.last_probe = (step, cap, result)
-                p = f"{self.prefix}/{cap.layer}"
-                out[f"{p}/probe_dq_error"] = result.dq_error
-                out[f"{p}/probe_dq_error_max"] = result.dq_error_max
-                out[f"{p}/probe_leak_ratio"] = result.leak_ratio
+                out[keys.metric(self.prefix, cap.layer, "probe_dq_error")] = result.dq_error
+                out[keys.metric(self.prefix, cap.layer, "probe_dq_error_max")] = result.dq_error_max
+                out[keys.metric(self.prefix, cap.layer, "probe_leak_ratio")] = result.leak_ratio
         return out
 
     def _key_bias_values(self, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, torch.Tensor]:
-        """Key-bias signals of the biases ``optimizer`` steps, global over ranks for sharded gradients (one
-        reduction for all layers; every rank takes part)."""
+        """Key-bias signals of the biases ``optimizer`` steps (several optimizers: each sees its own),
+        global over ranks for sharded gradients (every rank takes part)."""
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         biases = [kb for kb in self.key_biases if id(kb.bias) in stepped]
-        if not biases:
-            return {}
-        rows, groups = [], []
-        for kb in biases:
-            r, g = kb.grad_rows(self._fsdp1, device)
-            rows.append(r)
-            groups += g
-        summed = sum_over_shards(torch.cat(rows), groups).reshape(len(biases), 2, 2)
         out: dict[str, torch.Tensor] = {}
-        for kb, kb_rows in zip(biases, summed):
-            norms = _key_bias_norms(kb_rows)
-            if norms is None:
-                continue
-            bias_norm, weight_norm = norms
-            out[f"{self.prefix}/{kb.layer}/key_bias_grad_norm"] = bias_norm
+        for layer, (bias_norm, weight_norm) in key_bias_values(biases, self._fsdp1, device).items():
+            out[keys.metric(self.prefix, layer, "key_bias_grad_norm")] = bias_norm
             if weight_norm is not None:
-                out[f"{self.prefix}/{kb.layer}/key_bias_grad_ratio"] = bias_norm / weight_norm
+                out[keys.metric(self.prefix, layer, "key_bias_grad_ratio")] = bias_norm / weight_norm
         return out
 
     def _emit(
@@ -696,51 +547,35 @@ class ZeroSumMonitor(Monitor):
         pl_module: "pl.LightningModule",
         values: dict[str, float | torch.Tensor],
         step: int,
+        optimizer: Optional[torch.optim.Optimizer] = None,
     ) -> None:
-        distributed = self.sync_dist and trainer.world_size > 1
+        """Reduce, detect, log and deliver one sample. Runs on every rank at every sampled step (the
+        gather and, where it fails, the dispatcher's decision are collectives)."""
+        distributed = trainer.world_size > 1
         if not values and not distributed:
             return
         device = trainer.strategy.root_device
-        keys = sorted(values)
-        flat = torch.zeros(len(keys), dtype=torch.float32, device=device)
-        for i, key in enumerate(keys):
-            flat[i] = torch.as_tensor(values[key]).reshape(())  # a device-side copy, no host sync
-        if distributed:
-            flat = self._reduce(flat, keys, device)
-        metrics = dict(zip(keys, flat.tolist()))  # one device -> host copy for all values
+        names = sorted(values)
+        flat = torch.zeros(len(names), dtype=torch.float32, device=device)
+        for i, name in enumerate(names):
+            flat[i] = torch.as_tensor(values[name]).reshape(())  # a device-side copy, no host sync
+        agreed = not distributed
+        if distributed and self.sync_dist:
+            flat, agreed = self._reduce(flat, names, device)
+        metrics = dict(zip(names, flat.tolist()))  # one device -> host copy for all values
         alerts, extra = self.observe(step, metrics)
-        for key, value in metrics.items():
-            layer, _, stat = key[len(self.prefix) + 1 :].rpartition("/")
-            self.tracks.setdefault(layer, {}).setdefault(stat, _Track()).add(value, step)
+        for name, value in metrics.items():
+            parsed = keys.parse_layer_key(self.prefix, name)
+            if parsed is not None:
+                self.tracks.setdefault(parsed[0], {}).setdefault(parsed[1], _Track()).add(value, step)
         log_to_loggers(trainer, {**metrics, **extra}, step)
-        self.dispatcher.deliver(trainer, alerts)
+        self.dispatcher.deliver(trainer, alerts, step, agreed=agreed, optimizer=optimizer)
 
-    def _reduce(self, flat: torch.Tensor, keys: list[str], device: torch.device) -> torch.Tensor:
-        """Mean (max for ``*_max``) over ranks through :class:`_RankRows` (one gather of all values)."""
-        if self._gather is None:
-            self._gather = _RankRows()
-        self._gather = self._gather.to(device)
-        n = len(keys)
-        tag = zlib.crc32("\n".join(keys).encode()) % (1 << 24)  # exact in float32
-        header = torch.tensor([float(n), float(tag)], device=device)
-        self._gather.update(torch.cat([header, flat]))
-        rows = self._gather.compute()
-        self._gather.reset()
-        if rows.numel() % (n + 2) == 0:
-            rows = rows.reshape(-1, n + 2)
-            if bool((rows[:, 0] == n).all()) and bool((rows[:, 1] == tag).all()):
-                values = rows[:, 2:]
-                is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)
-                return torch.where(is_max, values.max(dim=0).values, values.mean(dim=0))
-        if not self._mismatch_warned:
-            self._mismatch_warned = True
-            warnings.warn(
-                "ZeroSumMonitor: ranks recorded different sets of layers; logging each rank's own values "
-                "without reduction where they differ.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return flat
+    def _reduce(self, flat: torch.Tensor, names: list[str], device: torch.device) -> tuple[torch.Tensor, bool]:
+        """Mean (max for :data:`MAX_REDUCED`) over ranks, see :func:`.ranks.reduce_values`."""
+        stats = [keys.parse_layer_key(self.prefix, name) for name in names]
+        by_max = [p is not None and p[1] in MAX_REDUCED for p in stats]
+        return reduce_values(self._gather, flat.to(device), names, by_max, type(self).__name__)
 
     # ------------------------------------------------------------------ detection (online and offline)
 
@@ -751,19 +586,16 @@ class ZeroSumMonitor(Monitor):
         fired: dict[str, list[tuple[float, str, Detection]]] = {}
         extra: dict[str, float] = {}
         for key in sorted(metrics):
-            if not key.startswith(self.prefix + "/"):
+            parsed = keys.parse_layer_key(self.prefix, key)
+            if parsed is None or parsed[1] not in self.detect:
                 continue
-            layer, _, stat = key[len(self.prefix) + 1 :].rpartition("/")
-            if stat not in self.detect:
-                continue
-            det = self.detectors.get(key)
-            if det is None:
-                det = self.detectors[key] = ChangeDetector(**self.detector_args, floor=self.floors.get(stat, 0.0))
+            layer, stat = parsed
+            det = self._detector(key, stat)
             d = det.update(step, metrics[key])
             if d.cusum is not None:
-                extra[f"{key}/cusum"] = d.cusum
+                extra[keys.detector_key(key, "cusum")] = d.cusum
             if d.ratio is not None:
-                extra[f"{key}/ratio"] = d.ratio
+                extra[keys.detector_key(key, "ratio")] = d.ratio
             if d.new:
                 fired.setdefault(stat, []).append((level_rank(d.level), layer, d))
         alerts = []
@@ -771,7 +603,7 @@ class ZeroSumMonitor(Monitor):
             hits.sort(key=lambda h: (h[0], h[2].score / h[2].threshold), reverse=True)
             _, _, top = hits[0]
             alerts.append(Alert(
-                step=step, signal=f"{self.prefix}/{stat}", level=top.level, statistic=top.statistic,
+                step=step, signal=keys.metric(self.prefix, stat), level=top.level, statistic=top.statistic,
                 value=top.score, threshold=top.threshold, layers=tuple(h[1] for h in hits),
                 signal_value=top.value, source=type(self).__name__,
                 detail=f"baseline median {top.median:.4g} over the last {top.window} samples",

@@ -9,7 +9,8 @@ healthy twin (same seed, GProj or fp32 attention).
 
 The logged series are fed, step by step, to fresh monitors built with the given settings, through
 the very methods the monitors use online (``GradNormMonitor.observe`` with the global and per-layer
-norms, ``ZeroSumMonitor.observe`` with the zero-sum metrics of the step), so the detector code is the
+norms, ``GradNormMonitor.observe_loss`` with the logged loss, ``ZeroSumMonitor.observe`` with the
+zero-sum metrics of the step), so the detector code is the
 same online and offline. Online the monitors also see the values of steps they did not log; the replay
 sees what was logged, which is the same series when ``GradNormMonitor(every_n_steps=1)``.
 
@@ -22,7 +23,9 @@ Definitions (issue 4):
 * false alarms = number of alerts in the healthy twin (all steps).
 
 ``--config`` takes a JSON object ``{"GradNormMonitor": {...}, "ZeroSumMonitor": {...}}`` of keyword
-arguments, so settings can be tuned offline and then used online unchanged.
+arguments (detector settings as ``{"detector": {"window": 50, ...}}``, the fields of
+:class:`~lightning_gproj.callbacks.DetectorConfig`), so settings can be tuned offline and then used
+online unchanged.
 """
 
 from __future__ import annotations
@@ -34,28 +37,27 @@ import statistics
 import sys
 from typing import Any, Optional, Sequence
 
-from lightning_gproj.callbacks import Alert, GradNormMonitor, ZeroSumMonitor
+from lightning_gproj.callbacks import Alert, GradNormMonitor, ZeroSumMonitor, keys
 from lightning_gproj.report import Series, load_logs
-
-_DETECTOR_SUFFIXES = ("/cusum", "/ratio")
 
 
 def replay(series: Series, grad_norm: GradNormMonitor, zero_sum: ZeroSumMonitor) -> list[Alert]:
     """Feed the logged ``series`` to the monitors' detectors in step order; returns their alerts."""
     g = grad_norm.prefix
-    glob = series.get(f"{g}/global", {})
-    layer_keys = {k: k[len(f"{g}/layer/"):] for k in series if k.startswith(f"{g}/layer/")}
-    z = zero_sum.prefix + "/"
-    zs_keys = [
-        k for k in series
-        if k.startswith(z) and not k.endswith(_DETECTOR_SUFFIXES)
-    ]
-    steps = sorted(set(glob) | {s for k in zs_keys for s in series[k]})
+    glob = series.get(keys.metric(g, "global"), {})
+    loss = series.get(keys.metric(g, "loss"), {}) if grad_norm.loss else {}
+    layer_head = keys.metric(g, "layer", "")
+    layer_keys = {k: k[len(layer_head):] for k in series if k.startswith(layer_head)}
+    zs_keys = [k for k in series if keys.parse_layer_key(zero_sum.prefix, k) is not None]
+    steps = sorted(set(glob) | set(loss) | {s for k in zs_keys for s in series[k]})
     alerts: list[Alert] = []
     for step in steps:
         if step in glob:
             layers = {name: series[k][step] for k, name in layer_keys.items() if step in series[k]}
             _, _, new = grad_norm.observe(step, glob[step], layers)
+            alerts += new
+        if step in loss:
+            _, new = grad_norm.observe_loss(step, loss[step])
             alerts += new
         metrics = {k: series[k][step] for k in zs_keys if step in series[k]}
         if metrics:

@@ -111,8 +111,13 @@ def _attn_fwd(
     if _use_triton(q, k, v):
         from lightning_gproj.kernels import attention_fwd
 
-        return attention_fwd.forward(q, k, v, softmax_scale, causal, seqlens_k=seqlens_k)
-    o, m, log2l = reference.forward(q, k, v, softmax_scale, causal, seqlens_k=seqlens_k)
+        o, m, log2l = attention_fwd.forward(q, k, v, softmax_scale, causal, seqlens_k=seqlens_k)
+    else:
+        o, m, log2l = reference.forward(q, k, v, softmax_scale, causal, seqlens_k=seqlens_k)
+    if RECORDER.enabled:
+        # max_ij s_ij·τ from the kernel's row max m (unscaled scores; rows seeing no key have m = 0 and
+        # log2l = +inf and are left out): one reduction of a (batch, nheads, seqlen_q) tensor.
+        RECORDER.record(stats_name, max_logit=torch.where(torch.isinf(log2l), -math.inf, m).amax() * softmax_scale)
     return o.contiguous(), m, log2l
 
 

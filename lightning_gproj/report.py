@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from lightning_gproj.callbacks import keys
+
 Series = dict[str, dict[int, float]]
 
 #: Panels: (title, y label, metric-name suffixes after "{zero-sum prefix}/{layer}/").
@@ -105,8 +107,9 @@ def alert_steps(series: Series) -> list[tuple[int, int, str]]:
     """``(step, level, signal)`` of every logged alert (``alert/{signal}``: 1 warn, 2 critical), by step."""
     out = []
     for key, values in series.items():
-        if key.startswith("alert/"):
-            out += [(step, int(v), key[len("alert/"):]) for step, v in values.items() if v > 0]
+        signal = keys.parse_alert_key(key)
+        if signal is not None:
+            out += [(step, int(v), signal) for step, v in values.items() if v > 0]
     return sorted(out)
 
 
@@ -120,12 +123,10 @@ def loss_keys(series: Series) -> list[str]:
 def layer_series(series: Series, prefix: str, stat: str) -> dict[str, dict[int, float]]:
     """``{layer: {step: value}}`` for ``{prefix}/{layer}/{stat}``."""
     out = {}
-    head, tail = prefix + "/", "/" + stat
     for key, values in series.items():
-        if key.startswith(head) and key.endswith(tail):
-            layer = key[len(head) : -len(tail)]
-            if layer and not layer.endswith(("/cusum", "/ratio")):
-                out[layer] = values
+        parsed = keys.parse_layer_key(prefix, key)
+        if parsed is not None and parsed[1] == stat:
+            out[parsed[0]] = values
     return out
 
 
@@ -157,10 +158,10 @@ def render(series: Series, out: str | os.PathLike, *, grad_prefix: str = "grad_n
         plot(ax, series[key], key)
     ax.set_title("Training loss")
     ax = axes[1]
-    if f"{grad_prefix}/global" in series:
-        plot(ax, series[f"{grad_prefix}/global"], "‖g‖ global")
-    if f"{grad_prefix}/baseline_median" in series:
-        plot(ax, series[f"{grad_prefix}/baseline_median"], "baseline median", ":")
+    if keys.metric(grad_prefix, "global") in series:
+        plot(ax, series[keys.metric(grad_prefix, "global")], "‖g‖ global")
+    if keys.metric(grad_prefix, "baseline_median") in series:
+        plot(ax, series[keys.metric(grad_prefix, "baseline_median")], "baseline median", ":")
     ax.set_title("Gradient norm (after unscaling, before clipping)")
     for ax, (name, ylabel, stats) in zip(axes[2:], _LAYER_PANELS):
         for stat, style in zip(stats, ("-", ":")):

@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 
 #: Statistics reduced with ``max`` (instead of ``mean``) when a layer is called several times a step.
-_MAX_REDUCED = frozenset({"violation_max"})
+MAX_REDUCED = frozenset({"violation_max", "max_logit"})
 
 
 class StatsRecorder:
@@ -47,14 +47,14 @@ class StatsRecorder:
         """Return ``{layer: {statistic: value}}`` recorded since the last drain, and clear it.
 
         Several calls of one layer (gradient accumulation, activation checkpointing) are averaged,
-        except ``violation_max``, which takes the maximum.
+        except the statistics in :data:`MAX_REDUCED`, which take the maximum.
         """
         out: dict[str, dict[str, float]] = {}
         for name, stats in self._values.items():
             out[name] = {}
             for key, values in stats.items():
                 stacked = torch.stack(values)
-                reduced = stacked.max() if key in _MAX_REDUCED else stacked.mean()
+                reduced = stacked.max() if key in MAX_REDUCED else stacked.mean()
                 out[name][key] = float(reduced)
         self._values.clear()
         return out

@@ -21,7 +21,14 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_gproj import GProjPlugin, swap_attention
-from lightning_gproj.callbacks import Alert, AlertDispatcher, ChangeDetector, GradNormMonitor, ZeroSumMonitor
+from lightning_gproj.callbacks import (
+    Alert,
+    AlertDispatcher,
+    ChangeDetector,
+    DetectorConfig,
+    GradNormMonitor,
+    ZeroSumMonitor,
+)
 from lightning_gproj.evaluate import divergence_step, evaluate, main as evaluate_main
 from lightning_gproj.report import load_logs
 
@@ -53,7 +60,7 @@ def test_ratio_detector_fires_at_the_jump_and_escalates():
     values = noisy(80, 0)
     values[50:] *= 5.0  # warn level (> 4x), not critical
     values[60:] *= 3.0  # 15x: critical
-    det = ChangeDetector(window=30, warmup=10, warn_ratio=4.0, critical_ratio=10.0, cusum_warn=None)
+    det = ChangeDetector(DetectorConfig(window=30, warmup=10, warn_ratio=4.0, critical_ratio=10.0, cusum_warn=None))
     out = run(det, values)
     new = [(d.step, d.level, d.statistic) for d in out if d.new]
     assert new == [(50, "warn", "ratio"), (60, "critical", "ratio")]
@@ -79,7 +86,7 @@ def numpy_cusum(values: np.ndarray, window: int, warmup: int, k: float, min_sigm
 def test_cusum_fires_on_a_small_sustained_shift_and_not_before():
     values = noisy(300, 1, sigma=0.05)
     values[200:] *= math.exp(0.15)  # +3 sigma of log: no single value is far off (ratio 1.16)
-    det = ChangeDetector(window=100, warmup=20, warn_ratio=4.0, critical_ratio=None, cusum_warn=12.0, cusum_drift=1.0)
+    det = ChangeDetector(DetectorConfig(window=100, warmup=20, warn_ratio=4.0, critical_ratio=None, cusum_warn=12.0, cusum_drift=1.0))
     out = run(det, values)
     expected = numpy_cusum(values, 100, 20, 1.0, 0.02)
     np.testing.assert_allclose([d.cusum if d.cusum is not None else np.nan for d in out], expected, rtol=1e-9)
@@ -93,10 +100,10 @@ def test_log_slope_fires_on_steady_growth():
     n, t0, rate = 400, 250, 0.01  # x e per 100 steps after t0
     values = noisy(n, 2, sigma=0.05)
     values[t0:] *= np.exp(rate * np.arange(n - t0))
-    det = ChangeDetector(
+    det = ChangeDetector(DetectorConfig(
         window=100, warmup=20, warn_ratio=None, critical_ratio=None, cusum_warn=None,
         slope_window=50, slope_horizon=100, slope_warn=2.0,
-    )
+    ))
     out = run(det, values)
     expected = None
     for t in range(49, n):  # numpy polyfit over the last 50 values (this one included)
@@ -114,16 +121,16 @@ def test_floor_silences_rounding_noise_but_not_a_rise():
     rng = np.random.default_rng(4)
     values = 1e-6 * 10.0 ** rng.uniform(-1, 1, 100)
     values[60:] = 0.02
-    noisy_det = ChangeDetector(window=20, warmup=5, warn_ratio=3.0, cusum_warn=15.0)
+    noisy_det = ChangeDetector(DetectorConfig(window=20, warmup=5, warn_ratio=3.0, cusum_warn=15.0))
     assert first_new(run(noisy_det, values[:60])) is not None  # without a floor: false alarms on noise
-    det = ChangeDetector(window=20, warmup=5, warn_ratio=3.0, cusum_warn=15.0, floor=1e-3)
+    det = ChangeDetector(DetectorConfig(window=20, warmup=5, warn_ratio=3.0, cusum_warn=15.0, floor=1e-3))
     out = run(det, values)
     assert first_new(out) == (60, "critical", "ratio")
     assert out[60].ratio == pytest.approx(20.0) and out[59].value == values[59]
 
 
 def test_detector_ignores_non_finite_values_and_rejects_bad_arguments():
-    det = ChangeDetector(window=5, warmup=2)
+    det = ChangeDetector(DetectorConfig(window=5, warmup=2))
     for s, v in enumerate([1.0, 1.1, float("nan"), float("inf"), 0.9]):
         d = det.update(s, v)
         assert d.level is None
@@ -133,11 +140,12 @@ def test_detector_ignores_non_finite_values_and_rejects_bad_arguments():
                          ({"ema_decay": 0.0}, "ema_decay"), ({"window": 5, "warmup": 6}, "warmup"),
                          ({"floor": -1.0}, "floor")):
         with pytest.raises(ValueError, match=f"`{name}`"):
-            ChangeDetector(**kwargs)
+            ChangeDetector(DetectorConfig(**kwargs))
 
 
 def test_zero_sum_observe_groups_layers_and_names_the_strongest():
-    zs = ZeroSumMonitor(window=10, warmup=3, warn_ratio=3.0, critical_ratio=10.0, cusum_warn=None, print_summary=False)
+    zs = ZeroSumMonitor(detector=DetectorConfig(window=10, warmup=3, warn_ratio=3.0, critical_ratio=10.0, cusum_warn=None),
+                        print_summary=False)
     alerts = []
     for step in range(10):
         jump = step >= 6
@@ -192,6 +200,11 @@ class SDPAAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 16, 8)
 
 
+def spike_monitor(**kwargs) -> GradNormMonitor:
+    """A GradNormMonitor on the gradient norm only, with a short warm-up (5 steps, window 10)."""
+    return GradNormMonitor(detector=DetectorConfig(warmup=5, window=10), loss=False, print_summary=False, **kwargs)
+
+
 def spike_factors(n: int, at: int) -> list[float]:
     return [1.0 + 0.05 * math.sin(s) + (99.0 if s >= at else 0.0) for s in range(n)]
 
@@ -208,7 +221,7 @@ def fit(module, callbacks, tmp_path, max_steps, **kwargs):
 
 def test_alert_reaches_log_loggers_user_function_and_stops_training(tmp_path, caplog):
     seen: list[Alert] = []
-    monitor = GradNormMonitor(warmup=5, window=10, on_alert=seen.append, actions=("stop",), print_summary=False)
+    monitor = spike_monitor(on_alert=seen.append, actions=("stop",))
     with caplog.at_level(logging.WARNING, logger="lightning_gproj.alerts"):
         trainer = fit(Spiky(spike_factors(30, 12)), [monitor], tmp_path, max_steps=30)
     assert [a.step for a in seen] == [12] and seen[0].level == "critical" and seen[0].layers[0] == "blocks.0"
@@ -225,9 +238,8 @@ def test_a_raising_action_or_user_function_does_not_stop_training(tmp_path, capl
 
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("a file where the checkpoint directory should be")
-    monitor = GradNormMonitor(
-        warmup=5, window=10, on_alert=broken, actions=("checkpoint",), action_level="warn",
-        checkpoint_dir=str(blocker / "sub"), print_summary=False,
+    monitor = spike_monitor(
+        on_alert=broken, actions=("checkpoint",), action_level="warn", checkpoint_dir=str(blocker / "sub"),
     )
     factors = spike_factors(30, 12)
     factors[20:] = [1.0] * 10
@@ -243,7 +255,7 @@ def test_a_raising_action_or_user_function_does_not_stop_training(tmp_path, capl
 
 
 def test_checkpoint_action_saves_at_the_alert_step(tmp_path):
-    monitor = GradNormMonitor(warmup=5, window=10, actions=("checkpoint",), print_summary=False)
+    monitor = spike_monitor(actions=("checkpoint",))
     fit(Spiky(spike_factors(16, 12)), [monitor], tmp_path, max_steps=16)
     path = tmp_path / "alert_checkpoints" / "alert-step=12.ckpt"
     assert path.exists()
@@ -252,7 +264,7 @@ def test_checkpoint_action_saves_at_the_alert_step(tmp_path):
 
 def test_remediate_switches_the_driving_layer_from_the_next_step(tmp_path):
     model = Spiky(spike_factors(16, 12), attention=True)
-    monitor = GradNormMonitor(warmup=5, window=10, actions=("remediate",), remediation="fp32", print_summary=False)
+    monitor = spike_monitor(actions=("remediate",), remediation="fp32")
     fit(model, [monitor], tmp_path, max_steps=16, plugins=[GProjPlugin("bf16-mixed", fix="none")])
     site = model.attn.forward.site
     assert monitor.alerts[0].step == 12
@@ -260,7 +272,7 @@ def test_remediate_switches_the_driving_layer_from_the_next_step(tmp_path):
     assert site.compute_dtype == torch.float32 and site.fix == "none"
     assert monitor.dispatcher.action_log == [("remediate", 12, "ok: attn")]
 
-    monitor = GradNormMonitor(warmup=5, window=10, actions=("remediate",), top_k=5, print_summary=False)
+    monitor = spike_monitor(actions=("remediate",), top_k=5)
     model = Spiky(spike_factors(16, 12), attention=True)
     fit(model, [monitor], tmp_path / "g", max_steps=16, plugins=[GProjPlugin("bf16-mixed", fix="none")])
     assert model.attn.forward.site.fix == "gproj" and model.attn.forward.site.compute_dtype is None
@@ -289,7 +301,7 @@ def test_dispatcher_rejects_bad_arguments():
                          ({"action_level": "info"}, "action_level"), ({"remediation": "fp8"}, "remediation"),
                          ({"on_alert": 3}, "on_alert")):
         with pytest.raises(ValueError, match=f"`{name}`"):
-            AlertDispatcher("m", **kwargs)
+            AlertDispatcher("m", "p", **kwargs)
     with pytest.raises(ValueError, match="`actions`"):
         GradNormMonitor(actions=("nope",))
     with pytest.raises(ValueError, match="`probe_every_n_steps`"):
@@ -338,7 +350,7 @@ def test_harness_measures_lead_time_and_false_alarms_on_synthetic_traces(tmp_pat
 def test_harness_counts_alerts_on_the_healthy_twin_as_false_alarms():
     stressed = synthetic(3, 900, leak_rise_at=300, blowup_at=700)
     healthy = synthetic(3, 900, leak_rise_at=300, blowup_at=None)  # a "healthy" twin whose leak rises too
-    result = evaluate(stressed, healthy, {"GradNormMonitor": {"warn_ratio": None, "cusum_warn": None}})
+    result = evaluate(stressed, healthy, {"GradNormMonitor": {"detector": {"warn_ratio": None, "cusum_warn": None}}})
     assert result.false_alarms == len(result.healthy_alerts) >= 1
     assert {a["signal"] for a in result.healthy_alerts} == {"gproj/leak_ratio"}
     with pytest.raises(ValueError, match="`config`"):

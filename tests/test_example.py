@@ -120,6 +120,36 @@ def test_demo_config_parses():
     assert isinstance(cli.model, gpt.GPT)
 
 
+def test_monitor_settings_parse_from_yaml(tmp_path):
+    """DetectorConfig from YAML: a partial mapping overrides the monitor's own defaults field by field."""
+    from dataclasses import replace
+
+    from lightning_gproj.callbacks import (
+        GRAD_NORM_DETECTOR, LOSS_DETECTOR, ZERO_SUM_DETECTOR, GradNormMonitor, ZeroSumMonitor,
+    )
+
+    extra = tmp_path / "monitors.yaml"
+    extra.write_text(
+        "trainer:\n"
+        "  callbacks:\n"
+        "    - class_path: lightning_gproj.callbacks.ZeroSumMonitor\n"
+        "      init_args:\n"
+        "        detector: {window: 30, warmup: 5, warn_ratio: null}\n"
+        "        actions: [skip, rollback]\n"
+        "        rollback_lr_factor: 0.5\n"
+        "    - class_path: lightning_gproj.callbacks.GradNormMonitor\n"
+        "      init_args: {detector: {critical_ratio: 20}, loss_detector: {critical_ratio: 2.5}, loss: false}\n"
+    )
+    cli = gpt.main(["--config", str(REPO / "examples" / "configs" / "gpt_demo.yaml"), "--config", str(extra),
+                    "--trainer.logger=false"], run=False)
+    zs = next(c for c in cli.trainer.callbacks if isinstance(c, ZeroSumMonitor))
+    gn = next(c for c in cli.trainer.callbacks if isinstance(c, GradNormMonitor))
+    assert zs.detector == replace(ZERO_SUM_DETECTOR, window=30, warmup=5, warn_ratio=None)
+    assert zs.dispatcher.actions == ("skip", "rollback") and zs.dispatcher.rollback_lr_factor == 0.5
+    assert gn.detector == replace(GRAD_NORM_DETECTOR, critical_ratio=20.0)
+    assert gn.loss_detector == replace(LOSS_DETECTOR, critical_ratio=2.5) and gn.loss is False
+
+
 def test_repro_stress_config_parses_with_each_arm():
     cfg = str(REPO / "examples" / "configs" / "repro_stress.yaml")
     cli = gpt.main(["--config", cfg, "--trainer.logger=false"], run=False)

@@ -164,6 +164,40 @@ def test_stats_recorded_only_while_enabled():
     assert stats["none"]["leak_ratio"] == pytest.approx(stats["gproj"]["leak_removed_ratio"], rel=0.05)
 
 
+@pytest.mark.parametrize(("nq", "nk", "causal", "seqlens"), [(40, 40, False, None), (48, 32, True, None), (32, 40, True, [40, 17])])
+def test_max_logit_is_the_largest_scaled_score_of_a_visible_pair(nq, nk, causal, seqlens):
+    """max_logit = max over (batch, head, i, j visible) of τ q_i·k_j, against float64 on the same bf16
+    values. Keys and queries point in opposite directions, so every logit is negative: rows that see
+    no key (nq > nk, causal) must not contribute their placeholder m = 0."""
+    torch.manual_seed(11)
+    q = (torch.randn(2, nq, 4, 32) - 3.0).bfloat16()
+    k = (torch.randn(2, nk, 2, 32) + 3.0).bfloat16()  # GQA 2:1
+    v = torch.randn(2, nk, 2, 32).bfloat16()
+    scale = 0.3
+    seqlens_k = None if seqlens is None else torch.tensor(seqlens)
+    RECORDER.drain()
+    with RECORDER.recording():
+        gproj_attn_func(q, k, v, softmax_scale=scale, causal=causal, stats_name="a", seqlens_k=seqlens_k)
+        gproj_attn_func(q[:, :, :, :16].contiguous() * 0, k[:, :, :, :16].contiguous(), v[:, :, :, :16].contiguous(),
+                        softmax_scale=scale, causal=causal, stats_name="a", seqlens_k=seqlens_k)  # logits 0 < max
+    got = RECORDER.drain()["a"]["max_logit"]
+    s = torch.einsum("bihd,bjhd->bhij", q.double(), k.double().repeat_interleave(2, dim=2)) * scale
+    visible = torch.ones(nq, nk, dtype=torch.bool)
+    if causal:
+        visible = visible.tril(nk - nq)
+    visible = visible.expand(2, 1, nq, nk)
+    if seqlens_k is not None:
+        visible = visible & (torch.arange(nk)[None, :] < seqlens_k[:, None])[:, None, None, :]
+    expected = s.masked_fill(~visible, -math.inf).amax().item()
+    assert expected < -1.0  # every visible logit is negative here
+    # Two calls of the layer in the step: the maximum of both (the second one's logits are all 0).
+    assert got == pytest.approx(max(expected, 0.0))
+    RECORDER.drain()
+    with RECORDER.recording():
+        gproj_attn_func(q, k, v, softmax_scale=scale, causal=causal, stats_name="a", seqlens_k=seqlens_k)
+    assert RECORDER.drain()["a"]["max_logit"] == pytest.approx(expected, rel=1e-5)
+
+
 def test_compile_fullgraph_has_no_graph_break():
     torch.manual_seed(5)
     q, k, v = (x.requires_grad_() for x in _qkv(1, 24, 2, 16, dtype=torch.bfloat16))

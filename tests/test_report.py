@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_gproj import GProjPlugin
-from lightning_gproj.callbacks import GradNormMonitor, ZeroSumMonitor
+from lightning_gproj.callbacks import DetectorConfig, GradNormMonitor, ZeroSumMonitor
 from lightning_gproj.report import alert_steps, layer_series, load_logs, main, render
 
 
@@ -54,7 +54,8 @@ class Model(pl.LightningModule):
 def test_dashboard_from_a_real_run(tmp_path, capsys):
     torch.manual_seed(0)  # the weights (the data has its own generator)
     monitors = [
-        GradNormMonitor(window=20, warmup=10, warn_ratio=None, cusum_warn=None, print_summary=False),  # critical only: random batches reach 4x
+        # critical only: random batches reach 4x
+        GradNormMonitor(detector=DetectorConfig(window=20, warmup=10, warn_ratio=None, cusum_warn=None), print_summary=False),
         ZeroSumMonitor(every_n_steps=5, probe_every_n_steps=None, print_summary=False),
     ]
     logger = CSVLogger(tmp_path, name="run", version=0)

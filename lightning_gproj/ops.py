@@ -380,7 +380,8 @@ def gproj_attn_func(
             16-bit input dtype, as FA3-class kernels do (fp16 inputs: fp16; fp32 / fp64: no rounding).
             ``"e4m3"`` / ``"e5m2"``: to FP8's 4 / 3 significant bits (implicit bit included), round half
             to even, with no range limit — as a per-block-scaled FP8 operand behaves — then fed to the
-            same 16-bit GEMMs (exact). For stress tests and FP8 research (DESIGN.md §11): the rounding
+            same 16-bit GEMMs (exact); for fp32 / fp64 inputs too (the one rounding they then get). For
+            stress tests and FP8 research (DESIGN.md §11): the rounding
             error of dS, and with it the uncorrected leak into dQ (``fix="none"``), grows as 2⁻ᵖ for p
             significant bits, i.e. ~16× (e4m3) and ~32× (e5m2) bf16's; ``fix="gproj"`` removes the leak
             from the values the GEMMs used but not the coarser rounding noise itself, so every fix
@@ -399,7 +400,7 @@ def gproj_attn_func(
 
     Dtypes: bf16 / fp16 follow the FA3-class rounding model (DESIGN.md §3) — on CUDA through the Triton
     kernels, elsewhere through the PyTorch reference. fp32 and fp64 run the reference in that dtype with
-    no rounding emulation (exact-arithmetic gradients up to the dtype's rounding; on CUDA with one
+    no rounding emulation, except dS with ``ds_format="e4m3"`` / ``"e5m2"`` (exact-arithmetic gradients up to the dtype's rounding; on CUDA with one
     warning, since it is slow). Under autocast, fp16 / bf16 / fp32 inputs are cast to the autocast dtype
     inside the op, as autocast casts the inputs of ``F.scaled_dot_product_attention`` (so they may
     differ in dtype; an fp64 input among them raises TypeError), and o comes out in that dtype; the

@@ -55,8 +55,11 @@ PRECISIONS: dict[str, str] = {
     "64-true": "DoublePrecision",
 }
 
-#: Values accepted for ``attention_dtype``: None (the op) or fp32 attention.
-ATTENTION_DTYPES: dict[Optional[str], Optional[torch.dtype]] = {None: None, "fp32": torch.float32}
+#: Values accepted for ``attention_dtype``: None (the op in the dtype it is given), fp32 SDPA, or the
+#: op on bf16 q, k, v whatever the base precision.
+ATTENTION_DTYPES: dict[Optional[str], Optional[torch.dtype]] = {
+    None: None, "fp32": torch.float32, "bf16": torch.bfloat16,
+}
 
 Patterns = Union[None, str, Sequence[str]]
 
@@ -128,10 +131,14 @@ class GProjFabricPlugin(fabric_precision.Precision):
         device: ``torch.autocast`` device for ``MixedPrecision``. Default None: the device type of
             the converted module's parameters at each forward (the accelerator's); before
             conversion (and for the ``"16-mixed"`` grad scaler) ``"cuda"`` if available, else ``"cpu"``.
-        attention_dtype: None (default: swapped attention runs the op with ``fix``) or ``"fp32"``: every
-            swapped module runs its attention as fp32 SDPA (q, k, v cast up, output cast back; the
-            monitors' "fp32" remediation, :attr:`Site.compute_dtype`) while the rest of the model
-            keeps the base precision: the fp32-attention arm of an A/B/C comparison.
+        attention_dtype: None (default: swapped attention runs the op with ``fix`` in the dtype it is
+            given), ``"fp32"``: every swapped module runs its attention as fp32 SDPA (q, k, v cast up,
+            output cast back; the monitors' "fp32" remediation, :attr:`Site.compute_dtype`) while the
+            rest of the model keeps the base precision: the fp32-attention arm of an A/B/C comparison;
+            or ``"bf16"``: every swapped module runs the op with ``fix`` on q, k, v cast to bf16 (output
+            cast back, gradients returned in the inputs' dtype) whatever the base precision: BF16
+            attention numerics in an otherwise fp32 model, e.g. ``"32-true"`` on a CPU without bf16
+            instructions, where bf16-mixed runs every linear layer ~20× slower (README demo).
         ds_format: ``"bf16"`` (default), ``"e4m3"`` or ``"e5m2"``: how the op's backward rounds dS
             before the dQ/dK GEMMs (:func:`lightning_gproj.gproj_attn_func`); the FP8 significands are
             an accelerant for stress tests (docs/reproduction.md) and for FP8 research.
@@ -310,7 +317,7 @@ class GProjFabricPlugin(fabric_precision.Precision):
             strict=self.strict, ds_format=self.ds_format,
         )
         dtype = ATTENTION_DTYPES[self.attention_dtype]
-        if dtype is not None:  # every swapped site runs SDPA in fp32 (Site.compute_dtype), `fix` unused
+        if dtype is not None:  # every swapped site runs in that dtype (Site.compute_dtype)
             for site in self.report.sites.values():
                 site.compute_dtype = dtype
         ref = self.__dict__.get("_gproj_module")

@@ -242,8 +242,20 @@ def test_attention_dtype_fp32_runs_swapped_attention_in_fp32_under_bf16_mixed(op
     assert all(site.compute_dtype == torch.float32 for site in plugin.report.sites.values())
     assert len(seen) == 6 and set(seen) == {(torch.float32,) * 3}  # 3 steps x 2 attention layers
     assert swapped.losses[-1] < swapped.losses[0]
-    with pytest.raises(ValueError, match=r"`attention_dtype` must be one of \(None, 'fp32'\)"):
-        GProjPlugin(attention_dtype="bf16")
+    with pytest.raises(ValueError, match=r"`attention_dtype` must be one of \(None, 'fp32', 'bf16'\)"):
+        GProjPlugin(attention_dtype="fp16")
+
+
+def test_attention_dtype_bf16_runs_the_op_on_bf16_inputs_in_an_fp32_model(op_spy, tmp_path):
+    plugin = GProjPlugin("32-true", attention_dtype="bf16")
+    _, swapped = _fit(plugin, tmp_path=tmp_path, steps=3)
+    assert len(op_spy.calls) == 6  # 3 steps x 2 attention layers, every call served by the op
+    assert {c["dtypes"] for c in op_spy.calls} == {(torch.bfloat16,) * 3}
+    assert not any(c["autocast"] for c in op_spy.calls)
+    assert {c["fix"] for c in op_spy.calls} == {"gproj"}
+    assert next(swapped.parameters()).dtype == torch.float32
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in swapped.parameters())
+    assert swapped.losses[-1] < swapped.losses[0]
 
 
 class LitWeightsMHA(L.LightningModule):

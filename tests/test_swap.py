@@ -689,6 +689,40 @@ def test_fp32_compute_site_records_the_mean_key_norm():
     assert float(stats["mean_query_norm"]) == pytest.approx(q.mean(dim=2).norm(dim=-1).mean().item(), rel=1e-5)
 
 
+def test_bf16_compute_site_runs_the_op_on_rounded_inputs_and_returns_fp32(op_spy):
+    """compute_dtype=bf16 (the plugin's attention_dtype="bf16") on fp32 inputs: the output and the
+    gradients are those of attention on the bf16-rounded q, k, v (float64 reference of those rounded
+    values, to bf16 accuracy), returned in fp32; without the cast the same fp32 call is exact to fp32."""
+
+    class Attend(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    model = nn.Module()
+    model.add_module("attn", Attend())
+    report = swap_attention(model)
+    report.sites["attn"].compute_dtype = torch.bfloat16
+    torch.manual_seed(0)
+    q, k, v, do = torch.randn(4, 2, 3, 40, 16).unbind(0)  # (batch, nheads, seqlen, d), fp32
+    k = k + 4.0
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = model.attn(*leaves)
+    o.backward(do)
+    assert o.dtype == torch.float32 and all(t.grad.dtype == torch.float32 for t in leaves)
+
+    rounded = [t.to(torch.bfloat16).double().requires_grad_() for t in (q, k, v)]
+    s = rounded[0] @ rounded[1].transpose(-1, -2) / 4.0
+    s = s.masked_fill(~torch.ones(40, 40, dtype=torch.bool).tril(), float("-inf"))
+    o64 = torch.softmax(s, dim=-1) @ rounded[2]
+    o64.backward(do.double())
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
+    assert rel(o, o64) < 8e-3  # bf16 output rounding (2^-8) and P rounding
+    for leaf, ref in zip(leaves, rounded):
+        assert rel(leaf.grad, ref.grad) < 1.5e-2
+    assert [c["dtypes"] for c in op_spy.calls] == [(torch.bfloat16,) * 3]  # the op saw the rounded inputs
+    assert report.sites["attn"].served == 1
+
+
 def test_strict_swap_raises_instead_of_falling_back(op_spy):
     """strict=True: a call a swapped module cannot serve raises GProjFallbackError naming the module and
     the reason (and is counted); calls it can serve still run the op."""

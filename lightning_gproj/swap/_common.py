@@ -155,8 +155,9 @@ class Site:
     original.
     ``fallbacks`` counts the calls that ran the original code, by reason; ``served`` counts the
     calls that ran :func:`gproj_attn_func`.
-    ``compute_dtype`` (default None): when set (e.g. ``torch.float32``, the monitors' "fp32"
-    remediation), served calls run SDPA in that dtype instead of the op, output cast back.
+    ``compute_dtype`` (default None): ``torch.float32`` (the monitors' "fp32" remediation): served
+    calls run SDPA in fp32 instead of the op; ``torch.bfloat16`` / ``torch.float16``: served calls run
+    the op on q, k, v cast to that dtype; either way the output is cast back to q's dtype.
     ``strict``: a fallback raises :class:`GProjFallbackError` instead of running the original.
     ``ds_format`` (default ``"bf16"``): passed to the op (how its backward rounds dS).
     """
@@ -211,19 +212,23 @@ class Site:
         seqlens_k: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Serve one call in the op layout (batch, seqlen, nheads, headdim): :func:`gproj_attn_func`
-        with this site's ``fix`` and name, or, with ``compute_dtype`` set, SDPA in that dtype (autocast
+        with this site's ``fix`` and name (on q, k, v cast to ``compute_dtype`` when that is bf16 or
+        fp16), or, with ``compute_dtype`` fp32 or fp64, SDPA in that dtype (autocast
         off, bottom-right causal mask and the key padding ``j < seqlens_k[b]`` as one boolean mask, GQA
         heads repeated) cast back to q's dtype. ``seqlens_k``: None or an integer (batch,) tensor of
         key lengths (right padding), passed to the op only when given."""
-        if self.compute_dtype is None or q.dtype == self.compute_dtype:
+        dt = self.compute_dtype
+        if dt is None or q.dtype == dt or dt in (torch.bfloat16, torch.float16):
             extra = {} if seqlens_k is None else {"seqlens_k": seqlens_k}
-            return gproj_attn_func()(
-                q, k, v, softmax_scale=softmax_scale, causal=causal, fix=self.fix, stats_name=self.name or "attention",
-                ds_format=self.ds_format, **extra,
+            qs, ks, vs = (q, k, v) if dt is None else (t.to(dt) for t in (q, k, v))
+            o = gproj_attn_func()(
+                qs, ks, vs, softmax_scale=softmax_scale, causal=causal, fix=self.fix,
+                stats_name=self.name or "attention", ds_format=self.ds_format, **extra,
             )
+            return o.to(q.dtype)
         if RECORDER.enabled:  # the op's forward statistics, so a monitor sees this site's mean key too
             ops.record_forward_stats(self.name or "attention", q, k, seqlens_k)
-        dt, group = self.compute_dtype, q.shape[2] // k.shape[2]
+        group = q.shape[2] // k.shape[2]
         qs, ks, vs = (t.transpose(1, 2).to(dt) for t in (q, k, v))
         if group > 1:
             ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)

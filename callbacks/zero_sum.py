@@ -629,4 +629,9 @@ class ZeroSumMonitor(Monitor):
             rows.append([layer, str(samples), *cells])
         table = format_table(["layer", "samples", *stats], rows)
         alerts = f"; {len(self.alerts)} alert(s)" if self.alerts else ""
-        return f"ZeroSumMonitor (last / peak per layer, every {self.every_n_steps} steps{alerts}):\n{table}"
+        note = ""
+        if any(s.startswith(("c2_residual", "probe_")) for s in stats):
+            # a layer whose calls all fell back still gets these rows: they measure whatever kernel ran
+            note = ("\nc2_residual and probe_* measure every SDPA call, also those the op did not serve (fallbacks, "
+                    "unswapped layers); the other columns come from op calls only.")
+        return f"ZeroSumMonitor (last / peak per layer, every {self.every_n_steps} steps{alerts}):\n{table}{note}"

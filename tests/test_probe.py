@@ -162,6 +162,11 @@ def test_c2_residual_of_unswapped_sdpa_matches_the_key_gradient(tmp_path):
             expected = float(dk.sum(dim=2).norm() / dk.norm())
             assert series[step] == pytest.approx(expected, rel=1e-4)
             assert series[step] > 1e-4  # bf16 dS: the zero sum is broken
+    # the summary's rows for these unswapped layers come from SDPA's own kernel, and it says so
+    table = monitor.summary()
+    assert "blocks.0.attn" in table and "c2_residual" in table
+    assert table.endswith("c2_residual and probe_* measure every SDPA call, also those the op did not serve "
+                          "(fallbacks, unswapped layers); the other columns come from op calls only.")
 
 
 def test_c2_residual_vanishes_in_float64_and_covers_the_op(tmp_path):

@@ -209,14 +209,25 @@ class Site:
         softmax_scale=None,
         causal: bool = False,
         seqlens_k: Optional[torch.Tensor] = None,
+        window_size: tuple = (-1, -1),
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Serve one call in the op layout (batch, seqlen, nheads, headdim): :func:`gproj_attn_func`
         with this site's ``fix`` and name, or, with ``compute_dtype`` set, SDPA in that dtype (autocast
         off, bottom-right causal mask and the key padding ``j < seqlens_k[b]`` as one boolean mask, GQA
         heads repeated) cast back to q's dtype. ``seqlens_k``: None or an integer (batch,) tensor of
-        key lengths (right padding), passed to the op only when given."""
+        key lengths (right padding), passed to the op only when given; ``window_size``, ``softcap`` as the
+        op takes them (with ``compute_dtype`` the op then runs in that dtype: SDPA has no softcap)."""
+        extra = {} if seqlens_k is None else {"seqlens_k": seqlens_k}
+        if tuple(window_size) != (-1, -1) or softcap:
+            extra.update(window_size=tuple(window_size), softcap=softcap)
+            if self.compute_dtype is not None and q.dtype != self.compute_dtype:
+                dt = self.compute_dtype
+                return gproj_attn_func()(
+                    q.to(dt), k.to(dt), v.to(dt), softmax_scale=softmax_scale, causal=causal, fix=self.fix,
+                    stats_name=self.name or "attention", ds_format=self.ds_format, **extra,
+                ).to(q.dtype)
         if self.compute_dtype is None or q.dtype == self.compute_dtype:
-            extra = {} if seqlens_k is None else {"seqlens_k": seqlens_k}
             return gproj_attn_func()(
                 q, k, v, softmax_scale=softmax_scale, causal=causal, fix=self.fix, stats_name=self.name or "attention",
                 ds_format=self.ds_format, **extra,

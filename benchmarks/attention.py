@@ -79,7 +79,8 @@ def measure(shape, name, smoke, window=0, softcap=0.0):
     dev = "cpu" if smoke else "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v, do = (torch.randn(b, n, h, d, generator=g, device=dev).bfloat16() for _ in range(4))
-    row = {"shape": [b, h, n, d], "causal": causal, "method": name, "peak_mib": None, "window": window,
+    tag = (f"+window{window}" if window else "") + (f"+softcap{softcap:g}" if softcap else "")
+    row = {"shape": [b, h, n, d], "causal": causal, "method": name + tag, "peak_mib": None, "window": window,
            "softcap": softcap}
     for key, _ in MODES:
         row[f"{key}_tflops"] = row[f"{key}_ms"] = None
@@ -120,6 +121,8 @@ def _label(s):
 def markdown(res):
     rows = res["rows"]
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    # --window / --softcap rows: their own columns, named after the method and the feature
+    methods += list(dict.fromkeys(r["method"] for r in rows if r["method"] not in methods))
     shapes = list(dict.fromkeys(_key(r) for r in rows))
 
     def get(shape, m, key):
@@ -204,7 +207,7 @@ def chart(res, path):
 
 def records(rows):
     """The --json records: RECORD_KEYS, the times, and ``error`` where there is one."""
-    keep = RECORD_KEYS + ("fwd_ms", "bwd_ms", "fwdbwd_ms", "error")
+    keep = RECORD_KEYS + ("fwd_ms", "bwd_ms", "fwdbwd_ms", "window", "softcap", "error")
     return [{k: r[k] for k in keep if k in r} for r in rows]
 
 

@@ -225,7 +225,7 @@ def run_window_case(nq, nk, h, hk, causal, window, softcap, seed):
            "inf_pattern_equal": bool(torch.equal(torch.isinf(l2), empty)),
            "c2_f64": (dk64.sum(dim=1).norm() / dk64.norm()).item(), "bwd": {}}
     for fix in R.FIXES:
-        for schedule in ("two_pass", "one_pass"):
+        for schedule in ("two_pass", "one_pass") if fix == "gproj" else ("two_pass",):
             g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, schedule=schedule, **kw)
             if schedule == "one_pass":  # the fallback must give the two-pass result exactly
                 out["bwd"][fix]["one_pass_equal"] = all(torch.equal(x, y) for x, y in zip(g[:3], g2[:3]))

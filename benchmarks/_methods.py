@@ -57,8 +57,10 @@ def available(name: str) -> bool:
 class Ours:
     """Forward/backward closures over our kernels (stats optional)."""
 
-    def __init__(self, name, q, k, v, do, causal, want_stats=False, grad_dtype=None):
+    def __init__(self, name, q, k, v, do, causal, want_stats=False, grad_dtype=None, window_size=(-1, -1),
+                 softcap=0.0):
         from lightning_gproj.kernels import attention_bwd, attention_fwd
+        self.feat = dict(window_size=window_size, softcap=softcap)
         self.F, self.B = attention_fwd, attention_bwd
         self.kw = OURS[name]
         self.q, self.k, self.v, self.do, self.causal = q, k, v, do, causal
@@ -68,7 +70,7 @@ class Ours:
         self.state = None
 
     def fwd(self):
-        self.state = self.F.forward(self.q, self.k, self.v, self.tau, self.causal)
+        self.state = self.F.forward(self.q, self.k, self.v, self.tau, self.causal, **self.feat)
         return self.state
 
     def bwd(self):
@@ -76,7 +78,7 @@ class Ours:
         return self.B.backward(self.do, self.q, self.k, self.v, o, m, l2, self.tau, self.causal, self.kw["fix"],
                                self.want_stats, dk_fold=self.kw["dk_fold"], grad_dtype=self.grad_dtype,
                                ds_format=self.kw.get("ds_format", "bf16"),
-                               schedule=self.kw.get("schedule", "two_pass"))
+                               schedule=self.kw.get("schedule", "two_pass"), **self.feat)
 
     def fwd_bwd(self):
         self.fwd()

@@ -65,17 +65,29 @@ def bench(fn, smoke):
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def measure(shape, name, smoke):
-    """One record: shape (B, H, N, d, causal) timed with method ``name``."""
+def measure(shape, name, smoke, window=0, softcap=0.0):
+    """One record: shape (B, H, N, d, causal) timed with method ``name``; ``window`` > 0: a sliding window
+    of that many keys back (window_size=(window, 0) causal, (window, window) not), ``softcap`` > 0: logit
+    capping — our kernels only. TFLOP/s count the dense (or causal) FLOPs either way, so a window shows
+    as the speed-up its skipped blocks give."""
     b, h, n, d, causal = shape
+    feat = {}
+    if window:
+        feat["window_size"] = (window, 0 if causal else window)
+    if softcap:
+        feat["softcap"] = softcap
     dev = "cpu" if smoke else "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v, do = (torch.randn(b, n, h, d, generator=g, device=dev).bfloat16() for _ in range(4))
-    row = {"shape": [b, h, n, d], "causal": causal, "method": name, "peak_mib": None}
+    tag = (f"+window{window}" if window else "") + (f"+softcap{softcap:g}" if softcap else "")
+    row = {"shape": [b, h, n, d], "causal": causal, "method": name + tag, "peak_mib": None, "window": window,
+           "softcap": softcap}
     for key, _ in MODES:
         row[f"{key}_tflops"] = row[f"{key}_ms"] = None
     try:
-        meth = M.make(name, q, k, v, do, causal)
+        if feat and name not in M.OURS:
+            raise ValueError("window / softcap are timed for our kernels only")
+        meth = M.make(name, q, k, v, do, causal, **feat)
         meth.fwd_bwd()  # compile / autotune
         if not smoke:
             torch.cuda.synchronize()
@@ -109,6 +121,8 @@ def _label(s):
 def markdown(res):
     rows = res["rows"]
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    # --window / --softcap rows: their own columns, named after the method and the feature
+    methods += list(dict.fromkeys(r["method"] for r in rows if r["method"] not in methods))
     shapes = list(dict.fromkeys(_key(r) for r in rows))
 
     def get(shape, m, key):
@@ -193,7 +207,7 @@ def chart(res, path):
 
 def records(rows):
     """The --json records: RECORD_KEYS, the times, and ``error`` where there is one."""
-    keep = RECORD_KEYS + ("fwd_ms", "bwd_ms", "fwdbwd_ms", "error")
+    keep = RECORD_KEYS + ("fwd_ms", "bwd_ms", "fwdbwd_ms", "window", "softcap", "error")
     return [{k: r[k] for k in keep if k in r} for r in rows]
 
 
@@ -205,6 +219,9 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, two tiny shapes, our kernels only")
     ap.add_argument("--methods", default=None, help="comma-separated (default: all available)")
     ap.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES (or SMOKE_SHAPES)")
+    ap.add_argument("--window", type=int, default=0,
+                    help="also time each method with a sliding window of this many keys back (our kernels)")
+    ap.add_argument("--softcap", type=float, default=0.0, help="also time each method with this logit softcap")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     requested = args.methods.split(",") if args.methods else (SMOKE_METHODS if args.smoke else METHODS)
@@ -220,11 +237,15 @@ def main(argv=None):
     for s in shapes:
         for m in methods:
             t0 = time.time()
-            r = measure(s, m, args.smoke)
-            res["rows"].append(r)
-            print(f"[{time.time() - t0:.1f}s] {_label(s)} {m}: " + (r["error"] if "error" in r else
-                  f"fwd {r['fwd_tflops']:.0f} bwd {r['bwd_tflops']:.0f} fwd+bwd {r['fwdbwd_tflops']:.0f} TFLOP/s"),
-                  flush=True)
+            feats = [(0, 0.0)] + ([(args.window, 0.0)] if args.window else []) + (
+                [(0, args.softcap)] if args.softcap else [])
+            for window, softcap in feats:
+                r = measure(s, m, args.smoke, window, softcap)
+                res["rows"].append(r)
+                tag = (f" window={window}" if window else "") + (f" softcap={softcap:g}" if softcap else "")
+                print(f"[{time.time() - t0:.1f}s] {_label(s)} {m}{tag}: " + (r["error"] if "error" in r else
+                      f"fwd {r['fwd_tflops']:.0f} bwd {r['bwd_tflops']:.0f} fwd+bwd {r['fwdbwd_tflops']:.0f} TFLOP/s"),
+                      flush=True)
             if not args.smoke:
                 torch.cuda.empty_cache()
         with open(os.path.join(args.out, "attention.json"), "w") as f:

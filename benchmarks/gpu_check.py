@@ -1,6 +1,7 @@
 """GPU smoke check of the Triton kernels against kernels/reference.py (run on the device machine).
 
 Usage: python benchmarks/gpu_check.py [--quick-speed] [--skip-cases] [--ds-formats bf16,e4m3,e5m2]
+(the cases include sliding windows and softcap, every fix, and their constant checks)
 Prints relative Frobenius differences Triton vs reference (same rounding points: expect <~1e-3,
 mostly 0), the constant checks of DESIGN.md §5, and (with --quick-speed) a few fwd+bwd timings.
 The backward schedule of the checks is GPROJ_BWD_SCHEDULE's (default two_pass; one_pass checks the
@@ -69,6 +70,34 @@ def main():
         torch.cuda.synchronize()
         print((b, nq, nk, h, hk, d, causal, str(dt)[6:]), f"{time.time()-t0:.1f}s", " ".join(
             x if isinstance(x, str) else f"{x:.1e}" for x in row), flush=True)
+    # Sliding windows and softcap (issue 16): Triton vs reference, every fix; windows also shorter than a
+    # tile and wider than the sequence; softcap alone and with a causal window.
+    feats = [dict(causal=True, window_size=(255, 0)), dict(causal=False, window_size=(100, 37)),
+             dict(causal=False, window_size=(-1, 3)), dict(causal=True, window_size=(5000, 0)),
+             dict(causal=False, softcap=30.0), dict(causal=True, window_size=(511, 0), softcap=50.0)]
+    for feat in ([] if args.skip_cases else feats):
+        causal = feat.pop("causal")
+        for (b, nq, nk, h, hk, d) in [(2, 1000, 1000, 4, 2, 128), (1, 700, 1200, 4, 1, 64)]:
+            q = torch.randn(b, nq, h, d, device=dev, dtype=torch.bfloat16)
+            k = (torch.randn(b, nk, hk, d, device=dev) + 2.0).bfloat16()
+            v = torch.randn(b, nk, hk, d, device=dev, dtype=torch.bfloat16)
+            do = torch.randn(b, nq, h, d, device=dev, dtype=torch.bfloat16)
+            tau = d ** -0.5
+            o, m, l2 = F.forward(q, k, v, tau, causal, **feat)
+            o_r, m_r, l_r = R.forward(q, k, v, tau, causal, **feat)
+            row = [f"o:{rel(o, o_r):.1e}"]
+            for fix in R.FIXES:
+                g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, **feat)
+                g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, **feat)
+                errs = [rel(x, y) for x, y in zip(g[:3], g_r[:3])]
+                worst = max(worst, max(errs))
+                nan = any(torch.isnan(x).any().item() for x in g[:3])
+                row.append(f"{fix}:" + ",".join(f"{e:.1e}" for e in errs) + (" NAN" if nan else ""))
+            print((b, nq, nk, h, hk, d, causal), feat, " ".join(row), flush=True)
+        for cval in (133120.0, 1000.0):
+            x = torch.full((1, 1000, 2, 128), cval, device=dev, dtype=torch.bfloat16)
+            o, _, _ = F.forward(x, x, x, 128 ** -0.5, causal, **feat)
+            print(f"constant {cval} {feat}: nan={torch.isnan(o).any().item()} exact={(o.float() == cval).all().item()}")
     print("worst grad rel diff vs reference:", worst)
     for cval in (133120.0, 1000.0):
         for causal in (False, True):

@@ -229,3 +229,65 @@ def visible(offs_m, cols, N_K, CAUSAL_OFF, CAUSAL: tl.constexpr):
     if CAUSAL:
         valid = valid & (cols[None, :] <= offs_m[:, None] + CAUSAL_OFF)
     return valid
+
+
+def window_args(causal: bool, window_size, softcap: float, nq: int, nk: int) -> dict:
+    """Kernel arguments for flash-attn's ``window_size=(left, right)`` (−1 unbounded; ``causal`` sets
+    right = 0) and ``softcap``: CAUSAL (the plain causal mask, no window), WINDOW with WL, WR >= 0 (an
+    unbounded side becomes nq + nk, wider than any sequence), SOFTCAP with cap. No window and no
+    softcap give the constexpr variants WINDOW = SOFTCAP = False: the kernels' code without them."""
+    left, right = (left_right := tuple(window_size))[0], left_right[1]
+    if causal:
+        right = 0
+    big = nq + nk
+    window = not (left == -1 and right in (-1, 0))
+    return dict(
+        CAUSAL=(not window) and right == 0, WINDOW=window,
+        WL=left if left >= 0 else big, WR=right if right >= 0 else big,
+        SOFTCAP=softcap > 0, cap=float(softcap) if softcap > 0 else 1.0,
+    )
+
+
+@triton.jit
+def tanh_f32(x):
+    """tanh in fp32 from exp2 (the same code on the GPU and under the interpreter, so the forward and
+    the backward rebuild bit-identical capped logits): sign(x) (1 − e) / (1 + e), e = 2^(−2|x|·log2e).
+    Absolute error ~2⁻²⁴ (cancellation near 0), i.e. cap·2⁻²⁴ in a capped logit."""
+    e = tl.math.exp2(tl.abs(x) * -2.8853900817779268)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def in_window(offs_m, cols, CAUSAL_OFF, WL, WR):
+    """(rows, cols) mask of the sliding window: row + off − WL <= col <= row + off + WR."""
+    diag = offs_m[:, None] + CAUSAL_OFF
+    return (cols[None, :] >= diag - WL) & (cols[None, :] <= diag + WR)
+
+
+@triton.jit
+def window_key_blocks(start_m, K_LEN, CAUSAL_OFF, WL, WR, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key ranges of the query block at ``start_m`` under a window: [lo, a) and [b, hi) cross a window
+    edge or the key tail (masked), [a, b) is visible to every row of the block (unmasked); key blocks
+    outside [lo, hi) are never visited (the work a window saves)."""
+    lo = (tl.maximum(start_m + CAUSAL_OFF - WL, 0) // BLOCK_N) * BLOCK_N
+    hi = tl.maximum(tl.minimum(K_LEN, start_m + BLOCK_M + CAUSAL_OFF + WR), lo)
+    full_lo = ((tl.maximum(start_m + BLOCK_M - 1 + CAUSAL_OFF - WL, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    full_hi = (tl.minimum(start_m + CAUSAL_OFF + WR + 1, K_LEN) // BLOCK_N) * BLOCK_N
+    a = tl.minimum(tl.maximum(full_lo, lo), hi)
+    b = tl.maximum(a, tl.minimum(full_hi, hi))
+    return lo, a, b, hi
+
+
+@triton.jit
+def window_query_blocks(start_n, N_Q, CAUSAL_OFF, WL, WR, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query ranges of the key block at ``start_n`` under a window: [lo, a) and [b, hi) masked, [a, b)
+    sees the whole key block (unmasked; the key tail is the caller's business); query blocks outside
+    [lo, hi) see none of its keys and are never visited."""
+    lo = (tl.maximum(start_n - CAUSAL_OFF - WR, 0) // BLOCK_M) * BLOCK_M
+    hi = tl.maximum(tl.minimum(N_Q, start_n + BLOCK_N - CAUSAL_OFF + WL), lo)
+    full_lo = ((tl.maximum(start_n + BLOCK_N - 1 - CAUSAL_OFF - WR, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    full_hi = (tl.minimum(start_n - CAUSAL_OFF + WL + 1, N_Q) // BLOCK_M) * BLOCK_M
+    a = tl.minimum(tl.maximum(full_lo, lo), hi)
+    b = tl.maximum(a, tl.minimum(full_hi, hi))
+    return lo, a, b, hi

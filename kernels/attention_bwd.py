@@ -68,8 +68,9 @@ import triton
 import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, atomic_add_rows, atomic_add_vec, autotune_enabled, check_seqlens, interpreting, load_pair,
-    load_rows, mma, padded_head_dim, round_ds, supports, to16, visible,
+    INTERPRET, LOG2E, atomic_add_rows, atomic_add_vec, autotune_enabled, check_seqlens, in_window, interpreting,
+    load_pair, load_rows, mma, padded_head_dim, round_ds, supports, tanh_f32, to16, visible, window_args,
+    window_key_blocks, window_query_blocks,
 )
 from lightning_gproj.kernels.reference import FIXES, check_ds_format, project_key_sum_
 
@@ -133,40 +134,62 @@ def _preprocess_kernel(
 @triton.jit
 def _dq_inner(
     dq, pk, r, a, ps, q, do, m, l2, Di, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
-    lo, hi, c, N_K, CAUSAL_OFF,
+    lo, hi, c, N_K, CAUSAL_OFF, WL, WR, sc, cap,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, NEED_R: tl.constexpr, NEED_PK: tl.constexpr, STATS: tl.constexpr,
-    DS_BITS: tl.constexpr, INTERP: tl.constexpr,
+    DS_BITS: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    UNIFORM: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = q.shape[0]
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k, v = load_pair(K, V, cols, stride_kn, stride_vn, offs_d, offs_dk, offs_dv, N_K, HEAD_DIM, MASKED, EVEN_D)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
+        if SOFTCAP:
+            t = tanh_f32(s * sc)
+            s = cap * t  # the forward's capped logits, bit for bit
         # The forward's exponent: (s − m) exact 0 at the row max, then scale, then normalize.
         p = tl.math.exp2((s - m[:, None]) * c - l2[:, None])
         if MASKED:
             valid = visible(offs_m, cols, N_K, CAUSAL_OFF, CAUSAL)
+            if WINDOW:
+                valid = valid & in_window(offs_m, cols, CAUSAL_OFF, WL, WR)
             p = tl.where(valid, p, 0.0)
         dp = mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
         ds = p * (dp - Di[:, None])
-        # Rounding point (DESIGN.md §3): dS becomes a 16-bit GEMM operand; r must come from these values.
-        ds16 = round_ds(ds, k.dtype, DS_BITS, INTERP)
+        if SOFTCAP:
+            # The operand is X = dZ∘g, g = 1 − t² (kernels/reference.py); its invariant is Σ_j X_ij/g_ij = 0.
+            g = 1.0 - t * t
+            ds16 = round_ds(ds * g, k.dtype, DS_BITS, INTERP)
+            inv_g = tl.where(g > 0.0, 1.0 / g, 0.0)
+            dz = tl.where(g > 0.0, ds16.to(tl.float32) * inv_g, ds)
+        else:
+            # Rounding point (DESIGN.md §3): dS becomes a 16-bit GEMM operand; r must come from these values.
+            ds16 = round_ds(ds, k.dtype, DS_BITS, INTERP)
+            dz = ds16.to(tl.float32)
         dq = mma(ds16, k, dq, INTERP)
         if NEED_R:
-            r += tl.sum(ds16.to(tl.float32), 1)
+            r += tl.sum(dz, 1)
         if STATS:
-            a += tl.sum(tl.abs(ds16.to(tl.float32)), 1)
+            a += tl.sum(tl.abs(dz), 1)
         if NEED_PK:
             p16 = to16(p, k.dtype, INTERP)
-            # Σ_j P̃_ij of the rounded P: ρ_i = r_i / Σ_j P̃_ij makes Σ_j (dS̃_ij − ρ_i P̃_ij) = 0.
-            ps += tl.sum(p16.to(tl.float32), 1)
+            if UNIFORM:  # the uniform projection's direction: 1 on the keys the row sees
+                p16 = tl.full([BLOCK_M, BLOCK_N], 1.0, k.dtype)
+                if MASKED:
+                    p16 = tl.where(valid, p16, 0.0).to(k.dtype)
+            if SOFTCAP:
+                p16 = to16(p16.to(tl.float32) * g, k.dtype, INTERP)
+                ps += tl.sum(p16.to(tl.float32) * inv_g, 1)
+            else:
+                # Σ_j P̃_ij of the rounded P: ρ_i = r_i / Σ_j P̃_ij makes Σ_j (dS̃_ij − ρ_i P̃_ij) = 0.
+                ps += tl.sum(p16.to(tl.float32), 1)
             pk = mma(p16, k, pk, INTERP)
     return dq, pk, r, a, ps
 
 
 @triton.autotune(configs=_DQ_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "GPROJ", "NEED_R", "STATS",
-                                           "HAS_SEQLENS", "DS_BITS"],
+                                           "HAS_SEQLENS", "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _dq_kernel(
@@ -176,10 +199,11 @@ def _dq_kernel(
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_dob, stride_don, stride_doh, stride_dod,
     stride_dqb, stride_dqn, stride_dqh, stride_dqd,
-    c, tau, H, N_Q, N_K,
+    c, tau, H, N_Q, N_K, WL, WR, sc, cap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     GPROJ: tl.constexpr, NEED_R: tl.constexpr, STATS: tl.constexpr, HAS_SEQLENS: tl.constexpr,
-    DS_BITS: tl.constexpr, INTERP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DS_BITS: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    UNIFORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     NEED_PK: tl.constexpr = GPROJ or STATS
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -220,27 +244,36 @@ def _dq_kernel(
     a = tl.zeros([BLOCK_M], tl.float32)
     ps = tl.zeros([BLOCK_M], tl.float32)
 
-    # Key blocks past K_LEN are skipped; the one straddling K_LEN runs masked.
-    if CAUSAL:
+    Kb = K + b64 * stride_kb + hk * stride_kh
+    Vb = V + b64 * stride_vb + hk * stride_vh
+    offs_dk = offs_d * stride_kd
+    offs_dv = offs_d * stride_vd
+    # Key blocks past K_LEN are skipped; the one straddling K_LEN runs masked. A window visits only the
+    # key blocks its rows see (kernels/_triton_utils.window_key_blocks), masking the edge ranges.
+    lo_full = 0
+    if WINDOW:
+        lo, lo_full, hi_full, hi = window_key_blocks(start_m, K_LEN, CAUSAL_OFF, WL, WR, BLOCK_M, BLOCK_N)
+        dq, pk, r, a, ps = _dq_inner(
+            dq, pk, r, a, ps, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
+            lo, lo_full, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap,
+            BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM,
+        )
+    elif CAUSAL:
         hi = tl.minimum(K_LEN, tl.maximum(start_m + BLOCK_M + CAUSAL_OFF, 0))
         full = tl.maximum(start_m + CAUSAL_OFF + 1, 0)
         hi_full = tl.minimum(tl.minimum((full // BLOCK_N) * BLOCK_N, (K_LEN // BLOCK_N) * BLOCK_N), hi)
     else:
         hi = K_LEN
         hi_full = (K_LEN // BLOCK_N) * BLOCK_N
-    Kb = K + b64 * stride_kb + hk * stride_kh
-    Vb = V + b64 * stride_vb + hk * stride_vh
-    offs_dk = offs_d * stride_kd
-    offs_dv = offs_d * stride_vd
     dq, pk, r, a, ps = _dq_inner(
         dq, pk, r, a, ps, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
-        0, hi_full, c, K_LEN, CAUSAL_OFF,
-        BLOCK_N, False, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, DS_BITS, INTERP,
+        lo_full, hi_full, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap,
+        BLOCK_N, False, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM,
     )
     dq, pk, r, a, ps = _dq_inner(
         dq, pk, r, a, ps, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
-        hi_full, hi, c, K_LEN, CAUSAL_OFF,
-        BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, DS_BITS, INTERP,
+        hi_full, hi, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap,
+        BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM,
     )
     if NEED_PK:
         # ρ_i = r_i / Σ_j P̃_ij (kernels/reference.py); rows with no visible key have r = 0 and get ρ = 0.
@@ -264,9 +297,10 @@ def _dq_kernel(
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, Qh, DOh, Mh, L2h, DELh, Rh, stride_qn, stride_don, offs_m, cols, offs_d, offs_dq, offs_ddo,
-    lo, hi, c, N_Q, CAUSAL_OFF,
+    lo, hi, c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, DK_MODE: tl.constexpr, DS_BITS: tl.constexpr, INTERP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr,
 ):
     BLOCK_N: tl.constexpr = k.shape[0]
     for start_m in range(lo, hi, BLOCK_M):
@@ -286,10 +320,16 @@ def _dkdv_inner(
             if DK_MODE != 0:
                 r = tl.load(Rh + rows)
         sT = mma(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), INTERP)
+        if SOFTCAP:
+            tT = tanh_f32(sT * sc)
+            sT = cap * tT
         pT = tl.math.exp2((sT - m[None, :]) * c - l2[None, :])
         if MASKED:
             if CAUSAL:
                 pT = tl.where(cols[:, None] <= rows[None, :] + CAUSAL_OFF, pT, 0.0)
+            if WINDOW:
+                winT = tl.trans(in_window(rows, cols, CAUSAL_OFF, WL, WR))
+                pT = tl.where(winT, pT, 0.0)
         p16 = to16(pT, k.dtype, INTERP)  # rounding point: P̃, the operand of P̃ᵀ·dO (and of the dK term)
         dv = mma(p16, do, dv, INTERP)
         dpT = mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), INTERP)
@@ -297,19 +337,33 @@ def _dkdv_inner(
             # Fold: dS' = P∘(dP − (D + r)) rounded once; its row sums vanish up to that rounding.
             Di = Di + r
         dsT = pT * (dpT - Di[None, :])
+        if SOFTCAP:
+            gT = 1.0 - tT * tT
+            dsT = dsT * gT  # the operand X = dZ∘g (kernels/reference.py)
         dk = mma(round_ds(dsT, k.dtype, DS_BITS, INTERP), q, dk, INTERP)
         if DK_MODE == 2:
             # Own GEMM: −(ρ∘P̃)ᵀQ (here r holds ρ), with ρ∘P̃ rounded to the input dtype as the A operand.
             # Its rounding errors change sign along the keys and mostly cancel in Σ_j dK_j (C2); rounding
             # ρ∘Q instead leaves one error per query row, summed over keys with weight Σ_j P̃_ij, which
-            # does not cancel (measurements: benchmarks/NOTES.md).
-            rp = to16(p16.to(tl.float32) * (-r)[None, :], k.dtype, INTERP)
+            # does not cancel (measurements: benchmarks/NOTES.md). UNIFORM: 1 on visible keys instead
+            # of P̃; SOFTCAP: the direction is bf16(P̃∘g), as in the dQ pass.
+            w = p16.to(tl.float32)
+            if UNIFORM:
+                w = tl.full([BLOCK_N, BLOCK_M], 1.0, tl.float32)
+                if MASKED:
+                    if CAUSAL:
+                        w = tl.where(cols[:, None] <= rows[None, :] + CAUSAL_OFF, w, 0.0)
+                    if WINDOW:
+                        w = tl.where(winT, w, 0.0)
+            if SOFTCAP:
+                w = to16(w * gT, k.dtype, INTERP).to(tl.float32)
+            rp = to16(w * (-r)[None, :], k.dtype, INTERP)
             dk = mma(rp, q, dk, INTERP)
     return dk, dv
 
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "DK_MODE", "HAS_SEQLENS",
-                                             "DS_BITS"],
+                                             "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _dkdv_kernel(
@@ -320,9 +374,10 @@ def _dkdv_kernel(
     stride_dob, stride_don, stride_doh, stride_dod,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-    c, tau, H, HK, N_Q, N_K,
+    c, tau, H, HK, N_Q, N_K, WL, WR, sc, cap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DK_MODE: tl.constexpr, HAS_SEQLENS: tl.constexpr, DS_BITS: tl.constexpr, INTERP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -361,8 +416,13 @@ def _dkdv_kernel(
 
     # Query blocks: [lo, lo_full) cross the causal diagonal (masked), [lo_full, nq_full) see the whole
     # key block (unmasked), [max(lo_full, nq_full), N_Q) is the ragged tail (masked).
+    # A window: only the query blocks [lo, q_hi) whose windows touch this key block, unmasked on
+    # [lo_full, nq_full) (kernels/_triton_utils.window_query_blocks).
     nq_full = (N_Q // BLOCK_M) * BLOCK_M
-    if CAUSAL:
+    if WINDOW:
+        lo, lo_full, nq_full, q_hi = window_query_blocks(start_n, N_Q, CAUSAL_OFF, WL, WR, BLOCK_M, BLOCK_N)
+        q_end = tl.minimum(q_end, q_hi)
+    elif CAUSAL:
         first = tl.maximum(start_n - CAUSAL_OFF, 0)
         lo = (first // BLOCK_M) * BLOCK_M
         last = tl.maximum(start_n + BLOCK_N - 1 - CAUSAL_OFF, 0)
@@ -379,18 +439,18 @@ def _dkdv_kernel(
         row0 = (b64 * H + h) * N_Q
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
-            offs_m, cols, offs_d, offs_dq, offs_ddo, lo, tl.minimum(lo_full, q_end), c, N_Q, CAUSAL_OFF,
-            BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP,
+            offs_m, cols, offs_d, offs_dq, offs_ddo, lo, tl.minimum(lo_full, q_end), c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
+            BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
-            offs_m, cols, offs_d, offs_dq, offs_ddo, lo_full, tl.minimum(nq_full, q_end), c, N_Q, CAUSAL_OFF,
-            BLOCK_M, False, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP,
+            offs_m, cols, offs_d, offs_dq, offs_ddo, lo_full, tl.minimum(nq_full, q_end), c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
+            BLOCK_M, False, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
-            offs_m, cols, offs_d, offs_dq, offs_ddo, tl.maximum(lo_full, nq_full), q_end, c, N_Q, CAUSAL_OFF,
-            BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP,
+            offs_m, cols, offs_d, offs_dq, offs_ddo, tl.maximum(lo_full, nq_full), q_end, c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
+            BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM,
         )
     dk = dk * tau
     if HAS_SEQLENS:
@@ -785,6 +845,8 @@ def backward(
     seqlens_k: torch.Tensor | None = None,
     ds_format: str = "bf16",
     schedule: str | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ):
     """Attention backward with FA3-class rounding points and the GProj corrections.
 
@@ -813,7 +875,12 @@ def backward(
             land, so its dq, r and (through ρ) the gproj corrections change between runs at fp32
             rounding — it is not bitwise deterministic. It runs the two-pass kernels where it does
             not serve: head dims above :data:`ONE_PASS_MAX_HEAD_DIM` and ``dk_fold=True`` (the fold
-            needs the final r before dK is formed).
+            needs the final r before dK is formed), and windows and softcap (the one-pass kernels do not
+            implement them yet).
+        window_size, softcap: as the forward ran with (kernels/reference.py: with softcap the projection
+            acts in the capped domain and an fp32 dk gets no C2 projection; with either, fix="gproj_uniform"
+            runs in the kernels with the visible-key mask as its direction instead of the O(N·d) PyTorch
+            corrections). Query/key block pairs outside the window are skipped.
 
     Returns:
         (dq, dk, dv, extras): dq like q, dk/dv like k/v (GQA: summed over each kv head's query heads),
@@ -849,18 +916,29 @@ def backward(
         o, do, delta, *o.stride(), *do.stride(), h, nq, HEAD_DIM=d, BLOCK_D=padded_head_dim(d), BLOCK_M=pre_bm,
     )
     gproj = fix == "gproj"
-    one_pass = schedule == "one_pass" and d <= ONE_PASS_MAX_HEAD_DIM and not (gproj and dk_fold)
+    nk = k.shape[1]
+    win = window_args(bool(causal), window_size, float(softcap), nq, nk)
+    # Windows and softcap: the uniform projection runs in the kernels (its direction is not constant
+    # along a row, or its rows are bands), so no PyTorch corrections afterwards.
+    in_kernel_uniform = fix == "gproj_uniform" and (win["WINDOW"] or win["SOFTCAP"])
+    # The one-pass kernels do not implement windows and softcap: those run two-pass.
+    one_pass = (schedule == "one_pass" and d <= ONE_PASS_MAX_HEAD_DIM and not (gproj and dk_fold)
+                and not (win["WINDOW"] or win["SOFTCAP"]))
     run = _one_pass if one_pass else _two_pass
     # Uniform corrections are applied in fp32 before the single final rounding.
-    out32 = fix == "gproj_uniform" or gdt == torch.float32
+    out32 = (fix == "gproj_uniform" and not in_kernel_uniform) or gdt == torch.float32
+    extra = (win,) if run is _two_pass else ()
     dq, dk, dv, r, abs_ds, leak = run(
-        do, q, k, v, m.contiguous(), log2l.contiguous(), delta, float(softmax_scale), bool(causal), fix,
-        bool(want_stats), dk_fold, out32, gdt, seqlens_k, ds_bits,
+        do, q, k, v, m.contiguous(), log2l.contiguous(), delta, float(softmax_scale), win["CAUSAL"], fix,
+        bool(want_stats), dk_fold, out32, gdt, seqlens_k, ds_bits, *extra,
     )
-    if fix == "gproj_uniform":
+    if fix == "gproj_uniform" and not in_kernel_uniform:
         _apply_uniform_corrections(dq, dk, q, k, r, float(softmax_scale), bool(causal), seqlens_k)
-    if fix != "none" and gdt == torch.float32:
-        project_key_sum_(dk, seqlens_k)  # C2 to fp32 rounding, as kernels/reference.py
+    if fix != "none" and gdt == torch.float32 and not win["SOFTCAP"]:
+        # C2 to fp32 rounding, as kernels/reference.py: it holds with a window (over the keys some query
+        # sees), not with softcap.
+        left = tuple(window_size)[0]
+        project_key_sum_(dk, seqlens_k, key_start=max(0, nk - nq - left) if left >= 0 else 0)
     dq, dk = dq.to(gdt), dk.to(gdt)
 
     extras = {}
@@ -869,9 +947,11 @@ def backward(
     return dq, dk, dv, extras
 
 
-def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fold, out32, gdt, seqlens_k, ds_bits):
+def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fold, out32, gdt, seqlens_k, ds_bits,
+              win=None):
     """dQ pass then dK/dV pass (module docstring). Returns dq, dk (fp32 if out32), dv, r, abs_dS, leak
-    (r None unless needed; abs_dS, leak None unless want_stats)."""
+    (r None unless needed; abs_dS, leak None unless want_stats). ``win``: the window / softcap
+    arguments of :func:`~lightning_gproj.kernels._triton_utils.window_args` (None: neither)."""
     b, nq, h, d = q.shape
     nk, hk = k.shape[1], k.shape[2]
     dev = q.device
@@ -879,7 +959,14 @@ def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fol
     bd = padded_head_dim(d)
     has_seqlens = seqlens_k is not None
     seqlens_arg = seqlens_k if has_seqlens else m
-    gproj = fix == "gproj"
+    win = win or window_args(causal, (-1, -1), 0.0, nq, nk)
+    uniform = fix == "gproj_uniform" and (win["WINDOW"] or win["SOFTCAP"])
+    gproj = fix == "gproj" or uniform  # the in-kernel projection, P̃ or the visible-key mask as direction
+    if win["SOFTCAP"]:
+        c = LOG2E  # τ sits inside the tanh
+    sc = tau / win["cap"]
+    wargs = (win["WL"], win["WR"], sc, win["cap"])
+    wconst = dict(WINDOW=win["WINDOW"], SOFTCAP=win["SOFTCAP"], UNIFORM=uniform)
     need_r = fix != "none" or want_stats
     dq = torch.empty((b, nq, h, d), dtype=torch.float32 if out32 else q.dtype, device=dev)
     r = torch.empty((b, h, nq), dtype=torch.float32, device=dev) if need_r else delta
@@ -890,21 +977,21 @@ def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fol
     _dq_kernel[lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * h)](
         q, k, v, do, m, log2l, delta, dq, r, rho, abs_ds, leak, seqlens_arg,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        c, tau, h, nq, nk,
+        c, tau, h, nq, nk, *wargs,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal,
         GPROJ=gproj, NEED_R=need_r, STATS=want_stats, HAS_SEQLENS=has_seqlens, DS_BITS=ds_bits,
-        INTERP=INTERPRET,
+        INTERP=INTERPRET, **wconst,
     )
 
-    dk_mode = (_DK_FOLD if dk_fold else _DK_GEMM) if gproj else _DK_NONE
+    dk_mode = (_DK_FOLD if dk_fold and not uniform else _DK_GEMM) if gproj else _DK_NONE
     dk = torch.empty((b, nk, hk, d), dtype=torch.float32 if out32 else k.dtype, device=dev)
     dv = torch.empty((b, nk, hk, d), dtype=gdt, device=dev)
     _dkdv_kernel[lambda meta: (triton.cdiv(nk, meta["BLOCK_N"]), b * hk)](
         q, k, v, do, m, log2l, delta, rho if dk_mode == _DK_GEMM else r, dk, dv, seqlens_arg,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        c, tau, h, hk, nq, nk,
+        c, tau, h, hk, nq, nk, *wargs,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, DK_MODE=dk_mode, HAS_SEQLENS=has_seqlens,
-        DS_BITS=ds_bits, INTERP=INTERPRET,
+        DS_BITS=ds_bits, INTERP=INTERPRET, **wconst,
     )
     return dq, dk, dv, (r if need_r else None), (abs_ds if want_stats else None), (leak if want_stats else None)
 

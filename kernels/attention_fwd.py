@@ -17,7 +17,10 @@ dtype as the A operand of P·V; l = Σ_j of the fp32 P; O = acc / l stored in th
 Layout (batch, seqlen, nheads, headdim) with arbitrary strides (no copies); k, v may have fewer heads
 (GQA/MQA). Causal masks are bottom-right aligned (query i sees key j iff j ≤ i + Nk − Nq). Optional
 per-batch key lengths ``seqlens_k`` (right padding) are a constexpr variant (HAS_SEQLENS): without
-them the kernel is the same code as before.
+them the kernel is the same code as before. So are sliding windows (WINDOW: each query block visits
+only the key blocks its rows' windows touch, masking the two edge ranges) and logit softcapping
+(SOFTCAP: the capped logits z = cap·tanh(τ s/cap) replace s, and m is their row max, so the row's
+maximum still gets exactly exp2(0)).
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ import triton
 import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, autotune_enabled, check_seqlens, interpreting, load_pair, mma, padded_head_dim, supports,
-    to16, visible,
+    INTERPRET, LOG2E, autotune_enabled, check_seqlens, in_window, interpreting, load_pair, mma, padded_head_dim,
+    supports, tanh_f32, to16, visible, window_args, window_key_blocks,
 )
 
 __all__ = ["forward", "supports"]
@@ -60,18 +63,24 @@ def _prune_fwd(configs, named_args, **kwargs):
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv, lo, hi, c, N_K,
-    CAUSAL_OFF,
+    CAUSAL_OFF, WL, WR, sc, cap,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, INTERP: tl.constexpr,
+    EVEN_D: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
-    """Online-softmax steps over key blocks [lo, hi). MASKED: apply the causal mask and the key-tail
-    mask cols < N_K, where N_K is the batch row's valid key count (seqlen_k, or seqlens_k[b])."""
+    """Online-softmax steps over key blocks [lo, hi). MASKED: apply the causal mask, the window and the
+    key-tail mask cols < N_K, where N_K is the batch row's valid key count (seqlen_k, or seqlens_k[b]).
+    SOFTCAP: the logits are z = cap·tanh(s·sc) (sc = τ/cap) and c = log2e."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k, v = load_pair(K, V, cols, stride_kn, stride_vn, offs_d, offs_dk, offs_dv, N_K, HEAD_DIM, MASKED, EVEN_D)
         s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), INTERP)  # raw fp32, unscaled
+        if SOFTCAP:
+            # The capped logits are the fp32 numbers both the max and the exponent use (FMA-safe as below).
+            s = cap * tanh_f32(s * sc)
         if MASKED:
             valid = visible(offs_m, cols, N_K, CAUSAL_OFF, CAUSAL)
+            if WINDOW:
+                valid = valid & in_window(offs_m, cols, CAUSAL_OFF, WL, WR)
             s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; use 0 as its shift (its p are all 0 anyway).
@@ -87,7 +96,8 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_fwd_configs(), key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "HAS_SEQLENS"],
+@triton.autotune(configs=_fwd_configs(), key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "HAS_SEQLENS", "WINDOW",
+                                             "SOFTCAP"],
                  prune_configs_by={"early_config_prune": _prune_fwd})
 @triton.jit
 def _fwd_kernel(
@@ -96,9 +106,10 @@ def _fwd_kernel(
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_on, stride_oh, stride_od,
-    c, H, N_Q, N_K,
+    c, H, N_Q, N_K, WL, WR, sc, cap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, INTERP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -132,8 +143,17 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # Key range: [0, hi); blocks fully visible to every row of this q block need no mask. Key blocks
-    # past K_LEN (padding) are skipped; the one that straddles K_LEN runs masked.
-    if CAUSAL:
+    # past K_LEN (padding) are skipped; the one that straddles K_LEN runs masked. A window visits only
+    # the key blocks [lo, hi) some row of this block sees: masked edges [lo, lo_full), [hi_full, hi).
+    lo_full = 0
+    if WINDOW:
+        lo, lo_full, hi_full, hi = window_key_blocks(start_m, K_LEN, CAUSAL_OFF, WL, WR, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_d * stride_kd,
+            offs_d * stride_vd, lo, lo_full, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap,
+            BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, INTERP, WINDOW, SOFTCAP,
+        )
+    elif CAUSAL:
         hi = tl.minimum(K_LEN, tl.maximum(start_m + BLOCK_M + CAUSAL_OFF, 0))
         full = tl.maximum(start_m + CAUSAL_OFF + 1, 0)
         hi_full = tl.minimum((full // BLOCK_N) * BLOCK_N, (K_LEN // BLOCK_N) * BLOCK_N)
@@ -142,14 +162,14 @@ def _fwd_kernel(
         hi = K_LEN
         hi_full = (K_LEN // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_d * stride_kd, offs_d * stride_vd, 0, hi_full,
+        acc, l_i, m_i, q, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_d * stride_kd, offs_d * stride_vd, lo_full, hi_full,
         c,
-        K_LEN, CAUSAL_OFF, BLOCK_N, False, CAUSAL, HEAD_DIM, EVEN_D, INTERP,
+        K_LEN, CAUSAL_OFF, WL, WR, sc, cap, BLOCK_N, False, CAUSAL, HEAD_DIM, EVEN_D, INTERP, WINDOW, SOFTCAP,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_d * stride_kd, offs_d * stride_vd, hi_full, hi,
         c,
-        K_LEN, CAUSAL_OFF, BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, INTERP,
+        K_LEN, CAUSAL_OFF, WL, WR, sc, cap, BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, INTERP, WINDOW, SOFTCAP,
     )
 
     empty = l_i == 0.0
@@ -172,6 +192,8 @@ def forward(
     softmax_scale: float,
     causal: bool,
     seqlens_k: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ):
     """FMA-safe attention forward.
 
@@ -183,10 +205,14 @@ def forward(
         seqlens_k: None, or an int32/int64 tensor (batch,) on q's device: key j of batch row b is
             masked iff j >= seqlens_k[b] (right padding; combined with ``causal`` by "and"). Values
             must lie in [1, seqlen_k] (not checked here). Key blocks past seqlens_k[b] are skipped.
+        window_size: (left, right), flash-attn's sliding window (−1 unbounded; ``causal`` sets right = 0),
+            as in kernels/reference.py. Key blocks outside every row's window are skipped.
+        softcap: 0 (off) or cap > 0: logits z = cap·tanh(τ s / cap), softmax(z) with no further scale.
 
     Returns:
         o: (batch, seqlen_q, nheads, headdim), q's dtype, contiguous.
-        m: (batch, nheads, seqlen_q) fp32, row max of the raw scores q·k (0 for a row with no key).
+        m: (batch, nheads, seqlen_q) fp32, row max of the raw scores q·k (with softcap: of the capped
+        logits z) (0 for a row with no key).
         log2l: (batch, nheads, seqlen_q) fp32, log2 Σ_j exp2((s_ij − m_i)·τ·log2e) (+inf for a row
         with no key).
 
@@ -203,7 +229,10 @@ def forward(
     o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
     m = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
     log2l = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
-    c = float(softmax_scale) * LOG2E
+    win = window_args(causal, window_size, softcap, nq, nk)
+    # With softcap τ sits inside the tanh and the exponent's factor is log2e alone.
+    c = (1.0 if win["SOFTCAP"] else float(softmax_scale)) * LOG2E
+    sc = float(softmax_scale) / win["cap"]
 
     def grid(meta):
         return (triton.cdiv(nq, meta["BLOCK_M"]), b * h)
@@ -211,8 +240,8 @@ def forward(
     _fwd_kernel[grid](
         q, k, v, o, m, log2l, seqlens_k if seqlens_k is not None else m,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        c, h, nq, nk,
-        GROUP=h // hk, HEAD_DIM=d, BLOCK_D=padded_head_dim(d), CAUSAL=bool(causal),
-        HAS_SEQLENS=seqlens_k is not None, INTERP=INTERPRET,
+        c, h, nq, nk, win["WL"], win["WR"], sc, win["cap"],
+        GROUP=h // hk, HEAD_DIM=d, BLOCK_D=padded_head_dim(d), CAUSAL=win["CAUSAL"],
+        HAS_SEQLENS=seqlens_k is not None, INTERP=INTERPRET, WINDOW=win["WINDOW"], SOFTCAP=win["SOFTCAP"],
     )
     return o, m, log2l

@@ -12,6 +12,26 @@ operand of dS·K and dSᵀ·Q). On top of it, the GProj projections of DESIGN.md
   dQ_i = τ (Σ_j dS̃_ij k_j − ρ_i (P̃ K)_i) and dK_j = τ (Σ_i dS̃_ij q_i − Σ_i P̃_ij ρ_i q_i);
 * ``fix="gproj_uniform"``: the orthogonal projection, dŜ_ij = dS̃_ij − r_i / n_i over Valid(i).
 
+Sliding windows and logit softcapping (flash-attn's ``window_size=(left, right)`` and ``softcap``):
+
+* a window only changes which keys row i sees (Valid(i) = {j: i + Nk − Nq − left <= j <= i + Nk − Nq + right},
+  −1 = unbounded; ``causal`` sets right = 0). A mask is invariant under adding a constant to a row, so
+  C1 (Σ_j dS_ij = 0) and C2 (Σ_j dK_j = 0) hold over the visible keys and GProj acts unchanged on them.
+* softcap (cap > 0) replaces the logit τ s_ij by z_ij = cap · t_ij, t_ij = tanh(τ s_ij / cap), and P =
+  softmax(z). The zero row sum holds for dZ = P ∘ (dP − D), the gradient w.r.t. the *capped* logits;
+  the GEMM operand is X = dZ ∘ g with g = 1 − t² (the tanh derivative; dQ = τ X K, dK = τ Xᵀ Q), and it
+  is X that is rounded: X̃ = bf16(X). Its exact invariant is Σ_j X_ij / g_ij = 0, so r_i = Σ_j X̃_ij / g_ij
+  (fp32, from the rounded values; dZ itself where g underflows to 0, where X̃ = 0 carries no error) and
+  the P-weighted projection acts in the capped domain: X̂_ij = X̃_ij − ρ_i W̃_ij with W̃ = bf16(P̃ ∘ g) the
+  correction's GEMM operand and ρ_i = r_i / Σ_j (W̃_ij / g_ij), so that Σ_j X̂_ij / g_ij = 0 to fp32
+  rounding. The D error (−δ_i P_ij in dZ) lies exactly along this direction, as without softcap. C2
+  does not hold with softcap even in exact arithmetic (a shared key shift changes each row's capped
+  logits by different amounts), so the fp32 C2 projection (:func:`project_key_sum_`) is skipped; the dK
+  correction only applies the same projected X̂ to dK as to dQ.
+* with a window or softcap, ``fix="gproj_uniform"`` runs the same in-loop projection with W = the
+  visible-key mask instead of P̃ (W̃ = bf16(g); without softcap the uniform projection, with ρ_i = r_i/n_i
+  and the dK operand bf16(ρ_i) — the O(N·d) prefix-mean form needs constant weights and a causal band).
+
 For fp32 and fp64 inputs nothing is rounded: the same steps run in the input dtype (the corrections
 are then at that dtype's rounding level).
 
@@ -27,7 +47,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["forward", "backward", "FIXES", "DS_FORMATS", "round_significand"]
+__all__ = ["forward", "backward", "FIXES", "DS_FORMATS", "round_significand", "normalize_window"]
 
 #: Accepted values of ``fix``.
 FIXES = ("none", "gproj", "gproj_uniform")
@@ -98,26 +118,49 @@ def _hide_padded_keys(kh: Tensor, vh: Tensor, seqlens_k: Tensor | None) -> tuple
     return torch.where(keep, kh, 0.0), torch.where(keep, vh, 0.0)
 
 
-def _scores(qh: Tensor, kh: Tensor, i0: int, i1: int, causal: bool, seqlens_k: Tensor | None) -> Tensor:
-    """Raw scores q_i·k_j of query rows i0 <= i < i1 (heads-first qh, kh), −inf where key j is not seen."""
+def normalize_window(causal: bool, window_size: tuple[int, int] = (-1, -1)) -> tuple[int, int]:
+    """flash-attn's ``(left, right)`` window with ``causal`` folded in (causal sets right = 0); −1 = unbounded."""
+    left, right = window_size
+    return (left, 0) if causal else (left, right)
+
+
+def _scores(
+    qh: Tensor, kh: Tensor, i0: int, i1: int, causal: bool, seqlens_k: Tensor | None,
+    window: tuple[int, int] = (-1, -1), softcap: float = 0.0, softmax_scale: float = 1.0,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Logits of query rows i0 <= i < i1 (heads-first qh, kh), −inf where key j is not seen, the mask
+    (None: every key seen) and, with ``softcap``, t = tanh(τ s / cap) (else None).
+
+    Without softcap the logits are the raw scores s = q_i·k_j (τ applied in the exponent); with it,
+    the capped logits z = cap · t (τ inside the tanh)."""
     s = qh[:, :, i0:i1] @ kh.transpose(-1, -2)
-    valid = _valid(i0, i1, qh.shape[2], kh.shape[2], causal, qh.device, seqlens_k)
-    return s if valid is None else s.masked_fill(~valid, float("-inf"))
+    t = None
+    if softcap > 0:
+        t = torch.tanh(s * (softmax_scale / softcap))
+        s = softcap * t
+    valid = _valid(i0, i1, qh.shape[2], kh.shape[2], causal, qh.device, seqlens_k, window)
+    return (s if valid is None else s.masked_fill(~valid, float("-inf"))), valid, t
 
 
 def _valid(
-    i0: int, i1: int, nq: int, nk: int, causal: bool, device, seqlens_k: Tensor | None = None
+    i0: int, i1: int, nq: int, nk: int, causal: bool, device, seqlens_k: Tensor | None = None,
+    window: tuple[int, int] = (-1, -1),
 ) -> Tensor | None:
     """Boolean mask of the keys each query row i0 <= i < i1 sees, or None when every key is seen.
 
-    (i1 − i0, nk) without ``seqlens_k``: the bottom-right aligned causal mask j <= i + nk − nq.
-    (batch, 1, i1 − i0, nk) with ``seqlens_k`` (batch,): that mask (if causal) and j < seqlens_k[b].
+    (i1 − i0, nk) without ``seqlens_k``: the bottom-right aligned causal mask j <= i + nk − nq and the
+    window i + nk − nq − left <= j <= i + nk − nq + right (``window`` = (left, right), −1 unbounded).
+    (batch, 1, i1 − i0, nk) with ``seqlens_k`` (batch,): that mask and j < seqlens_k[b].
     """
     cols = torch.arange(nk, device=device)[None, :]
+    rows = torch.arange(i0, i1, device=device)[:, None]
+    left, right = normalize_window(causal, window)
     valid = None
-    if causal:
-        rows = torch.arange(i0, i1, device=device)[:, None]
-        valid = cols <= rows + (nk - nq)
+    if right >= 0:
+        valid = cols <= rows + (nk - nq) + right
+    if left >= 0:
+        lower = cols >= rows + (nk - nq) - left
+        valid = lower if valid is None else valid & lower
     if seqlens_k is not None:
         keys = cols < seqlens_k.to(device=device, dtype=torch.long)[:, None]  # (batch, nk)
         keys = keys[:, None, None, :]
@@ -133,6 +176,8 @@ def forward(
     causal: bool,
     block_m: int = 256,
     seqlens_k: Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Attention forward with FA3-class rounding points and an FMA-safe exponent.
 
@@ -147,10 +192,14 @@ def forward(
             valid(i, j) = (not causal or j <= i + seqlen_k − seqlen_q) and j < seqlens_k[b]. Expected
             in [1, seqlen_k] (not checked here; :func:`lightning_gproj.gproj_attn_func` validates).
             The values of masked keys are never used: NaN, inf or any value there changes nothing.
+        window_size: (left, right) ints >= −1 (flash-attn's sliding window, −1 = unbounded): query i
+            sees key j iff i + Nk − Nq − left <= j <= i + Nk − Nq + right, and-ed with the rest;
+            ``causal`` sets right = 0.
+        softcap: 0 (off) or cap > 0: logits z = cap · tanh(τ s / cap), softmax(z) with no further scale.
 
     Returns:
         o: like q. m: (batch, nheads, seqlen_q) fp32 (fp64 for fp64 input), the row max of the unscaled
-        scores; 0 for a row with no visible key. log2l: same shape, log2 of Σ_j exp2((s_ij − m_i)·τ·log2e);
+        scores (with softcap: of the capped logits z); 0 for a row with no visible key. log2l: same shape, log2 of Σ_j exp2((s_ij − m_i)·τ·log2e);
         +inf for a row with no visible key (its P is then 0 and its output 0).
 
     The exponent is ``(s − m)·(τ·log2e)`` with s and m the same fp32 numbers, so the row's maximum gets
@@ -163,14 +212,15 @@ def forward(
     batch, nq, nheads, _ = q.shape
     qh, kh, vh = (_heads_first(x, nheads, cdt) for x in (q, k, v))
     kh, vh = _hide_padded_keys(kh, vh, seqlens_k)
-    c = torch.tensor(softmax_scale * _LOG2E, dtype=cdt)
+    # The exponent's factor: τ·log2e on raw scores, log2e on capped logits (τ is inside the tanh).
+    c = torch.tensor((1.0 if softcap > 0 else softmax_scale) * _LOG2E, dtype=cdt)
 
     o = torch.empty(batch, nheads, nq, v.shape[-1], dtype=cdt, device=q.device)
     m = torch.empty(batch, nheads, nq, dtype=cdt, device=q.device)
     log2l = torch.empty_like(m)
     for i0 in range(0, nq, block_m):
         i1 = min(i0 + block_m, nq)
-        s = _scores(qh, kh, i0, i1, causal, seqlens_k)
+        s, _, _ = _scores(qh, kh, i0, i1, causal, seqlens_k, window_size, softcap, softmax_scale)
         m_blk = s.amax(dim=-1)
         m_blk = torch.where(torch.isinf(m_blk), torch.zeros_like(m_blk), m_blk)
         p = torch.exp2((s - m_blk[..., None]) * c)
@@ -201,6 +251,8 @@ def backward(
     block_m: int = 256,
     seqlens_k: Tensor | None = None,
     ds_format: str = "bf16",
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
     """Attention backward with FA3-class rounding points and the GProj corrections.
 
@@ -226,6 +278,9 @@ def backward(
             GEMM operand dtype (the input dtype; nothing for fp32 / fp64 inputs), ``"e4m3"`` / ``"e5m2"``
             4 / 3 significant bits with no range limit (:func:`round_significand`), then the operand
             dtype (exact). r sums the values the GEMMs use, whatever the format.
+        window_size, softcap: as in :func:`forward` (the values the forward ran with). With softcap the
+            projection acts in the capped domain (module docstring) and dk gets no C2 projection;
+            with a window or softcap, ``gproj_uniform`` runs in the loop with W = the visible-key mask.
 
     Returns:
         dq like q; dk, dv like k, v (GQA: summed over the query heads of each kv head); extras with,
@@ -249,8 +304,12 @@ def backward(
     nk, nheads_k = k.shape[1], k.shape[2]
     qh, kh, vh, oh, doh = (_heads_first(x, nheads, cdt) for x in (q, k, v, o, do))
     kh, vh = _hide_padded_keys(kh, vh, seqlens_k)
-    c = torch.tensor(softmax_scale * _LOG2E, dtype=cdt)
+    c = torch.tensor((1.0 if softcap > 0 else softmax_scale) * _LOG2E, dtype=cdt)
     m, log2l = m.to(cdt), log2l.to(cdt)
+    left, right = normalize_window(causal, window_size)
+    # Windows and softcap run the uniform projection in the loop (module docstring).
+    in_loop_uniform = fix == "gproj_uniform" and (softcap > 0 or (left, right) != normalize_window(causal))
+    weighted = fix == "gproj" or in_loop_uniform
 
     # D from the stored 16-bit O and dO (DESIGN.md §3): its error is one source of the residual r.
     delta = (doh * oh).sum(dim=-1)
@@ -259,39 +318,55 @@ def backward(
     dv = torch.zeros(batch, nheads, nk, v.shape[-1], dtype=cdt, device=q.device)
     r = torch.empty(batch, nheads, nq, dtype=cdt, device=q.device)
     abs_ds = torch.empty_like(r)
-    need_pk = fix == "gproj" or want_stats
-    pk = torch.empty_like(dq) if need_pk else None  # ρ_i (P̃ K)_i
+    need_pk = weighted or want_stats
+    pk = torch.empty_like(dq) if need_pk else None  # ρ_i (W̃ K)_i
 
     for i0 in range(0, nq, block_m):
         i1 = min(i0 + block_m, nq)
-        s = _scores(qh, kh, i0, i1, causal, seqlens_k)
+        s, valid, t = _scores(qh, kh, i0, i1, causal, seqlens_k, window_size, softcap, softmax_scale)
         p = torch.exp2((s - m[:, :, i0:i1, None]) * c - log2l[:, :, i0:i1, None])
         p16 = rnd(p)
         dv += p16.transpose(-1, -2) @ doh[:, :, i0:i1]
         dp = doh[:, :, i0:i1] @ vh.transpose(-1, -2)
-        ds = p * (dp - delta[:, :, i0:i1, None])
-        # The rounding that breaks the zero-sum law (C1): r is taken from the very values the GEMMs use.
-        ds16 = rnd_ds(ds)
-        r_blk = ds16.sum(dim=-1)
-        rho_blk = r_blk / p16.sum(dim=-1).clamp(min=torch.finfo(cdt).tiny)
+        ds = p * (dp - delta[:, :, i0:i1, None])  # w.r.t. the logits (capped ones with softcap)
+        # Correction direction W̃ (P̃, or the visible-key mask for the in-loop uniform projection).
+        w16 = p16 if not in_loop_uniform else (torch.ones_like(p16) if valid is None else valid.to(cdt).expand_as(p16))
+        if t is None:
+            # The rounding that breaks the zero-sum law (C1): r is taken from the very values the GEMMs use.
+            ds16 = rnd_ds(ds)
+            r_blk = ds16.sum(dim=-1)
+            ws = w16.sum(dim=-1)
+            abs_blk = ds16.abs().sum(dim=-1)
+        else:
+            # Softcap: the GEMM operand is X = dZ ∘ g (g = 1 − t², the tanh derivative), rounded; the
+            # zero-sum law holds for X / g, so r and Σ_j W̃_ij / g_ij are taken in the capped domain.
+            g = 1 - t * t
+            ds16 = rnd_ds(ds * g)
+            inv_g = torch.where(g > 0, 1 / g, 0.0)
+            dz16 = torch.where(g > 0, ds16 * inv_g, ds)  # g = 0: X̃ = 0, no rounding error; keep dZ
+            w16 = rnd(w16 * g)
+            r_blk = dz16.sum(dim=-1)
+            ws = (w16 * inv_g).sum(dim=-1)
+            abs_blk = dz16.abs().sum(dim=-1)
+        rho_blk = r_blk / ws.clamp(min=torch.finfo(cdt).tiny)
         r[:, :, i0:i1] = r_blk
-        abs_ds[:, :, i0:i1] = ds16.abs().sum(dim=-1)
+        abs_ds[:, :, i0:i1] = abs_blk
         dq[:, :, i0:i1] = ds16 @ kh
         if need_pk:
-            pk[:, :, i0:i1] = rho_blk[..., None] * (p16 @ kh)
+            pk[:, :, i0:i1] = rho_blk[..., None] * (w16 @ kh)
         if fix == "gproj" and dk_fold:
-            ds_dk = rnd_ds(p * (dp - delta[:, :, i0:i1, None] - r_blk[..., None]))
+            ds_dk = rnd_ds(p * (dp - delta[:, :, i0:i1, None] - r_blk[..., None]) * (1 if t is None else g))
             dk += ds_dk.transpose(-1, -2) @ qh[:, :, i0:i1]
         else:
             dk += ds16.transpose(-1, -2) @ qh[:, :, i0:i1]
-            if fix == "gproj":
-                # −(ρ∘P̃)ᵀQ with ρ∘P̃ rounded, as the kernel's A operand (kernels/attention_bwd.py).
-                dk -= rnd(rho_blk[..., None] * p16).transpose(-1, -2) @ qh[:, :, i0:i1]
+            if weighted:
+                # −(ρ∘W̃)ᵀQ with ρ∘W̃ rounded, as the kernel's A operand (kernels/attention_bwd.py).
+                dk -= rnd(rho_blk[..., None] * w16).transpose(-1, -2) @ qh[:, :, i0:i1]
 
     extras: dict[str, Tensor] = {}
     if want_stats:
         extras = {"r": r.float(), "abs_dS": abs_ds.float(), "leak": (softmax_scale * pk).float()}
-    if fix == "gproj":
+    if weighted:
         dq -= pk
     elif fix == "gproj_uniform":
         if seqlens_k is None:
@@ -313,12 +388,13 @@ def backward(
         dv = dv.view(batch, nheads_k, group, nk, dv.shape[-1]).sum(dim=2)
     out = grad_dtype or dtype
     dk = dk.transpose(1, 2).to(out)
-    if fix != "none" and out in (torch.float32, torch.float64):
-        project_key_sum_(dk, seqlens_k)
+    if fix != "none" and out in (torch.float32, torch.float64) and softcap == 0:
+        # C2 holds with a window (over the keys some query sees) but not with softcap (module docstring).
+        project_key_sum_(dk, seqlens_k, key_start=max(0, nk - nq - left) if left >= 0 else 0)
     return dq.transpose(1, 2).to(out), dk, dv.transpose(1, 2).to(out), extras
 
 
-def project_key_sum_(dk: Tensor, seqlens_k: Tensor | None = None) -> Tensor:
+def project_key_sum_(dk: Tensor, seqlens_k: Tensor | None = None, key_start: int = 0) -> Tensor:
     """In place: subtract from every valid key's gradient the mean over the valid keys, per batch row
     and kv head, so that Σ_j dK_j = 0 (C2, DESIGN.md §2) holds to the rounding of this step.
 
@@ -332,15 +408,19 @@ def project_key_sum_(dk: Tensor, seqlens_k: Tensor | None = None) -> Tensor:
     Args:
         dk: (batch, seqlen_k, nheads_k, headdim), fp32 or fp64, any strides; modified and returned.
         seqlens_k: None, or (batch,) integer key lengths (right padding): masked keys keep dk = 0.
+        key_start: keys j < key_start are seen by no query (a left window with seqlen_q < seqlen_k:
+            key_start = Nk − Nq − left): they keep dk = 0 and the mean is over the others.
     """
-    if seqlens_k is None:
+    if seqlens_k is None and key_start == 0:
         mean = dk.sum(dim=1, keepdim=True, dtype=torch.float64) / dk.shape[1]
         return dk.sub_(mean.to(dk.dtype))
-    valid = (torch.arange(dk.shape[1], device=dk.device)[None, :] < seqlens_k.to(dk.device)[:, None].long())
+    lens = torch.full((dk.shape[0],), dk.shape[1], device=dk.device) if seqlens_k is None else seqlens_k.to(dk.device)
+    cols = torch.arange(dk.shape[1], device=dk.device)[None, :]
+    valid = (cols < lens[:, None].long()) & (cols >= key_start)
     valid = valid[:, :, None, None]
     total = (dk * valid).sum(dim=1, keepdim=True, dtype=torch.float64)
-    mean = total / seqlens_k.to(device=dk.device, dtype=torch.float64)[:, None, None, None]
-    return dk.sub_(mean.to(dk.dtype) * valid)
+    count = valid.sum(dim=1, keepdim=True).to(torch.float64).clamp(min=1)
+    return dk.sub_((total / count).to(dk.dtype) * valid)
 
 
 def _uniform_corrections(qh: Tensor, kh: Tensor, r: Tensor, causal: bool, n_valid: int) -> tuple[Tensor, Tensor]:

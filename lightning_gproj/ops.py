@@ -101,6 +101,9 @@ def _attn_fwd(
     seqlens_k: Optional[Tensor] = None,
     compute_dtype: Optional[torch.dtype] = None,
     ds_format: str = "bf16",
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     # ``fix`` and ``ds_format`` do not change the forward; they are inputs so that the backward can read them.
     q, k, v = _cast(compute_dtype, q, k, v)
@@ -111,13 +114,17 @@ def _attn_fwd(
     if _use_triton(q, k, v):
         from lightning_gproj.kernels import attention_fwd
 
-        o, m, log2l = attention_fwd.forward(q, k, v, softmax_scale, causal, seqlens_k=seqlens_k)
+        o, m, log2l = attention_fwd.forward(q, k, v, softmax_scale, causal, seqlens_k=seqlens_k,
+                                            window_size=(window_left, window_right), softcap=softcap)
     else:
-        o, m, log2l = reference.forward(q, k, v, softmax_scale, causal, seqlens_k=seqlens_k)
+        o, m, log2l = reference.forward(q, k, v, softmax_scale, causal, seqlens_k=seqlens_k,
+                                        window_size=(window_left, window_right), softcap=softcap)
     if RECORDER.enabled:
-        # max_ij s_ij·τ from the kernel's row max m (unscaled scores; rows seeing no key have m = 0 and
-        # log2l = +inf and are left out): one reduction of a (batch, nheads, seqlen_q) tensor.
-        RECORDER.record(stats_name, max_logit=torch.where(torch.isinf(log2l), -math.inf, m).amax() * softmax_scale)
+        # max_ij s_ij·τ from the kernel's row max m (unscaled scores; with softcap m is already the capped
+        # logit; rows seeing no key have m = 0 and log2l = +inf and are left out): one reduction of a
+        # (batch, nheads, seqlen_q) tensor.
+        scale = 1.0 if softcap > 0 else softmax_scale
+        RECORDER.record(stats_name, max_logit=torch.where(torch.isinf(log2l), -math.inf, m).amax() * scale)
     return o.contiguous(), m, log2l
 
 
@@ -138,7 +145,8 @@ def record_forward_stats(name: str, q: Tensor, k: Tensor, seqlens_k: Optional[Te
 
 
 @_attn_fwd.register_fake
-def _(q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k=None, compute_dtype=None, ds_format="bf16"):
+def _(q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k=None, compute_dtype=None, ds_format="bf16",
+      window_left=-1, window_right=-1, softcap=0.0):
     batch, nq, nheads, _ = q.shape
     dtype = compute_dtype or q.dtype
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -167,6 +175,9 @@ def _attn_bwd(
     seqlens_k: Optional[Tensor] = None,
     compute_dtype: Optional[torch.dtype] = None,
     ds_format: str = "bf16",
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     # With compute_dtype set the forward cast the inputs (under autocast): cast them again, and return
     # the fp32 accumulators, so that a gradient headed for an fp32 input is not rounded to 16 bits on
@@ -179,21 +190,22 @@ def _attn_bwd(
 
         dq, dk, dv, extras = attention_bwd.backward(
             do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, grad_dtype=grad_dtype,
-            seqlens_k=seqlens_k, ds_format=ds_format,
+            seqlens_k=seqlens_k, ds_format=ds_format, window_size=(window_left, window_right), softcap=softcap,
         )
     else:
         dq, dk, dv, extras = reference.backward(
             do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, seqlens_k=seqlens_k,
-            grad_dtype=grad_dtype, ds_format=ds_format,
+            grad_dtype=grad_dtype, ds_format=ds_format, window_size=(window_left, window_right), softcap=softcap,
         )
     if want_stats:
-        _record_backward_stats(stats_name, fix, causal, k.shape[1], dq, extras, seqlens_k)
+        _record_backward_stats(stats_name, fix, causal, k.shape[1], dq, extras, seqlens_k,
+                               (window_left, window_right))
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_attn_bwd.register_fake
 def _(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, stats_name, seqlens_k=None, compute_dtype=None,
-      ds_format="bf16"):
+      ds_format="bf16", window_left=-1, window_right=-1, softcap=0.0):
     dtype = None if compute_dtype is None else torch.float32
     return tuple(torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device) for x in (q, k, v))
 
@@ -206,6 +218,7 @@ def _record_backward_stats(
     dq: Tensor,
     extras: dict[str, Tensor],
     seqlens_k: Optional[Tensor] = None,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> None:
     """Zero-sum violation ρ_i = |r_i| / Σ_j |dS̃_ij| and leak ratio λ (DESIGN.md §8)."""
     r, abs_ds, leak = extras["r"], extras["abs_dS"], extras["leak"]
@@ -217,7 +230,11 @@ def _record_backward_stats(
     # most rows of a trained causal LM can be one-hot.
     # n_keys: keys row i of batch row b sees, (batch, 1, nq) or (nq,).
     nq = r.shape[-1]
-    n_keys = torch.arange(nq, device=r.device) + (nk - nq) + 1 if causal else torch.full((nq,), nk, device=r.device)
+    left, right = reference.normalize_window(causal, window_size)
+    diag = torch.arange(nq, device=r.device) + (nk - nq)
+    hi = (diag + right).clamp(max=nk - 1) if right >= 0 else torch.full((nq,), nk - 1, device=r.device)
+    lo = (diag - left).clamp(min=0) if left >= 0 else torch.zeros(nq, dtype=torch.long, device=r.device)
+    n_keys = (hi - lo + 1).clamp(min=0)
     if seqlens_k is not None:
         n_keys = torch.minimum(n_keys[None, None, :], seqlens_k.to(device=r.device, dtype=torch.long)[:, None, None])
     defined = (abs_ds > 0) & (n_keys > 1)
@@ -236,11 +253,12 @@ def _record_backward_stats(
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k, compute_dtype, ds_format = inputs
+    q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k, compute_dtype, ds_format, wl, wr, softcap = inputs
     o, m, log2l = output
     ctx.save_for_backward(q, k, v, o, m, log2l, seqlens_k)
     ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name = softmax_scale, causal, fix, stats_name
     ctx.compute_dtype, ctx.ds_format = compute_dtype, ds_format
+    ctx.window_left, ctx.window_right, ctx.softcap = wl, wr, softcap
 
 
 def _backward(ctx, do, _dm, _dlog2l):
@@ -248,10 +266,10 @@ def _backward(ctx, do, _dm, _dlog2l):
     q, k, v, o, m, log2l, seqlens_k = ctx.saved_tensors
     dq, dk, dv = _attn_bwd(
         do.contiguous(), q, k, v, o, m, log2l, ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name, seqlens_k,
-        ctx.compute_dtype, ctx.ds_format,
+        ctx.compute_dtype, ctx.ds_format, ctx.window_left, ctx.window_right, ctx.softcap,
     )
     # Each gradient in its input's dtype (fp32 for an fp32 input, unrounded; see _attn_bwd).
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None, None, None
 
 
 _attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -327,6 +345,25 @@ def _check_seqlens_k(seqlens_k: object, q: Tensor, k: Tensor) -> Tensor:
     return seqlens_k.to(torch.int32).contiguous()
 
 
+def _check_window(window_size: object) -> tuple[int, int]:
+    """``window_size`` as (left, right) ints >= −1, or ValueError naming it."""
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window_size
+    )
+    if not ok:
+        raise ValueError(
+            f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded on that side), got {window_size!r}"
+        )
+    return int(window_size[0]), int(window_size[1])
+
+
+def _check_softcap(softcap: object) -> float:
+    """``softcap`` as a float >= 0 (0: off), or ValueError naming it."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite float >= 0 (0: no capping), got {softcap!r}")
+    return float(softcap)
+
+
 def gproj_attn_func(
     q: Tensor,
     k: Tensor,
@@ -339,6 +376,8 @@ def gproj_attn_func(
     seqlens_k: Optional[Tensor] = None,
     ds_format: str = "bf16",
     layout: Optional[str] = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> Tensor:
     """Softmax attention whose backward restores the zero-sum law of dS (GProj, DESIGN.md §4).
 
@@ -394,6 +433,20 @@ def gproj_attn_func(
             flash-layout call too, and runs attention over the wrong axis. What is caught: shapes that
             contradict the layout (k/v heads that do not divide q's, different k and v shapes,
             mismatched batch or head dim) raise ValueError naming ``layout``.
+        window_size: ``(left, right)``, flash-attn's sliding window: query i sees key j iff
+            ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right`` (and the other
+            masks); −1 = unbounded on that side; ``causal=True`` sets right = 0 (Mistral's sliding
+            window is ``(W - 1, 0)`` with causal). Ints >= −1. A mask is invariant under adding a
+            constant to a row, so C1 and C2 hold over the visible keys and GProj acts unchanged on
+            them; a row with no visible key outputs 0 and gets zero gradients. The kernels skip the
+            key blocks outside every row's window (the work saved is the speed-up).
+        softcap: 0.0 (off) or cap > 0: logits ``cap · tanh(τ q·k / cap)``, then softmax with no
+            further scale (flash-attn, Gemma 2). The zero row sum holds for the gradient w.r.t. the
+            capped logits dZ, not for the GEMM operand X = dZ ∘ (1 − t²) (t = tanh(τ s / cap)); GProj
+            projects the rounded X̃ so that Σ_j X̃_ij / (1 − t_ij²) = 0, along P̃ ∘ (1 − t²)
+            (kernels/reference.py, docs/architecture.md). Softcap breaks C2 in exact arithmetic (a
+            shared key shift moves each row's capped logits by different amounts), so no C2 projection
+            is applied to dk then.
 
     Returns:
         o: (batch, seqlen_q, nheads, headdim) (``"bhsd"``: (batch, nheads, seqlen_q, headdim)), q's dtype.
@@ -415,7 +468,7 @@ def gproj_attn_func(
             not None / a tensor, or not int32 / int64.
         ValueError: wrong rank, mismatched batch / seqlen_k / heads / head dim, unsupported head dim,
             different devices, empty inputs, ``dropout_p != 0``, unknown ``fix`` or ``ds_format``, bad
-            ``softmax_scale``;
+            ``softmax_scale``, ``window_size`` not a pair of ints >= −1, ``softcap`` not a finite float >= 0;
             ``seqlens_k`` not of shape (batch,), not on q's device, or with a value outside
             [1, seqlen_k]; ``layout`` not one of :data:`LAYOUTS` or None.
     """
@@ -463,9 +516,11 @@ def gproj_attn_func(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if seqlens_k is not None:
         seqlens_k = _check_seqlens_k(seqlens_k, q, k)
+    window_left, window_right = _check_window(window_size)
+    softcap = _check_softcap(softcap)
     with torch.autocast(device_type, enabled=False):
         o, _, _ = _attn_fwd(
             q, k, v, float(softmax_scale), causal, fix, stats_name or "attention", seqlens_k, compute_dtype,
-            ds_format,
+            ds_format, window_left, window_right, softcap,
         )
     return o.transpose(1, 2) if layout == "bhsd" else o

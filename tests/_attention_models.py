@@ -9,10 +9,12 @@ from torch import nn
 
 
 
-def reference_attn(q, k, v, softmax_scale=None, causal=False, fix="gproj", dropout_p=0.0, stats_name=None):
+def reference_attn(q, k, v, softmax_scale=None, causal=False, fix="gproj", dropout_p=0.0, stats_name=None,
+                   window_size=(-1, -1), softcap=0.0):
     """Plain softmax attention, written out (no SDPA): (batch, seqlen, nheads, headdim) layout, GQA
-    by repeating k/v heads, causal bottom-right aligned (j <= i + Nk - Nq), rows with no visible
-    key give 0."""
+    by repeating k/v heads, causal bottom-right aligned (j <= i + Nk - Nq), flash-attn's window
+    i + Nk - Nq - left <= j <= i + Nk - Nq + right (-1 or None: unbounded), softcap
+    cap·tanh(s/cap) on the scaled scores, rows with no visible key give 0."""
     if dropout_p > 0:
         raise ValueError("dropout")
     n_q, h, d = q.shape[1], q.shape[2], q.shape[3]
@@ -20,9 +22,18 @@ def reference_attn(q, k, v, softmax_scale=None, causal=False, fix="gproj", dropo
     k = k.repeat_interleave(h // h_k, dim=2)
     v = v.repeat_interleave(h // h_k, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * (d**-0.5 if softmax_scale is None else softmax_scale)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if causal:
         visible = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
         s = s.masked_fill(~visible, float("-inf"))
+    i = torch.arange(n_q, device=q.device)[:, None] + (n_k - n_q)
+    j = torch.arange(n_k, device=q.device)[None, :]
+    left, right = (-1 if x is None else x for x in window_size)
+    if left >= 0:
+        s = s.masked_fill(j < i - left, float("-inf"))
+    if right >= 0:
+        s = s.masked_fill(j > i + right, float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     return torch.einsum("bhqk,bkhd->bqhd", p, v)
 

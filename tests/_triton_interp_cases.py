@@ -206,6 +206,46 @@ def poisoned_keys(seed: int) -> dict:
     return out
 
 
+def run_window_case(nq, nk, h, hk, causal, window, softcap, seed):
+    """Sliding window / softcap: Triton (two-pass; one_pass falls back to it) and the reference vs float64,
+    every fix; C2 of the fp32 dk; rows with no visible key."""
+    gen = torch.Generator().manual_seed(seed)
+    d = 32
+    q, k, v, do = (torch.randn(1, n, hh, d, generator=gen) for n, hh in ((nq, h), (nk, hk), (nk, hk), (nq, h)))
+    k = k + 4.0
+    q, k, v, do = (x.bfloat16() for x in (q, k, v, do))
+    tau = d ** -0.5
+    kw = dict(window_size=window, softcap=softcap)
+    o, m, l2 = F.forward(q, k, v, tau, causal, **kw)
+    o_r, m_r, l_r = R.forward(q, k, v, tau, causal, **kw)
+    o64, dq64, dk64, dv64, _ = attention_fp64(q, k, v, do, tau, causal, window_size=window, softcap=softcap)
+    empty = torch.isinf(l_r)  # (1, h, nq): rows with no visible key
+    out = {"case": [nq, nk, h, hk, causal, list(window), softcap], "o_rel_vs_ref": rel(o, o_r),
+           "o_rel_vs_f64": rel(o, o64), "ref_o_rel_vs_f64": rel(o_r, o64), "n_empty": int(empty.sum()),
+           "inf_pattern_equal": bool(torch.equal(torch.isinf(l2), empty)),
+           "c2_f64": (dk64.sum(dim=1).norm() / dk64.norm()).item(), "bwd": {}}
+    for fix in R.FIXES:
+        for schedule in ("two_pass", "one_pass") if fix == "gproj" else ("two_pass",):
+            g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, schedule=schedule, **kw)
+            if schedule == "one_pass":  # the fallback must give the two-pass result exactly
+                out["bwd"][fix]["one_pass_equal"] = all(torch.equal(x, y) for x, y in zip(g[:3], g2[:3]))
+                continue
+            g2 = g
+            g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, **kw)
+            res = {"nan": any(bool(torch.isnan(x).any()) for x in g[:3] + g_r[:3])}
+            for nm, x, y, z in zip(("dq", "dk", "dv"), g[:3], g_r[:3], (dq64, dk64, dv64)):
+                res[f"{nm}_rel_vs_ref"] = rel(x, y)
+                res[f"{nm}_rel_vs_f64"] = rel(x, z)
+                res[f"ref_{nm}_rel_vs_f64"] = rel(y, z)
+            rows = empty[0].transpose(0, 1)  # (nq, h)
+            res["empty_rows_zero"] = bool((g[0][0][rows] == 0).all() and (g_r[0][0][rows] == 0).all())
+            g32 = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, False, grad_dtype=torch.float32, **kw)
+            dk32 = g32[1].double()
+            res["c2_residual_fp32"] = (dk32.sum(dim=1).norm() / dk32.norm()).item()
+            out["bwd"][fix] = res
+    return out
+
+
 def main() -> None:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     # The one-pass schedule runs on a subset (interpreter time): GQA with Nq < Nk causal, several key
@@ -240,6 +280,25 @@ def main() -> None:
             consts.append({"value": cval, "causal": causal, "nan": bool(torch.isnan(o).any().item()),
                            "exact": bool((o.float() == cval).all().item())})
     res["constants"] = consts
+    # (nq, nk, h, hk, causal, window_size, softcap, seed): left only + causal with Nq < Nk and GQA,
+    # both sides, right only, a window wider than Nk, Nq > Nk with rows that see no key, softcap alone
+    # and with a causal window.
+    res["window_cases"] = [run_window_case(*c) for c in [
+        (37, 53, 2, 1, True, (7, -1), 0.0, 11),
+        (40, 40, 2, 2, False, (5, 3), 0.0, 12),
+        (40, 40, 2, 2, False, (-1, 4), 0.0, 13),
+        (53, 37, 2, 2, False, (2, 0), 0.0, 14),
+        (40, 30, 2, 2, False, (100, 100), 0.0, 15),
+        (40, 40, 2, 2, False, (-1, -1), 5.0, 16),
+        (37, 53, 2, 1, True, (9, -1), 3.0, 17),
+    ]]
+    for cval in (133120.0, 1000.0):
+        x = torch.full((1, 40, 2, 32), cval, dtype=torch.bfloat16)
+        for kw in (dict(window_size=(3, 2)), dict(softcap=30.0), dict(window_size=(5, 0), softcap=10.0)):
+            o, _, _ = F.forward(x, x, x, 32 ** -0.5, False, **kw)
+            res["constants"].append({"value": cval, "causal": False, "nan": bool(torch.isnan(o).any().item()),
+                                     "exact": bool((o.float() == cval).all().item()), "kw": str(kw)})
+
     res["mma_order_free"] = {str(dt): mma_is_order_free(dt, 9) for dt in (torch.bfloat16, torch.float16)}
     res["poisoned_keys"] = poisoned_keys(10)
     z = torch.zeros(1, 8, 2, 32)

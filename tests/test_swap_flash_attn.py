@@ -32,21 +32,21 @@ TOL = 2e-5
 
 def _fa2(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
          alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    if dropout_p or window_size != (-1, -1) or softcap or alibi_slopes is not None or return_attn_probs:
+    if dropout_p or alibi_slopes is not None or return_attn_probs:
         # stands for the features the op lacks: a distinct, checkable result
         return torch.zeros_like(q) + 7.0
-    return reference_attn(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    return reference_attn(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
 
 
 def _fa3(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None, v_descale=None,
          window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False,
          sm_margin=0, return_attn_probs=False):
-    return reference_attn(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    return reference_attn(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
 
 
 def _fa4(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False, window_size=(None, None),
          learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, return_lse=False):
-    return reference_attn(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    return reference_attn(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
 
 
 def _fa3_old(q, k, v, softmax_scale=None, causal=False, deterministic=False):  # returns (out, lse)
@@ -159,8 +159,7 @@ def test_served_matches_flash_reference_and_restores(source, causal, fake_flash,
 
 FALLBACKS = {
     "dropout": (dict(dropout_p=0.1), "dropout_p=0.1"),
-    "window": (dict(window_size=(2, 0)), "window_size=(2, 0)"),
-    "softcap": (dict(softcap=30.0), "softcap=30.0"),
+    "bad_window": (dict(window_size=(2.5, 0)), "window_size=(2.5, 0)"),
     "alibi": (dict(alibi_slopes=torch.ones(4)), "alibi_slopes=a tensor of shape (4,)"),
     "probs": (dict(return_attn_probs=True), "return_attn_probs=True"),
 }
@@ -235,3 +234,38 @@ def test_swap_twice_is_idempotent_and_a_second_model_shares_the_binding(fake_fla
     assert mod.flash_attn_func is wrapper
     unswap_attention(second)
     assert mod.flash_attn_func is _fa2
+
+
+# (source, kwargs): a causal Mistral-style window, a two-sided one, FA4's None for "unbounded", softcap
+# alone and with a window.
+WINDOWS = [
+    ("flash_attn", dict(causal=True, window_size=(2, 0))),
+    ("flash_attn", dict(window_size=(1, 2))),
+    ("flash_attn.cute", dict(causal=True, window_size=(3, None))),
+    ("flash_attn_interface", dict(softcap=2.0)),
+    ("flash_attn", dict(causal=True, window_size=(2, -1), softcap=1.5)),
+]
+
+
+@pytest.mark.parametrize("source,kwargs", WINDOWS)
+def test_window_and_softcap_are_served(source, kwargs, fake_flash, op_spy):
+    """window_size and softcap reach the op (no fallback) and give the written-out attention's
+    result and gradients (fp32, the tolerance of the module docstring)."""
+    src, alias, _ = SOURCES[source]
+    mod = fake_flash(src, alias=alias, tag=f"win_{len(op_spy.calls)}_{abs(hash(str(kwargs)))}")
+    torch.manual_seed(0)
+    model = mod.Block(**kwargs)
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    x = torch.randn(2, 9, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        out, grads = _forward_backward(swapped, x)
+    out_ref, grads_ref = _forward_backward(model, x)
+    assert rel_err(out, out_ref) <= TOL
+    for name in grads_ref:
+        assert rel_err(grads[name], grads_ref[name]) <= TOL, name
+    window = tuple(-1 if w is None else w for w in kwargs.get("window_size", (-1, -1)))
+    calls = [(c.get("window_size", (-1, -1)), c.get("softcap", 0.0)) for c in op_spy.calls]
+    assert calls == [(window, kwargs.get("softcap", 0.0))]
+    assert swapped.attn.forward.site.served == 1 and not swapped.attn.forward.site.fallbacks

@@ -210,7 +210,7 @@ def swap_attention(
                 continue
             report.sites[path] = hf.swap_module(module, path, fix, site=old)
             dropout = hf.dropout_note(module)
-            notes = again + ([dropout] if dropout else []) + ["left padding and other non-causal masks, dropout, softcap run sdpa_attention_forward (warns once)"]
+            notes = again + ([dropout] if dropout else []) + ["left padding and other non-causal masks, dropout run sdpa_attention_forward (warns once); sliding windows and softcap are served"]
             if implementation != "sdpa":
                 notes.append(f"its masks are now built as for 'sdpa', not {implementation!r}")
             report.rows.append(SwapRow(path, original, f"{replacement} via AttentionInterface 'gproj'", "; ".join(notes)))
@@ -223,7 +223,7 @@ def swap_attention(
                 continue
             report.sites[path] = flash_attn.swap_module(module, path, fix, bindings, site=old)
             where = type(module).__module__
-            notes = again + ["dropout, windows, softcap, ALiBi, return_attn_probs run the original (warns once)"]
+            notes = again + ["dropout, ALiBi, return_attn_probs run the original (warns once); windows and softcap are served"]
             report.rows.append(SwapRow(path, original, f"{replacement} via rebinding in {where}", "; ".join(notes)))
         elif isinstance(module, nn.MultiheadAttention):
             original = "nn.MultiheadAttention"

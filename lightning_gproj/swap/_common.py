@@ -210,16 +210,23 @@ class Site:
         softmax_scale=None,
         causal: bool = False,
         seqlens_k: Optional[torch.Tensor] = None,
+        window_size: tuple = (-1, -1),
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Serve one call in the op layout (batch, seqlen, nheads, headdim): :func:`gproj_attn_func`
         with this site's ``fix`` and name (on q, k, v cast to ``compute_dtype`` when that is bf16 or
         fp16), or, with ``compute_dtype`` fp32 or fp64, SDPA in that dtype (autocast
         off, bottom-right causal mask and the key padding ``j < seqlens_k[b]`` as one boolean mask, GQA
         heads repeated) cast back to q's dtype. ``seqlens_k``: None or an integer (batch,) tensor of
-        key lengths (right padding), passed to the op only when given."""
+        key lengths (right padding), passed to the op only when given; ``window_size``, ``softcap`` as the
+        op takes them (with an fp32/fp64 ``compute_dtype`` such calls run the op in that dtype: SDPA has
+        no softcap)."""
         dt = self.compute_dtype
-        if dt is None or q.dtype == dt or dt in (torch.bfloat16, torch.float16):
-            extra = {} if seqlens_k is None else {"seqlens_k": seqlens_k}
+        extra = {} if seqlens_k is None else {"seqlens_k": seqlens_k}
+        featured = tuple(window_size) != (-1, -1) or bool(softcap)
+        if featured:
+            extra.update(window_size=tuple(window_size), softcap=softcap)
+        if dt is None or q.dtype == dt or dt in (torch.bfloat16, torch.float16) or featured:
             qs, ks, vs = (q, k, v) if dt is None else (t.to(dt) for t in (q, k, v))
             o = gproj_attn_func()(
                 qs, ks, vs, softmax_scale=softmax_scale, causal=causal, fix=self.fix,

@@ -22,8 +22,8 @@ Sources (the functions they export):
 
 Arguments are read through the original's own signature, so positional calls bind as the original
 would. All take the op's layout (batch, seqlen, nheads, headdim), GQA by fewer k/v heads, and the
-bottom-right causal mask, so a served call is a direct op call. Served: no dropout, no window, no
-softcap, no ALiBi / sink / score or mask mods / descales / qv, ``return_attn_probs``/``return_lse``
+bottom-right causal mask, so a served call is a direct op call. Served: no dropout, any sliding window
+(``window_size``, ints >= −1 or None for unbounded as FA4 spells it), any ``softcap`` >= 0, no ALiBi / sink / score or mask mods / descales / qv, ``return_attn_probs``/``return_lse``
 False, head dims the op takes. Performance knobs (``deterministic``, ``num_splits``, ``pack_gqa``,
 ``sm_margin``) do not change the result and are ignored. A function whose signature has neither
 ``return_attn_probs`` nor ``return_lse`` (FA3/FA4 versions that always return ``(out, lse)``) is
@@ -121,12 +121,13 @@ class FlashAttnFunc:
             with Guard():
                 return self.original(*args, **kwargs)
         site.served += 1
-        q, k, v, scale, causal = call
+        q, k, v, scale, causal, window, softcap = call
         with Guard():  # an enclosing SDPAMode must not take the SDPA call of an fp32 remediation
-            return site.attention(q, k, v, softmax_scale=scale, causal=causal)
+            return site.attention(q, k, v, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap)
 
     def plan(self, args: tuple, kwargs: dict) -> tuple[Optional[str], Any]:
-        """``(reason, (q, k, v, softmax_scale, causal))``; reason None when the op serves the call."""
+        """``(reason, (q, k, v, softmax_scale, causal, window_size, softcap))``; reason None when the op
+        serves the call."""
         try:
             bound = self.__signature__.bind(*args, **kwargs)
         except TypeError as err:
@@ -140,7 +141,7 @@ class FlashAttnFunc:
         for name, value in given.items():
             # every other parameter (dropout_p, window_size, softcap, alibi_slopes, qv, descales, sinks,
             # score/mask mods, return flags, or one a later version adds) must keep its default
-            if name in names[:3] or name in _IGNORED or name in ("softmax_scale", "causal"):
+            if name in names[:3] or name in _IGNORED or name in ("softmax_scale", "causal", "window_size", "softcap"):
                 continue
             if not _is_default(value, params[name].default):
                 return f"{name}={_short(value)}", None
@@ -160,7 +161,16 @@ class FlashAttnFunc:
         causal = given.get("causal", False)
         if not isinstance(causal, bool):
             return f"causal={causal!r}", None
-        return None, (q, k, v, scale, causal)
+        window = given.get("window_size", (-1, -1))
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            return f"window_size={_short(window)}", None
+        window = tuple(-1 if x is None else x for x in window)
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window):
+            return f"window_size={_short(window)}", None
+        softcap = given.get("softcap", 0.0)
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0:
+            return f"softcap={_short(softcap)}", None
+        return None, (q, k, v, scale, causal, window, float(softcap))
 
 
 def _is_default(value: Any, default: Any) -> bool:

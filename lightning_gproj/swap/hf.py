@@ -16,9 +16,13 @@ Served, as ``sdpa_attention_forward`` would compute it: mask None (causal from `
 that are all True, exactly the bottom-right causal mask, right key padding, or (Nq == Nk) causal &
 right key padding — what ``sdpa_mask`` builds from a right-padded ``attention_mask`` — checked value
 by value and served with ``seqlens_k``; ``scaling``, GQA
-(``num_key_value_groups``: k/v keep their heads), dropout 0. Falls back to
-``sdpa_attention_forward`` with one :class:`GProjFallbackWarning` per module for left padding and
-other mask patterns, float masks, dropout > 0 (training with ``attention_dropout``), ``softcap``, ``position_bias``,
+(``num_key_value_groups``: k/v keep their heads), dropout 0; sliding-window layers (the
+``sliding_window=W`` keyword Mistral, Qwen2 and Gemma 2 pass: key j visible to query i iff
+j > i − W, with the causal mask, i.e. the op's ``window_size=(W − 1, 0)``; the boolean mask
+``sdpa_mask`` builds for it is checked value by value against that band, no padding), and Gemma 2's
+logit ``softcap``. Falls back to ``sdpa_attention_forward`` (``eager`` when softcap is set, since SDPA
+refuses it) with one :class:`GProjFallbackWarning` per module for left padding and
+other mask patterns, float masks, dropout > 0 (training with ``attention_dropout``), ``position_bias``,
 attention sinks (``s_aux``), and head dims the op does not take.
 """
 
@@ -36,7 +40,7 @@ from ._common import Guard, Site
 #: The name registered in ``AttentionInterface`` and ``AttentionMaskInterface``.
 NAME = "gproj"
 #: Keyword arguments that change the attention's result and that the op does not serve.
-_REFUSED = ("softcap", "position_bias", "s_aux", "sinks")
+_REFUSED = ("position_bias", "s_aux", "sinks")
 
 
 def is_pretrained(module: nn.Module) -> bool:
@@ -92,10 +96,21 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
-def _sdpa_forward():
+def _sdpa_forward(kwargs: Optional[dict] = None):
+    """``sdpa_attention_forward``, or ``eager_attention_forward`` of the model's module when the call
+    carries a softcap (SDPA raises on it)."""
+    if kwargs and kwargs.get("softcap") is not None:
+        return _eager_forward
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward
+
+
+def _eager_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """The model's own eager attention (its module's ``eager_attention_forward``), which applies softcap."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward")
+    out = fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return out
 
 
 def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
@@ -108,6 +123,12 @@ def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling,
     for name in _REFUSED:
         if kwargs.get(name) is not None:
             return f"{name} is set", None
+    softcap = kwargs.get("softcap") or 0.0
+    if not isinstance(softcap, (int, float)) or softcap < 0:
+        return f"softcap={softcap!r}", None
+    window = kwargs.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        return f"sliding_window={window!r}", None
     if not isinstance(dropout, (int, float)) or dropout != 0.0:
         return f"dropout={dropout} (the op has no dropout)", None
     if not all(isinstance(t, torch.Tensor) for t in (query, key, value)) or query.dim() != 4:
@@ -121,6 +142,20 @@ def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling,
             key, value = key[:, :, :n_q], value[:, :, :n_q]
     elif not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
         return f"attention_mask of dtype {getattr(attention_mask, 'dtype', type(attention_mask).__name__)} (only boolean causal / right-padding masks are served)", None
+    if window is not None:
+        # causal with keys j > i − W (bottom-right aligned as sdpa_mask builds it for Nq <= Nk)
+        n_k = key.shape[2]
+        if attention_mask is not None:
+            i = torch.arange(n_q, device=query.device)[:, None] + (n_k - n_q)
+            j = torch.arange(n_k, device=query.device)[None, :]
+            band = (j <= i) & (j > i - window)
+            if attention_mask.shape[-2:] != (n_q, n_k) or not bool((attention_mask == band).all()):
+                return "a sliding-window mask with padding or another pattern than the causal band", None
+            causal = True
+        elif not causal:
+            return "sliding_window without a causal mask", None
+        return None, (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling, True, None,
+                      (window - 1, 0), float(softcap))
     reason, causal_mask, seqlens_k = sdpa.plan(
         (query, key, value),
         dict(attn_mask=attention_mask, dropout_p=0.0, is_causal=causal, scale=scaling, enable_gqa=True),
@@ -131,6 +166,7 @@ def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling,
         return reason, None
     return None, (
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling, causal or causal_mask, seqlens_k,
+        (-1, -1), float(softcap),
     )
 
 
@@ -149,16 +185,17 @@ def gproj_attention_forward(
     (batch, kv_heads, Nk, dim) -> ``(attn_output (batch, Nq, heads, dim), None)``."""
     site: Optional[Site] = getattr(module, "_gproj_site", None)
     if site is None or site.keep or Guard.depth > 0:
-        return _sdpa_forward()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+        return _sdpa_forward(kwargs)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     reason, call = plan(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
     if reason is not None:
         site.fallback(reason)
         with Guard():
-            return _sdpa_forward()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+            return _sdpa_forward(kwargs)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     site.served += 1
-    q, k, v, scale, causal, seqlens_k = call
+    q, k, v, scale, causal, seqlens_k, window, softcap = call
     with Guard():  # an enclosing SDPAMode must not take the SDPA call of an fp32 remediation
-        return site.attention(q, k, v, softmax_scale=scale, causal=causal, seqlens_k=seqlens_k), None
+        return site.attention(q, k, v, softmax_scale=scale, causal=causal, seqlens_k=seqlens_k, window_size=window,
+                              softcap=softcap), None
 
 
 def _set_implementation(model: nn.Module, name: str) -> None:

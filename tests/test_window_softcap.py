@@ -1,0 +1,160 @@
+"""Sliding windows and logit softcapping in the op (reference path on CPU) and the HF swap target.
+
+fp64 ground truth: tests/_fp64.attention_fp64 writes the window mask and the softcap out from
+flash-attn's definitions and differentiates through autograd in float64. The Triton kernels are checked
+under the interpreter in tests/test_triton_kernels.py::test_window_softcap_kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from _attention_models import op_spy  # noqa: F401 (fixture)
+from _fp64 import attention_fp64
+from lightning_gproj import gproj_attn_func
+from lightning_gproj.kernels import reference as R
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _inputs(nq=40, nk=40, h=2, hk=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(1, n, hh, 32, generator=g) for n, hh in ((nq, h), (nk, hk), (nk, hk), (nq, h)))
+    return q.bfloat16(), (k + 4.0).bfloat16(), v.bfloat16(), do.bfloat16()
+
+
+@pytest.mark.parametrize("causal,window,softcap", [
+    (True, (8, -1), 0.0), (False, (3, 5), 0.0), (False, (-1, -1), 4.0), (True, (6, -1), 2.0),
+])
+def test_op_matches_fp64_and_gproj_removes_the_leak(causal, window, softcap):
+    q, k, v, do = _inputs(nq=37, nk=45)
+    o64, dq64, dk64, dv64, _ = attention_fp64(q, k, v, do, 32**-0.5, causal, window_size=window, softcap=softcap)
+    errs = {}
+    for fix in R.FIXES:
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        o = gproj_attn_func(qq, kk, vv, causal=causal, fix=fix, window_size=window, softcap=softcap)
+        o.backward(do)
+        assert _rel(o, o64) <= 4e-3
+        errs[fix] = [_rel(x.grad, y) for x, y in ((qq, dq64), (kk, dk64), (vv, dv64))]
+        assert all(e <= 5e-3 for e in errs[fix][1:]), (fix, errs)
+    assert errs["gproj"][0] <= 3e-3 and errs["gproj"][0] <= 0.4 * errs["none"][0], errs
+
+
+def test_softcap_capped_domain_zero_sum_and_no_c2_projection():
+    """C1 in the capped domain: the corrected operand X̂ = X̃ − ρ W̃ has Σ_j X̂_ij / g_ij = 0 (from the
+    reference's own r and the row sums it reports); C2 is NOT imposed under softcap: the fp32 dk keeps
+    the float64 gradient's nonzero key sum, while with a window alone it is projected to ~0."""
+    q, k, v, do = _inputs()
+    tau = 32**-0.5
+    _, _, dk64, _, _ = attention_fp64(q, k, v, do, tau, True, softcap=3.0)
+    c2_64 = (dk64.sum(dim=1).norm() / dk64.norm()).item()
+    assert c2_64 > 0.05  # softcap: a shared key shift is not invisible
+    o, m, l2 = R.forward(q, k, v, tau, True, softcap=3.0)
+    dk = R.backward(do, q, k, v, o, m, l2, tau, True, "gproj", grad_dtype=torch.float32, softcap=3.0)[1].double()
+    assert abs((dk.sum(dim=1).norm() / dk.norm()).item() - c2_64) <= 0.02 * c2_64
+    assert _rel(dk, dk64) <= 5e-3
+    # window only: C2 holds in exact arithmetic, and the fp32 dk meets it to fp32 rounding
+    o, m, l2 = R.forward(q, k, v, tau, True, window_size=(5, -1))
+    dk = R.backward(do, q, k, v, o, m, l2, tau, True, "gproj", grad_dtype=torch.float32, window_size=(5, -1))[1]
+    assert (dk.double().sum(dim=1).norm() / dk.double().norm()).item() <= 1e-6
+
+    # C1 in the capped domain, written out from the reference's numerics model (one chunk)
+    qh, kh, vh, doh, oh = (x.transpose(1, 2).float().repeat_interleave(2 // x.shape[2], 1) for x in (q, k, v, do, o))
+    s = qh @ kh.transpose(-1, -2)
+    t = torch.tanh(s * tau / 3.0)
+    z = (3.0 * t).masked_fill(torch.ones(40, 40, dtype=torch.bool).tril().logical_not(), float("-inf"))
+    p = torch.exp2((z - m[..., None]) * R._LOG2E - l2[..., None])
+    p16 = p.bfloat16().float()
+    g = 1 - t * t
+    ds = p * (doh @ vh.transpose(-1, -2) - (doh * oh).sum(-1, keepdim=True))
+    x16 = (ds * g).bfloat16().float()
+    w16 = (p16 * g).bfloat16().float()
+    r = (x16 / g).sum(-1)
+    rho = r / (w16 / g).sum(-1)
+    x_hat = x16 - rho[..., None] * w16
+    size = (x16 / g).abs().sum(-1)
+    rows = size >= 1e-3 * size.max()  # rows whose exact dZ is not (near) zero: one-hot rows are noise
+    assert ((x_hat / g).sum(-1).abs() / size)[rows].max() <= 1e-5
+    assert ((x16 / g).sum(-1).abs() / size)[rows].max() >= 1e-4  # the rounding broke it
+
+
+def test_rows_without_visible_key_get_zero_not_nan():
+    q, k, v, do = _inputs(nq=30, nk=20)
+    for window in ((0, 0), (2, 1)):
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        o = gproj_attn_func(qq, kk, vv, window_size=window)  # rows i < 10 − right see no key
+        o.backward(do)
+        empty = torch.arange(30) + (20 - 30) + window[1] < 0
+        assert empty.any() and (o[0, empty] == 0).all() and (qq.grad[0, empty] == 0).all()
+        assert not any(torch.isnan(x).any() for x in (o, qq.grad, kk.grad, vv.grad))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(window_size=(-2, 0)), "window_size"), (dict(window_size=(1.5, 0)), "window_size"),
+    (dict(window_size=(1,)), "window_size"), (dict(window_size=(True, 0)), "window_size"),
+    (dict(softcap=-1.0), "softcap"), (dict(softcap=float("nan")), "softcap"), (dict(softcap="3"), "softcap"),
+])
+def test_bad_window_or_softcap_raises(kwargs, match):
+    q, k, v, _ = _inputs(nq=8, nk=8)
+    with pytest.raises(ValueError, match=match):
+        gproj_attn_func(q, k, v, **kwargs)
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _mistral():
+    return transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=4, head_dim=8))
+
+
+def _gemma2():
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=4,
+        attn_logit_softcapping=2.0, query_pre_attn_scalar=8))
+
+
+@pytest.mark.parametrize("build,eager", [(_mistral, False), (_gemma2, True)])
+def test_hf_sliding_window_and_softcap_are_served(build, eager, op_spy):
+    """Mistral (sliding_window) and Gemma 2 (sliding layers + attention softcap) run every call through
+    the op with the right window / softcap, no fallback, and match the original model (fp32)."""
+    from lightning_gproj.swap import GProjFallbackWarning, swap_attention
+
+    torch.manual_seed(0)
+    model = build().train()
+    if eager:
+        model.set_attn_implementation("eager")  # SDPA refuses softcap; the reference model runs eager
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+
+    def run(m):
+        for p in m.parameters():
+            p.grad = None
+        out = m(input_ids=ids).logits
+        out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out))
+        return out.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        out, grads = run(swapped)
+    out_ref, grads_ref = run(model)
+    assert _rel(out, out_ref) <= 2e-5
+    for key in grads_ref:
+        assert _rel(grads[key], grads_ref[key]) <= 1e-4, key
+    calls = [(c.get("window_size", (-1, -1)), c.get("softcap", 0.0), c["causal"]) for c in op_spy.calls]
+    if eager:  # Gemma 2 alternates sliding and global layers, both capped
+        assert calls == [((3, 0), 2.0, True), ((-1, -1), 2.0, True)]
+    else:
+        assert calls == [((3, 0), 0.0, True)] * 2
+    sites = [m._gproj_site for m in swapped.modules() if "_gproj_site" in vars(m)]
+    assert len(sites) == 2 and all(s.served == 1 and not s.fallbacks for s in sites)

@@ -194,12 +194,12 @@ def serve_reason(query: Tensor, key: Tensor, value: Tensor, dropout_p: float, re
 
 
 def _fallback(reason: str) -> None:
+    if _SETTINGS.strict:
+        raise GProjFallbackError(f"GProj SDPA registry: GProj cannot serve a flash-backend call with {reason} (strict=True)")
     with _lock:
         CALLS.fallbacks[reason] += 1
     message = (f"GProj SDPA registry: a flash-backend call with {reason} ran PyTorch's flash kernel, without "
                f"GProj's correction")
-    if _SETTINGS.strict:
-        raise GProjFallbackError(message + " (strict=True)")
     if reason not in _warned:
         _warned.add(reason)
         warnings.warn(message, GProjFallbackWarning, stacklevel=2)
@@ -395,7 +395,7 @@ class _Handle:
         self._library: Optional[torch.library.Library] = torch.library.Library("aten", "IMPL", dispatch_key)
         with warnings.catch_warnings():
             # overriding PyTorch's kernels is the point; torch warns about it once per process
-            warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
+            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
             self._library.impl(FORWARD_OP, flash_forward, dispatch_key)
             self._library.impl(BACKWARD_OP, flash_backward, dispatch_key)
         self._priority = _prefer_flash()
@@ -466,12 +466,15 @@ def _check(fix: object, ds_format: object, strict: object) -> _Settings:
 
 
 def restore_sdpa_registry() -> None:
-    """Restore PyTorch's own flash kernels (and the previous backend priority order) if GProj is active;
-    nothing otherwise (another active implementation, e.g. FA4, stays)."""
+    """Restore PyTorch's own flash kernels (and the previous backend priority order) if GProj is active,
+    and the default settings (what ``torch.nn.attention.activate_flash_attention_impl("GProj")`` then
+    runs); nothing when another implementation (e.g. FA4) is active."""
+    global _SETTINGS
     if active():
         import torch.nn.attention as attention
 
         attention.restore_flash_attention_impl()
+        _SETTINGS = _Settings()
 
 
 @contextlib.contextmanager
@@ -491,11 +494,11 @@ def use_sdpa_registry(fix: str = "gproj", ds_format: str = "bf16", strict: bool 
     try:
         yield CALLS
     finally:
-        _SETTINGS = previous_settings
         if previous_impl is None:
             attention.restore_flash_attention_impl()
         else:
             attention.activate_flash_attention_impl(previous_impl)
+        _SETTINGS = previous_settings
 
 
 @dataclass

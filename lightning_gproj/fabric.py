@@ -487,7 +487,8 @@ class GProjFabricPlugin(fabric_precision.Precision):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(precision={getattr(self, 'precision', None)!r}, fix={self.fix!r}, "
-            f"include={self.include!r}, exclude={self.exclude!r}, mode={self.mode!r})"
+            f"include={self.include!r}, exclude={self.exclude!r}"
+            + ("" if self.mode == "swap" else f", mode={self.mode!r}") + ")"
         )
 
     def __str__(self) -> str:

@@ -20,8 +20,9 @@ would send them.
 
 Which calls run GProj (docs/sdpa_registry.md has the full list):
 
-* served: CUDA fp16 / bf16 SDPA calls that SDPA routes to its flash backend — no ``attn_mask`` (or a
-  causal ``is_causal=True``), ``dropout_p=0``, head dims up to 256, ``scale``, GQA (``enable_gqa=True``);
+* served: CUDA fp16 / bf16 SDPA calls that SDPA routes to its flash backend — no ``attn_mask``,
+  ``is_causal`` with seqlen_q == seqlen_k or not causal, ``dropout_p=0``, head dims up to 256, ``scale``,
+  GQA (``enable_gqa=True``);
 * run PyTorch's flash kernel (counted in :data:`CALLS` with the reason, one :class:`GProjFallbackWarning`
   per reason): flash-backend calls with ``dropout_p > 0`` (e.g. training Hugging Face GPT-2 with its
   default ``attn_pdrop=0.1``) or ``return_debug_mask``;

@@ -11,6 +11,7 @@ from lightning_gproj.callbacks import Alert, GradNormMonitor, ZeroSumMonitor
 from lightning_gproj.fabric import GProjFabricPlugin
 from lightning_gproj.ops import DS_FORMATS, FIXES, gproj_attn_func
 from lightning_gproj.plugin import GProjPlugin
+from lightning_gproj.sdpa_registry import activate_sdpa_registry, restore_sdpa_registry, use_sdpa_registry
 from lightning_gproj.stats import RECORDER, StatsRecorder
 from lightning_gproj.swap import GProjFallbackError, GProjFallbackWarning, SwapReport, swap_attention, unswap_attention
 
@@ -27,7 +28,10 @@ __all__ = [
     "StatsRecorder",
     "SwapReport",
     "ZeroSumMonitor",
+    "activate_sdpa_registry",
     "gproj_attn_func",
+    "restore_sdpa_registry",
     "swap_attention",
     "unswap_attention",
+    "use_sdpa_registry",
 ]

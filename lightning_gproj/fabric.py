@@ -38,10 +38,11 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from torch import nn
 
+from . import sdpa_registry
 from .swap import GProjFallbackWarning, SwapReport, swap_attention
 from .swap._common import check_ds_format, check_fix, check_patterns, display_path
 
-__all__ = ["ATTENTION_DTYPES", "GProjFabricPlugin", "PRECISIONS"]
+__all__ = ["ATTENTION_DTYPES", "GProjFabricPlugin", "MODES", "PRECISIONS"]
 
 #: Precision strings accepted by both plugins, with the name of the base class used when ``base`` is
 #: None: Fabric's (``lightning.fabric.plugins.precision``) and the Trainer's
@@ -54,6 +55,10 @@ PRECISIONS: dict[str, str] = {
     "16-true": "HalfPrecision",
     "64-true": "DoublePrecision",
 }
+
+#: Values accepted for ``mode``: swap the model's attention modules, or serve every SDPA call that reaches
+#: the flash backend through torch's flash-attention registry (:mod:`lightning_gproj.sdpa_registry`).
+MODES = ("swap", "sdpa_registry")
 
 #: Values accepted for ``attention_dtype``: None (the op in the dtype it is given), fp32 SDPA, or the
 #: op on bf16 q, k, v whatever the base precision.
@@ -90,6 +95,13 @@ def check_device(device: Any) -> Optional[str]:
             f"got {device!r}"
         )
     return device
+
+
+def check_mode(mode: object) -> str:
+    """Return ``mode`` if it is one of :data:`MODES`, else raise ValueError naming the accepted values."""
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
+    return mode
 
 
 def check_attention_dtype(attention_dtype: object) -> Optional[str]:
@@ -145,7 +157,15 @@ class GProjFabricPlugin(fabric_precision.Precision):
         strict: a call a swapped module cannot serve exactly (attention dropout while training,
             ``need_weights=True``, left padding, ...) raises
             :class:`~lightning_gproj.swap.GProjFallbackError` instead of running the original
-            attention with one warning.
+            attention with one warning (``mode="sdpa_registry"``: a flash-backend call with dropout).
+        mode: ``"swap"`` (default): swap the model's attention modules (``include``, ``exclude``,
+            ``catch_all`` and ``attention_dtype`` apply). ``"sdpa_registry"``: swap nothing; from
+            ``convert_module`` to ``teardown`` GProj is torch's active flash-attention implementation
+            (:mod:`lightning_gproj.sdpa_registry`), so every ``F.scaled_dot_product_attention`` call in
+            the process that reaches SDPA's flash backend runs GProj with ``fix`` and ``ds_format``;
+            calls SDPA sends elsewhere (masks, fp32, CPU) keep their kernels (docs/sdpa_registry.md).
+            Where the installed torch lacks the registry, one warning names the missing API and the
+            torch version, and the module swap serves instead.
         **base_kwargs: further arguments for the base class's constructor (e.g. ``scaler``).
 
     The instance is a ``GProjFabric<Base>`` (e.g. ``GProjFabricMixedPrecision``): both
@@ -156,8 +176,9 @@ class GProjFabricPlugin(fabric_precision.Precision):
     when a swapped module served none of that step's calls.
 
     Raises:
-        ValueError: unknown ``precision``, ``fix``, ``attention_dtype`` or ``ds_format``, a bad
-            ``device``, or a ``precision`` the base does not take.
+        ValueError: unknown ``precision``, ``fix``, ``attention_dtype``, ``ds_format`` or ``mode``, a bad
+            ``device``, a ``precision`` the base does not take, or an ``attention_dtype`` with
+            ``mode="sdpa_registry"`` (fp32 attention never reaches the flash backend).
         TypeError: ``base`` is not a Fabric ``Precision`` subclass (a Trainer precision is refused:
             use :class:`~lightning_gproj.GProjPlugin` with the Trainer); bad ``include``/``exclude``;
             ``catch_all``/``strict`` not bools.
@@ -194,6 +215,7 @@ class GProjFabricPlugin(fabric_precision.Precision):
         attention_dtype: Optional[str] = None,
         ds_format: str = "bf16",
         strict: bool = False,
+        mode: str = "swap",
         **base_kwargs: Any,
     ) -> "GProjFabricPlugin":
         if base is None and cls is cls._gproj_root():
@@ -212,13 +234,14 @@ class GProjFabricPlugin(fabric_precision.Precision):
         attention_dtype: Optional[str] = None,
         ds_format: str = "bf16",
         strict: bool = False,
+        mode: str = "swap",
         **base_kwargs: Any,
     ) -> None:
         check_precision(precision)
         check_device(device)
         self.attention_dtype = check_attention_dtype(attention_dtype)
         self.ds_format = check_ds_format(ds_format)
-        self._gproj_init(fix, include, exclude, catch_all, strict)
+        self._gproj_init(fix, include, exclude, catch_all, strict, mode)
         base_cls = self._gproj_base
         if issubclass(base_cls, self._gproj_lightning.MixedPrecision):
             self._gproj_follow_device = device is None
@@ -234,14 +257,23 @@ class GProjFabricPlugin(fabric_precision.Precision):
                 f"({getattr(self, 'precision', None)!r}); pick a matching `precision` or `base`"
             )
 
-    def _gproj_init(self, fix: str, include: Patterns, exclude: Patterns, catch_all: bool, strict: bool) -> None:
+    def _gproj_init(
+        self, fix: str, include: Patterns, exclude: Patterns, catch_all: bool, strict: bool, mode: str = "swap"
+    ) -> None:
         """The GProj settings and run state (the base's own state is set by its constructor)."""
+        self.mode = check_mode(mode)
+        if mode == "sdpa_registry" and self.attention_dtype is not None:
+            raise ValueError(
+                f"`attention_dtype={self.attention_dtype!r}` applies to swapped modules; with `mode='sdpa_registry'` "
+                f"fp32 attention never reaches the flash backend GProj serves. Use mode='swap' for the fp32 arm."
+            )
         self.fix = check_fix(fix)
         self.include = check_patterns("include", include)
         self.exclude = check_patterns("exclude", exclude)
         self.catch_all = _check_bool("catch_all", catch_all)
         self.strict = _check_bool("strict", strict)
-        self.report: Optional[SwapReport] = None
+        self.report: Optional[Union[SwapReport, sdpa_registry.RegistryReport]] = None
+        self._gproj_registry_on = False  # this plugin activated torch's registry and has not restored it yet
         # served / fallback counts per site when the first training forward began (see forward_context)
         self._gproj_counts: Optional[dict[str, tuple[int, int]]] = None
         self._gproj_stepped = False
@@ -289,6 +321,7 @@ class GProjFabricPlugin(fabric_precision.Precision):
         exclude: Patterns = None,
         catch_all: bool = False,
         strict: bool = False,
+        mode: str = "swap",
     ) -> "GProjFabricPlugin":
         """Wrap an already configured precision plugin (e.g. ``FSDPPrecision("bf16-mixed")`` with
         its scaler) without re-running its constructor: the result is a ``<prefix><type(plugin)>``
@@ -303,7 +336,7 @@ class GProjFabricPlugin(fabric_precision.Precision):
         new.__dict__.update(plugin.__dict__)
         new.attention_dtype = getattr(plugin, "attention_dtype", None)
         new.ds_format = getattr(plugin, "ds_format", "bf16")
-        new._gproj_init(fix, include, exclude, catch_all, strict)
+        new._gproj_init(fix, include, exclude, catch_all, strict, mode)
         return new
 
     # ------------------------------------------------------------------ Lightning hooks
@@ -311,7 +344,19 @@ class GProjFabricPlugin(fabric_precision.Precision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Swap the attention of ``module`` in place (see :func:`~lightning_gproj.swap.swap_attention`),
         print the swap table on rank zero, then let the base precision convert the module.
-        Idempotent: a second call never double-wraps, and prints nothing for a module it converted before."""
+        Idempotent: a second call never double-wraps, and prints nothing for a module it converted before.
+        With ``mode="sdpa_registry"`` (and the registry present) it activates GProj in torch's registry instead."""
+        if self.mode == "sdpa_registry":
+            missing = sdpa_registry.missing_api()
+            if missing is None:
+                return self._gproj_convert_registry(module)
+            if not self.__dict__.get("_gproj_registry_warned"):
+                self._gproj_registry_warned = True
+                rank_zero_warn(
+                    f"GProj: mode='sdpa_registry' needs torch's flash-attention registry, but {missing}; "
+                    f"keeping the module swap (mode='swap').",
+                    category=GProjFallbackWarning,
+                )
         self.report = swap_attention(
             module, fix=self.fix, include=self.include, exclude=self.exclude, catch_all=self.catch_all,
             strict=self.strict, ds_format=self.ds_format,
@@ -320,8 +365,25 @@ class GProjFabricPlugin(fabric_precision.Precision):
         if dtype is not None:  # every swapped site runs in that dtype (Site.compute_dtype)
             for site in self.report.sites.values():
                 site.compute_dtype = dtype
+        if self.mode == "sdpa_registry":
+            self.report.mode_note = (
+                "mode='sdpa_registry' asked for, but torch's flash-attention registry is missing; "
+                "the module swap serves instead"
+            )
         ref = self.__dict__.get("_gproj_module")
         if ref is None or ref() is not module:  # a re-conversion (validate, then fit) repeats nothing
+            self._gproj_info(self.report.table())
+        self._gproj_module = weakref.ref(module)
+        return super().convert_module(module)
+
+    def _gproj_convert_registry(self, module: nn.Module) -> nn.Module:
+        """``mode="sdpa_registry"``: activate GProj in torch's registry (until ``teardown``); swap nothing."""
+        if not self.__dict__.get("_gproj_registry_on"):
+            sdpa_registry.activate_sdpa_registry(fix=self.fix, ds_format=self.ds_format, strict=self.strict)
+            self._gproj_registry_on = True
+        ref = self.__dict__.get("_gproj_module")
+        if self.report is None or ref is None or ref() is not module:
+            self.report = sdpa_registry.RegistryReport(self.fix, self.ds_format)
             self._gproj_info(self.report.table())
         self._gproj_module = weakref.ref(module)
         return super().convert_module(module)
@@ -331,6 +393,7 @@ class GProjFabricPlugin(fabric_precision.Precision):
         if self._gproj_counts is None and self.report is not None and torch.is_grad_enabled():
             # the first training forward: what the first optimizer step's check compares against
             self._gproj_counts = {p: (s.served, s.fallback_count) for p, s in self.report.sites.items()}
+            self._gproj_registry_counts = sdpa_registry.CALLS.snapshot()
         return super().forward_context()
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -344,6 +407,9 @@ class GProjFabricPlugin(fabric_precision.Precision):
     def teardown(self) -> None:
         if self._gproj_summary_due():
             self._gproj_report_calls()
+        if self.__dict__.get("_gproj_registry_on"):
+            self._gproj_registry_on = False
+            sdpa_registry.restore_sdpa_registry()
         super().teardown()
 
     # ------------------------------------------------------------------ GProj state
@@ -361,6 +427,18 @@ class GProjFabricPlugin(fabric_precision.Precision):
     def _gproj_check_first_step(self) -> None:
         """Warn when a swapped module fell back on every call of the first training step."""
         if self.report is None:
+            return
+        if isinstance(self.report, sdpa_registry.RegistryReport):
+            forward0, _, fell0 = self.__dict__.get("_gproj_registry_counts") or self.report.start
+            forward, _, fell = sdpa_registry.CALLS.snapshot()
+            if forward == forward0:
+                rank_zero_warn(
+                    f"GProj (mode='sdpa_registry'): no F.scaled_dot_product_attention call of the first training step "
+                    f"was served by GProj ({fell - fell0} flash-backend calls with dropout ran PyTorch's flash kernel; "
+                    f"calls with attention masks, fp32 or CPU tensors never reach the flash backend). "
+                    f"See docs/sdpa_registry.md, or use mode='swap'.",
+                    category=GProjFallbackWarning,
+                )
             return
         before = self._gproj_counts or {}
         idle = []
@@ -387,8 +465,12 @@ class GProjFabricPlugin(fabric_precision.Precision):
         return True
 
     def _gproj_metrics(self) -> dict[str, float]:
-        """``gproj_calls/{module}/served`` and ``.../fallbacks`` for every swapped module."""
+        """``gproj_calls/{module}/served`` and ``.../fallbacks`` for every swapped module
+        (``mode="sdpa_registry"``: ``gproj_calls/sdpa_registry/...``, forward calls since activation)."""
         out: dict[str, float] = {}
+        if isinstance(self.report, sdpa_registry.RegistryReport):
+            forward, _, fell = self.report.counts()
+            return {"gproj_calls/sdpa_registry/served": float(forward), "gproj_calls/sdpa_registry/fallbacks": float(fell)}
         for path, site in (self.report.sites.items() if self.report is not None else ()):
             if not site.keep:
                 out[f"gproj_calls/{display_path(path)}/served"] = float(site.served)
@@ -403,14 +485,17 @@ class GProjFabricPlugin(fabric_precision.Precision):
 
     def __reduce__(self) -> tuple:
         # the <prefix><Base> classes are made at run time: pickle (ddp_spawn, deepcopy) by base + state;
-        # weak references (the module, the trainer) do not pickle, and a copy has neither yet
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_gproj_module", "_gproj_trainer")}
+        # weak references (the module, the trainer) do not pickle, and a copy has neither yet;
+        # a copy has not activated the registry (each process activates its own at convert_module)
+        skip = ("_gproj_module", "_gproj_trainer", "_gproj_registry_on")
+        state = {k: v for k, v in self.__dict__.items() if k not in skip}
         return _rebuild, (self._gproj_root(), self._gproj_base, state)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(precision={getattr(self, 'precision', None)!r}, fix={self.fix!r}, "
-            f"include={self.include!r}, exclude={self.exclude!r})"
+            f"include={self.include!r}, exclude={self.exclude!r}"
+            + ("" if self.mode == "swap" else f", mode={self.mode!r}") + ")"
         )
 
     def __str__(self) -> str:

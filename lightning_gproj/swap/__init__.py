@@ -61,6 +61,10 @@ class SwapReport:
     #: True when a ``transformers`` model was found (its attention goes through the registry, so the
     #: note about SDPA calls from helpers does not apply).
     registry: bool = False
+    #: How the plugin serves attention: always "swap" here (:class:`lightning_gproj.sdpa_registry.RegistryReport`
+    #: reports ``mode="sdpa_registry"``); ``mode_note`` says why a swap serves when another mode was asked for.
+    mode: str = "swap"
+    mode_note: str = ""
 
     @property
     def swapped(self) -> list[SwapRow]:
@@ -99,6 +103,8 @@ class SwapReport:
                 "SDPA calls made through helpers outside these modules stay as they are; catch_all=True serves them",
                 WIDTH,
             ))
+        if self.mode_note:
+            out.extend(textwrap.wrap(self.mode_note, WIDTH))
         return "\n".join(out)
 
     def calls_table(self) -> str:

@@ -232,7 +232,7 @@ class Site:
                 qs, ks, vs, softmax_scale=softmax_scale, causal=causal, fix=self.fix,
                 stats_name=self.name or "attention", ds_format=self.ds_format, **extra,
             )
-            return o.to(q.dtype)
+            return o if dt is None else o.to(q.dtype)  # without a cast, the op's output dtype is autocast's
         if RECORDER.enabled:  # the op's forward statistics, so a monitor sees this site's mean key too
             ops.record_forward_stats(self.name or "attention", q, k, seqlens_k)
         group = q.shape[2] // k.shape[2]

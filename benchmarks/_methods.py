@@ -9,6 +9,11 @@ incoming gradient do to (o, dq, dk, dv), and offers separate forward / backward 
   (``schedule="one_pass"``), the others the two-pass one whatever GPROJ_BWD_SCHEDULE says.
 - ``cudnn``, ``sdpa_flash``: torch SDPA restricted to one backend (GQA: k, v repeated, autograd sums).
 - ``fa4``: flash-attn-4's CuTe kernels (``flash_attn.cute.flash_attn_func``, Hopper path) if importable.
+- ``sdpa_mask``: torch SDPA with the causal mask / sliding window as an explicit boolean ``attn_mask``
+  (whichever backend torch picks for a masked call); the one anchor that expresses a window.
+
+Our methods take ``window_size`` / ``softcap`` (flash-attn's, kernels/reference.py); :func:`unsupported`
+says which anchors cannot express them.
 
 Also the float64 reference and the error metrics that benchmarks/fidelity.py and
 benchmarks/captured_fidelity.py compare the methods with. The kernels are imported when an ``Ours`` is
@@ -51,7 +56,34 @@ def available(name: str) -> bool:
         return False
     if name == "fa4":
         return fa4_func() is not None
-    return name in ("cudnn", "sdpa_flash")
+    return name in ("cudnn", "sdpa_flash", "sdpa_mask")
+
+
+def unsupported(name: str, window_size=(-1, -1), softcap: float = 0.0) -> str | None:
+    """Why method ``name`` cannot run with this window / softcap, or None when it can."""
+    if name in OURS:
+        return None
+    if softcap:
+        return f"{name}: no logit softcap in this path"
+    if tuple(window_size) != (-1, -1) and name != "sdpa_mask":
+        return f"{name}: no sliding window in this path (sdpa_mask expresses it as a boolean mask)"
+    return None
+
+
+def visible_mask(nq, nk, causal, window_size=(-1, -1), device=None):
+    """(nq, nk) bool, True where query i sees key j: flash-attn's bottom-right aligned window
+    i + nk − nq − left <= j <= i + nk − nq + right (−1 unbounded; ``causal`` sets right = 0)."""
+    left, right = window_size
+    if causal:
+        right = 0
+    rows = torch.arange(nq, device=device)[:, None] + (nk - nq)
+    cols = torch.arange(nk, device=device)[None, :]
+    seen = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if left >= 0:
+        seen &= cols >= rows - left
+    if right >= 0:
+        seen &= cols <= rows + right
+    return seen
 
 
 class Ours:
@@ -91,11 +123,15 @@ class Ours:
 
 
 class Anchor:
-    """SDPA (one backend) or FA4 through autograd."""
+    """SDPA (one backend, or a boolean mask) or FA4 through autograd."""
 
-    def __init__(self, name, q, k, v, do, causal):
+    def __init__(self, name, q, k, v, do, causal, window_size=(-1, -1), softcap=0.0):
+        reason = unsupported(name, window_size, softcap)
+        if reason is not None:
+            raise ValueError(reason)
         self.name = name
         self.causal = causal
+        self.window_size = tuple(window_size)
         self.tau = q.shape[-1] ** -0.5
         self.q = q.detach().clone().requires_grad_()
         self.k = k.detach().clone().requires_grad_()
@@ -113,6 +149,12 @@ class Anchor:
         if g > 1:
             k = k.repeat_interleave(g, dim=2)
             v = v.repeat_interleave(g, dim=2)
+        if self.name == "sdpa_mask":
+            mask = visible_mask(q.shape[1], k.shape[1], self.causal, self.window_size, q.device)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=self.tau
+            )
+            return o.transpose(1, 2)
         be = SDPBackend.CUDNN_ATTENTION if self.name == "cudnn" else SDPBackend.FLASH_ATTENTION
         with sdpa_kernel(be):
             o = torch.nn.functional.scaled_dot_product_attention(
@@ -141,8 +183,12 @@ class Anchor:
         return out.detach(), dq, dk, dv, {}
 
 
-def make(name, q, k, v, do, causal, **kw):
-    return Ours(name, q, k, v, do, causal, **kw) if name in OURS else Anchor(name, q, k, v, do, causal)
+def make(name, q, k, v, do, causal, window_size=(-1, -1), softcap=0.0, **kw):
+    """Method ``name`` on these inputs; ``kw`` (want_stats, grad_dtype) for ours only. Raises ValueError
+    for an anchor that cannot express ``window_size`` / ``softcap`` (:func:`unsupported`)."""
+    if name in OURS:
+        return Ours(name, q, k, v, do, causal, window_size=window_size, softcap=softcap, **kw)
+    return Anchor(name, q, k, v, do, causal, window_size=window_size, softcap=softcap)
 
 
 def attn_flops(b, h, nq, nk, d, causal, mode):
@@ -163,8 +209,11 @@ def env_info() -> dict:
     return info
 
 
-def f64_reference(q, k, v, do, tau, causal):
-    """Plain softmax attention and its autograd gradients in float64 on the same bf16 inputs: (o, dq, dk, dv)."""
+def f64_reference(q, k, v, do, tau, causal, window_size=(-1, -1), softcap=0.0):
+    """Plain softmax attention and its autograd gradients in float64 on the same bf16 inputs: (o, dq, dk, dv).
+
+    ``window_size``: flash-attn's sliding window (:func:`visible_mask`); ``softcap`` > 0: the logits are
+    softcap · tanh(τ q·k / softcap). A row that sees no key gets o = 0 and zero gradients."""
     b, nq, h, d = q.shape
     nk, hk = k.shape[1], k.shape[2]
     g = h // hk
@@ -173,11 +222,11 @@ def f64_reference(q, k, v, do, tau, causal):
     kh = k64.transpose(1, 2).repeat_interleave(g, dim=1)
     vh = v64.transpose(1, 2).repeat_interleave(g, dim=1)
     s = tau * qh @ kh.transpose(-1, -2)
-    if causal:
-        rows = torch.arange(nq, device=q.device)[:, None]
-        cols = torch.arange(nk, device=q.device)[None, :]
-        s = s.masked_fill(cols > rows + (nk - nq), float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    seen = visible_mask(nq, nk, causal, window_size, q.device)
+    # a large finite fill, not −inf, then × seen: a row without keys gets P = 0 and finite gradients
+    p = torch.softmax(s.masked_fill(~seen, -1e300), dim=-1) * seen
     o = (p @ vh).transpose(1, 2)
     dq, dk, dv = torch.autograd.grad(o, (q64, k64, v64), do.double())
     return o.detach(), dq, dk, dv

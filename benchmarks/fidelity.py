@@ -15,9 +15,18 @@ Also the FMA checks of DESIGN.md §5: q = k = v = 133120 and 1000 (bf16) through
 Methods: ours (gproj, gproj_fold, none, gproj_uniform; gproj/none with ds_format e4m3 / e5m2 as
 ``*_e4m3``, ``*_e5m2``), cudnn, sdpa_flash, fa4 (when importable). ``--mus`` picks the ‖μ‖ values.
 
-Usage: python benchmarks/fidelity.py --out DIR [--smoke] [--quick]
+Sliding windows and softcap (issue 16): ``--window LEFT,RIGHT`` (flash-attn's ``window_size``: query i sees
+key j iff i + Nk − Nq − LEFT <= j <= i + Nk − Nq + RIGHT, −1 unbounded, causal sets RIGHT = 0) and
+``--softcap C`` (logits C·tanh(τ q·k / C)) go to our kernels and, written out in float64, to the
+reference. Anchors that cannot express them are skipped with a note (``sdpa_mask``, SDPA with the
+window as a boolean mask, joins the default methods when a window is given). A window with RIGHT = 0 is
+causal already, so only the causal settings run. Under softcap C2 does not hold in exact arithmetic:
+the ``c2_ref`` column is the float64 gradient's own Σ_j dK_j / ‖dK‖_F, the floor to compare ``c2`` with.
+
+Usage: python benchmarks/fidelity.py --out DIR [--smoke] [--quick] [--methods a,b] [--mus 0,200,1000]
+                                     [--window LEFT,RIGHT] [--softcap C]
 Writes DIR/fidelity.json and DIR/fidelity.md (rewritten after every setting, so a cut-off run keeps
-what it measured).
+what it measured); both name the window and softcap.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _methods as M  # noqa: E402
 
 METHODS = ["gproj", "gproj_fold", "none", "gproj_uniform", "gproj_e4m3", "none_e4m3", "gproj_e5m2", "none_e5m2",
-           "cudnn", "sdpa_flash", "fa4"]
+           "cudnn", "sdpa_flash", "sdpa_mask", "fa4"]
 
 
 def make_inputs(b, n, h, hk, d, mu, sigma, seed, dev):
@@ -51,16 +60,37 @@ def make_inputs(b, n, h, hk, d, mu, sigma, seed, dev):
     return q, k, v, do
 
 
+def feature_label(window_size, softcap):
+    """'window (256, 0), softcap 30', or '' without either."""
+    parts = ([f"window ({window_size[0]}, {window_size[1]})"] if tuple(window_size) != (-1, -1) else []) + (
+        [f"softcap {softcap:g}"] if softcap else [])
+    return ", ".join(parts)
+
+
+def parse_window(text):
+    """'LEFT,RIGHT' -> (left, right), ints >= −1; argparse type."""
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window takes LEFT,RIGHT (two integers >= -1), got {text!r}") from None
+    if left < -1 or right < -1:
+        raise argparse.ArgumentTypeError(f"--window values must be >= -1 (-1 = unbounded), got {text!r}")
+    return left, right
+
+
 def measure_setting(setting, methods, dev):
     b, n, h, hk, d = setting["b"], setting["n"], setting["h"], setting["hk"], setting["d"]
     q, k, v, do = make_inputs(b, n, h, hk, d, setting["mu"], setting["sigma"], setting["seed"], dev)
     tau = d ** -0.5
-    o64, dq64, dk64, dv64 = M.f64_reference(q, k, v, do, tau, setting["causal"])
+    feat = {"window_size": tuple(setting["window_size"]), "softcap": setting["softcap"]}
+    o64, dq64, dk64, dv64 = M.f64_reference(q, k, v, do, tau, setting["causal"], **feat)
+    c2_ref = M.c2_pairs(dk64).median().item()  # 0 up to float64 rounding, except under softcap
     rows = []
     for name in methods:
-        row = {**setting, "method": name}
+        row = {**setting, "method": name, "c2_ref": c2_ref}
         try:
-            meth = M.make(name, q, k, v, do, setting["causal"], **({"want_stats": True} if name in M.OURS else {}))
+            meth = M.make(name, q, k, v, do, setting["causal"], **feat,
+                          **({"want_stats": True} if name in M.OURS else {}))
             o, dq, dk, dv, extras = meth.run()
             for nm, x, ref in (("o", o, o64), ("dq", dq, dq64), ("dk", dk, dk64), ("dv", dv, dv64)):
                 row[f"{nm}_frob"] = M.frob_pairs(x, ref).median().item()
@@ -80,18 +110,18 @@ def measure_setting(setting, methods, dev):
     return rows
 
 
-def constant_checks(methods, dev, n, d):
+def constant_checks(methods, dev, n, d, causals=(False, True), **feat):
     out = []
     for cval in (133120.0, 1000.0):
-        for causal in (False, True):
+        for causal in causals:
             x = torch.full((1, n, 2, d), cval, device=dev, dtype=torch.bfloat16)
             for name in methods:
                 rec = {"value": cval, "causal": causal, "method": name}
                 try:
                     if name in M.OURS:
-                        o = M.make(name, x, x, x, x, causal).fwd()[0]
+                        o = M.make(name, x, x, x, x, causal, **feat).fwd()[0]
                     else:
-                        o = M.make(name, x, x, x, x, causal).fwd()
+                        o = M.make(name, x, x, x, x, causal, **feat).fwd()
                     rec["nan"] = bool(torch.isnan(o).any().item())
                     rec["exact"] = bool((o.float() == cval).all().item())
                     rec["max_abs_err"] = (o.float() - cval).abs().nan_to_num(float("inf")).max().item()
@@ -118,9 +148,10 @@ def markdown(res):
         if key not in settings:
             settings.append(key)
 
-    def table(metric, title, pct=True):
-        lines = [f"### {title}", "", "| setting | " + " | ".join(methods) + " |",
-                 "|---|" + "---|" * len(methods)]
+    def table(metric, title, pct=True, ref=None):
+        """One row per setting, one column per method; ``ref``: a last column with the reference's value."""
+        lines = [f"### {title}", "", "| setting | " + " | ".join(methods) + (" | float64 reference" if ref else "")
+                 + " |", "|---|" + "---|" * (len(methods) + bool(ref))]
         for key in settings:
             cells = []
             for mth in methods:
@@ -132,20 +163,27 @@ def markdown(res):
                     cells.append("err")
                 else:
                     cells.append(_fmt(r.get(metric), pct))
+            if ref:
+                r = next((x for x in rows if (x["group"], x["mu"], x["sigma"], x["causal"]) == key), {})
+                cells.append(_fmt(r.get(ref), pct))
             g, mu, sig, causal = key
             lines.append(f"| {g} ‖μ‖={mu:g} σ={sig:g} {'causal' if causal else 'full'} | " + " | ".join(cells) + " |")
         return "\n".join(lines) + "\n"
 
     env = res["env"]
-    parts = [f"# Fidelity sweep (DESIGN.md §6)\n\n{env}\n\nDate {res['date']}. Reference: float64 on the same "
-             "bf16 inputs. Percent = relative error.\n"]
+    feature = feature_label(res.get("window_size", (-1, -1)), res.get("softcap", 0.0))
+    parts = [f"# Fidelity sweep (DESIGN.md §6){', ' + feature if feature else ''}\n\n{env}\n\nDate {res['date']}. "
+             "Reference: float64 on the same bf16 inputs" + (f", with the same {feature}" if feature else "")
+             + ". Percent = relative error.\n"]
+    parts += [f"Skipped: {reason}.\n" for reason in res.get("skipped", {}).values()]
     parts.append(table("dq_rowmed", "dq, row-median relative error (paper metric)"))
     parts.append(table("dq_frob", "dq, per-head Frobenius (median over heads)"))
     parts.append(table("dk_frob", "dk, per-head Frobenius"))
     parts.append(table("dv_frob", "dv, per-head Frobenius"))
     parts.append(table("o_frob", "o, per-head Frobenius"))
     parts.append(table("dk_rowmed", "dk, row-median"))
-    parts.append(table("c2", "C2 residual ‖Σ_j dK_j‖ / ‖dK‖_F (bf16 dK)", pct=False))
+    parts.append(table("c2", "C2 residual ‖Σ_j dK_j‖ / ‖dK‖_F (bf16 dK; the reference's own is not 0 under "
+                       "softcap)", pct=False, ref="c2_ref"))
     parts.append(table("c1_pre", "C1 before projection: max_i |r_i| / Σ_j |dS̃_ij| (ours; causal row 0 sees one "
                        "key, where dS is pure rounding, so the max is ~1 there)", pct=False))
     parts.append(table("c1_pre_median", "C1 before projection, median over rows (ours)", pct=False))
@@ -171,12 +209,28 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, our kernels only")
     ap.add_argument("--quick", action="store_true", help="σ=1 only and a shorter GQA sweep")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=None, help=f"comma-separated, of {','.join(METHODS)} (default: all "
+                    "available; sdpa_mask only with --window)")
     ap.add_argument("--mus", default=None, help="comma-separated ‖μ‖ values (default 0,50,200,1000)")
+    ap.add_argument("--window", type=parse_window, default=(-1, -1), metavar="LEFT,RIGHT",
+                    help="flash-attn sliding window for every setting, e.g. 256,0 (write --window=-1,8 when "
+                         "LEFT is -1)")
+    ap.add_argument("--softcap", type=float, default=0.0, metavar="C", help="logit softcap C > 0 for every setting")
     args = ap.parse_args()
+    if args.softcap < 0:
+        ap.error(f"--softcap must be >= 0 (0 = off), got {args.softcap}")
     os.makedirs(args.out, exist_ok=True)
     dev = "cpu" if args.smoke else "cuda"
-    methods = [m for m in args.methods.split(",") if M.available(m)]
+    feat = {"window_size": args.window, "softcap": args.softcap}
+    requested = args.methods.split(",") if args.methods else [m for m in METHODS if m != "sdpa_mask" or
+                                                                args.window != (-1, -1)]
+    unknown = [m for m in requested if m not in METHODS]
+    if unknown:
+        ap.error(f"unknown methods {unknown}; known: {METHODS}")
+    skipped = {m: M.unsupported(m, **feat) for m in requested if M.available(m) and M.unsupported(m, **feat)}
+    for reason in skipped.values():
+        print(f"skipped {reason}", flush=True)
+    methods = [m for m in requested if M.available(m) and m not in skipped]
     if args.smoke:
         main_cfg = dict(b=1, n=40, h=2, hk=2, d=32)
         gqa_cfg = dict(b=1, n=37, h=2, hk=1, d=32)
@@ -188,6 +242,8 @@ def main():
         gqa_mus = (0.0, 1000.0) if args.quick else (0.0, 50.0, 200.0, 1000.0)
     if args.mus:
         mus = gqa_mus = tuple(float(x) for x in args.mus.split(","))
+    # a window with right = 0 is causal already (causal only sets right = 0): run the causal settings only
+    causals = (True,) if args.window[1] == 0 else (False, True)
     settings = []
     seed = 0
     for causal in (False, True):
@@ -200,8 +256,11 @@ def main():
             seed += 1
             settings.append({"group": "gqa8:1-d64-N1000" if not args.smoke else "gqa", **gqa_cfg, "mu": mu,
                              "sigma": 1.0, "causal": causal, "seed": seed})
+    settings = [{**st, "window_size": list(args.window), "softcap": args.softcap} for st in settings
+                if st["causal"] in causals]
     res = {"env": M.env_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": [],
-           "methods": methods}
+           "methods": methods, "window_size": list(args.window), "softcap": args.softcap,
+           "feature": feature_label(args.window, args.softcap) or "none", "skipped": skipped}
 
     def dump():
         with open(os.path.join(args.out, "fidelity.json"), "w") as f:
@@ -209,7 +268,8 @@ def main():
         with open(os.path.join(args.out, "fidelity.md"), "w") as f:
             f.write(markdown(res))
 
-    res["constants"] = constant_checks(methods, dev, 40 if args.smoke else 1024, 32 if args.smoke else 128)
+    res["constants"] = constant_checks(methods, dev, 40 if args.smoke else 1024, 32 if args.smoke else 128, causals,
+                                       **feat)
     dump()
     for st in settings:
         t0 = time.time()

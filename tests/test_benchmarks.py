@@ -77,3 +77,55 @@ def test_train_step_smoke_writes_step_times(tmp_path):
     assert max(r["loss_first"] for r in rows) - min(r["loss_first"] for r in rows) < 0.05
     ratios = res["ratio_to_cudnn"]["tiny"]
     assert set(ratios) == {"cudnn", "gproj", "none"} and ratios["cudnn"] == 1.0
+
+
+def test_fidelity_smoke_with_window_and_softcap_matches_float64(tmp_path):
+    """benchmarks/fidelity.py --window/--softcap: our kernels (interpreter) against the float64 reference
+    with the same causal sliding window and logit cap. The window and the cap reach both sides or the
+    bf16-level bounds fail (a mask or cap on one side only is an O(1) error); fix="none" still leaks
+    at ‖μ‖=200, so the reference measures something; under softcap the reference's own C2 is not 0."""
+    _run(["benchmarks/fidelity.py", "--smoke", "--out", str(tmp_path), "--methods", "gproj,none", "--mus", "200",
+          "--window", "8,0", "--softcap", "30"], tmp_path, TRITON_INTERPRET="1")
+    res = json.loads((tmp_path / "fidelity.json").read_text())
+    assert res["window_size"] == [8, 0] and res["softcap"] == 30.0 and res["feature"] == "window (8, 0), softcap 30"
+    rows = res["rows"]
+    # right = 0 is causal already: the full-attention settings are not run twice
+    assert sorted((r["group"], r["method"], r["causal"]) for r in rows) == [
+        (g, m, True) for g in ("d128", "gqa") for m in ("gproj", "none")]
+    by = {(r["group"], r["method"]): r for r in rows}
+    for r in rows:
+        assert "error" not in r and not r["nan"], r
+        assert r["window_size"] == [8, 0] and r["softcap"] == 30.0 and r["mu"] == 200.0
+        for key in ("o_frob", "dk_frob", "dv_frob"):
+            assert r[key] < 4e-3, (r["group"], r["method"], key, r[key])  # below one bf16 unit (2^-8)
+        assert r["c2_ref"] > 1e-3  # C2 fails in exact arithmetic under softcap
+    for g in ("d128", "gqa"):
+        gp, no = by[(g, "gproj")], by[(g, "none")]
+        assert gp["dq_rowmed"] < 4e-3 and gp["dq_frob"] < 4e-3, gp
+        assert no["dq_rowmed"] > 5 * gp["dq_rowmed"], (no["dq_rowmed"], gp["dq_rowmed"])
+    consts = res["constants"]
+    assert {(c["method"], c["causal"], c["value"]) for c in consts} == {
+        (m, True, v) for m in ("gproj", "none") for v in (133120.0, 1000.0)}
+    assert all(c["exact"] and not c["nan"] for c in consts), consts
+    assert "window (8, 0), softcap 30" in (tmp_path / "fidelity.md").read_text()
+
+
+def test_fidelity_reference_mask_is_flash_attn_window():
+    """The float64 reference's visible set, against flash-attn's definition written as a loop."""
+    methods = load_script("benchmarks/_methods.py", "benchmark_methods")
+    for nq, nk in ((5, 9), (9, 5), (7, 7)):
+        for causal in (False, True):
+            for left, right in ((-1, -1), (2, 0), (0, 3), (-1, 1), (3, -1)):
+                got = methods.visible_mask(nq, nk, causal, (left, right))
+                r = 0 if causal else right
+                want = [[(left < 0 or j >= i + nk - nq - left) and (r < 0 or j <= i + nk - nq + r)
+                         for j in range(nk)] for i in range(nq)]
+                assert got.tolist() == want, (nq, nk, causal, left, right)
+
+
+def test_fidelity_rejects_bad_window():
+    fidelity = load_script("benchmarks/fidelity.py", "fidelity_benchmark")
+    assert fidelity.parse_window("256,0") == (256, 0) and fidelity.parse_window("-1,3") == (-1, 3)
+    for bad in ("256", "a,0", "-2,0", "1,2,3"):
+        with pytest.raises(Exception, match="--window"):
+            fidelity.parse_window(bad)

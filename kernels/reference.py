@@ -27,7 +27,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["forward", "backward", "FIXES", "DS_FORMATS", "round_significand"]
+__all__ = ["forward", "backward", "FIXES", "DS_FORMATS", "round_significand", "project_key_sum_"]
 
 #: Accepted values of ``fix``.
 FIXES = ("none", "gproj", "gproj_uniform")
@@ -133,6 +133,10 @@ def forward(
     causal: bool,
     block_m: int = 256,
     seqlens_k: Tensor | None = None,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Attention forward with FA3-class rounding points and an FMA-safe exponent.
 
@@ -147,16 +151,29 @@ def forward(
             valid(i, j) = (not causal or j <= i + seqlen_k − seqlen_q) and j < seqlens_k[b]. Expected
             in [1, seqlen_k] (not checked here; :func:`lightning_gproj.gproj_attn_func` validates).
             The values of masked keys are never used: NaN, inf or any value there changes nothing.
+        cu_seqlens_q, cu_seqlens_k: packed sequences (flash-attn's varlen layout), or None. int32
+            (batch + 1,) cumulative lengths: sequence b is the query rows cu_seqlens_q[b] <= i <
+            cu_seqlens_q[b + 1] of q (total_q, nheads, headdim) and the keys cu_seqlens_k[b] <= j <
+            cu_seqlens_k[b + 1] of k, v (total_k, nheads_k, headdim); each sequence is its own batch row
+            (causal bottom-right aligned per sequence; sequences never see each other; a sequence may be
+            empty). Expected to start at 0, not to decrease and to end at total_q / total_k (not checked
+            here; :func:`lightning_gproj.ops.gproj_attn_varlen_func` validates). Not combined with
+            ``seqlens_k``.
+        max_seqlen_q, max_seqlen_k: the longest sequence lengths (launch sizes of the Triton kernels;
+            accepted for the same signature, not needed here).
 
     Returns:
         o: like q. m: (batch, nheads, seqlen_q) fp32 (fp64 for fp64 input), the row max of the unscaled
         scores; 0 for a row with no visible key. log2l: same shape, log2 of Σ_j exp2((s_ij − m_i)·τ·log2e);
-        +inf for a row with no visible key (its P is then 0 and its output 0).
+        +inf for a row with no visible key (its P is then 0 and its output 0). Packed sequences: m and
+        log2l are (nheads, total_q), as flash-attn's varlen softmax_lse.
 
     The exponent is ``(s − m)·(τ·log2e)`` with s and m the same fp32 numbers, so the row's maximum gets
     exactly exp2(0) = 1 (DESIGN.md §5): no FMA can move it, and q = k = v = constant returns the
     constant (no NaN even for 133120 in bf16).
     """
+    if cu_seqlens_q is not None:
+        return _forward_varlen(q, k, v, softmax_scale, causal, block_m, cu_seqlens_q, cu_seqlens_k)
     dtype = q.dtype
     cdt = _compute_dtype(dtype)
     rnd = _rounder(dtype)
@@ -184,6 +201,29 @@ def forward(
     return o.transpose(1, 2).to(dtype), m, log2l
 
 
+def sequences(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> list[tuple[int, int, int, int]]:
+    """``[(q0, q1, k0, k1)]`` per packed sequence: its query rows q0 <= i < q1 and keys k0 <= j < k1
+    (reads the values: a device sync)."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
+
+
+def _forward_varlen(q, k, v, softmax_scale, causal, block_m, cu_seqlens_q, cu_seqlens_k):
+    """:func:`forward` over packed sequences, one sequence at a time (each its own batch row of 1)."""
+    nheads = q.shape[1]
+    stat = torch.float64 if q.dtype == torch.float64 else torch.float32
+    o = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    # A sequence with no keys keeps the contract of a row with no visible key: o = 0, m = 0, log2l = +inf.
+    m = torch.zeros(nheads, q.shape[0], dtype=stat, device=q.device)
+    log2l = torch.full_like(m, float("inf"))
+    for q0, q1, k0, k1 in sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0 or k1 == k0:
+            continue
+        ob, mb, lb = forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, causal, block_m)
+        o[q0:q1], m[:, q0:q1], log2l[:, q0:q1] = ob[0], mb[0], lb[0]
+    return o, m, log2l
+
+
 def backward(
     do: Tensor,
     q: Tensor,
@@ -201,6 +241,10 @@ def backward(
     block_m: int = 256,
     seqlens_k: Tensor | None = None,
     ds_format: str = "bf16",
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
     """Attention backward with FA3-class rounding points and the GProj corrections.
 
@@ -226,12 +270,19 @@ def backward(
             GEMM operand dtype (the input dtype; nothing for fp32 / fp64 inputs), ``"e4m3"`` / ``"e5m2"``
             4 / 3 significant bits with no range limit (:func:`round_significand`), then the operand
             dtype (exact). r sums the values the GEMMs use, whatever the format.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: packed sequences, as in :func:`forward`
+            (the same values the forward ran with; m, log2l then (nheads, total_q)). Each sequence is
+            its own batch row: r_i per query row, and the fp32 dk projection (C2) and
+            ``gproj_uniform``'s dK correction per sequence — Σ over each sequence's keys, never across
+            sequences. A sequence with no keys gets dq = 0; one with no queries dk = dv = 0.
 
     Returns:
         dq like q; dk, dv like k, v (GQA: summed over the query heads of each kv head); extras with,
         when ``want_stats``, fp32 tensors ``r`` and ``abs_dS`` (batch, nheads, seqlen_q): the row sums
         Σ_j dS̃_ij and Σ_j |dS̃_ij| of the rounded dS before any projection, and ``leak``
-        (batch, nheads, seqlen_q, headdim): τ ρ_i (P̃ K)_i, the part of dQ̃ that GProj removes.
+        (batch, nheads, seqlen_q, headdim): τ ρ_i (P̃ K)_i, the part of dQ̃ that GProj removes. Packed
+        sequences: dq (total_q, nheads, headdim), dk, dv (total_k, nheads_k, headdim); r, abs_dS
+        (nheads, total_q), leak (nheads, total_q, headdim).
 
     Raises:
         ValueError: ``fix`` not one of :data:`FIXES`, ``ds_format`` not one of :data:`DS_FORMATS`.
@@ -239,6 +290,11 @@ def backward(
     if fix not in FIXES:
         raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
     ds_bits = check_ds_format(ds_format)
+    if cu_seqlens_q is not None:
+        return _backward_varlen(
+            do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, dk_fold, grad_dtype, block_m,
+            ds_format, cu_seqlens_q, cu_seqlens_k,
+        )
     dtype = q.dtype
     cdt = _compute_dtype(dtype)
     rnd = _rounder(dtype)
@@ -318,9 +374,10 @@ def backward(
     return dq.transpose(1, 2).to(out), dk, dv.transpose(1, 2).to(out), extras
 
 
-def project_key_sum_(dk: Tensor, seqlens_k: Tensor | None = None) -> Tensor:
+def project_key_sum_(dk: Tensor, seqlens_k: Tensor | None = None, cu_seqlens_k: Tensor | None = None) -> Tensor:
     """In place: subtract from every valid key's gradient the mean over the valid keys, per batch row
-    and kv head, so that Σ_j dK_j = 0 (C2, DESIGN.md §2) holds to the rounding of this step.
+    (per packed sequence) and kv head, so that Σ_j dK_j = 0 (C2, DESIGN.md §2) holds to the rounding
+    of this step.
 
     The exact gradient satisfies C2, so this orthogonal projection never moves dk away from it. It
     cleans up what the projections (fix="gproj" and "gproj_uniform") leave when dk is returned in
@@ -331,8 +388,20 @@ def project_key_sum_(dk: Tensor, seqlens_k: Tensor | None = None) -> Tensor:
 
     Args:
         dk: (batch, seqlen_k, nheads_k, headdim), fp32 or fp64, any strides; modified and returned.
+            With ``cu_seqlens_k``: (total_k, nheads_k, headdim).
         seqlens_k: None, or (batch,) integer key lengths (right padding): masked keys keep dk = 0.
+        cu_seqlens_k: None, or the (batch + 1,) cumulative key lengths of packed sequences: the mean
+            is taken over each sequence's keys, so each sequence's Σ_j dK_j = 0 on its own (an empty
+            sequence has nothing to project).
     """
+    if cu_seqlens_k is not None:
+        cu = cu_seqlens_k.to(device=dk.device, dtype=torch.long)
+        lens = cu.diff()
+        seq = torch.repeat_interleave(torch.arange(lens.numel(), device=dk.device), lens, output_size=dk.shape[0])
+        total = torch.zeros((lens.numel(),) + dk.shape[1:], dtype=torch.float64, device=dk.device)
+        total.index_add_(0, seq, dk.double())
+        mean = total / lens.clamp(min=1).to(torch.float64)[:, None, None]
+        return dk.sub_(mean.to(dk.dtype)[seq])
     if seqlens_k is None:
         mean = dk.sum(dim=1, keepdim=True, dtype=torch.float64) / dk.shape[1]
         return dk.sub_(mean.to(dk.dtype))
@@ -341,6 +410,31 @@ def project_key_sum_(dk: Tensor, seqlens_k: Tensor | None = None) -> Tensor:
     total = (dk * valid).sum(dim=1, keepdim=True, dtype=torch.float64)
     mean = total / seqlens_k.to(device=dk.device, dtype=torch.float64)[:, None, None, None]
     return dk.sub_(mean.to(dk.dtype) * valid)
+
+
+def _backward_varlen(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, dk_fold, grad_dtype,
+                     block_m, ds_format, cu_seqlens_q, cu_seqlens_k):
+    """:func:`backward` over packed sequences, one sequence at a time: every correction (and the fp32
+    dk projection) then acts within the sequence."""
+    out = grad_dtype or q.dtype
+    nheads, d = q.shape[1], q.shape[2]
+    dq = torch.zeros(q.shape, dtype=out, device=q.device)
+    dk = torch.zeros(k.shape, dtype=out, device=q.device)
+    dv = torch.zeros(v.shape, dtype=out, device=q.device)
+    stats = {"r": torch.zeros(nheads, q.shape[0], device=q.device), "abs_dS": torch.zeros(nheads, q.shape[0], device=q.device),
+             "leak": torch.zeros(nheads, q.shape[0], d, device=q.device)} if want_stats else {}
+    for q0, q1, k0, k1 in sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0 or k1 == k0:
+            continue  # no query sees a key: every gradient (and statistic) of the sequence is 0
+        g = backward(
+            do[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], o[None, q0:q1], m[None, :, q0:q1],
+            log2l[None, :, q0:q1], softmax_scale, causal, fix, want_stats, dk_fold, grad_dtype, block_m,
+            ds_format=ds_format,
+        )
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+        for name, x in g[3].items():
+            stats[name][:, q0:q1] = x[0]
+    return dq, dk, dv, stats
 
 
 def _uniform_corrections(qh: Tensor, kh: Tensor, r: Tensor, causal: bool, n_valid: int) -> tuple[Tensor, Tensor]:

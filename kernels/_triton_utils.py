@@ -139,10 +139,11 @@ def check_varlen(
     return cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k
 
 
-def batch_strides(x: torch.Tensor) -> tuple[int, ...]:
-    """The (batch, seqlen, nheads, headdim) strides of ``x``; a packed (total, nheads, headdim) tensor
-    has batch stride 0 (the kernels add each sequence's start offset themselves)."""
-    return tuple(x.stride()) if x.dim() == 4 else (0, *x.stride())
+def batch_strides(x: torch.Tensor, packed: bool) -> tuple[int, ...]:
+    """The strides of a (batch, seqlen, nheads, headdim) tensor for the kernels; ``packed``: ``x`` is a
+    packed (1, total, nheads, headdim) view, whose batch stride is passed as 0 (the kernels add each
+    sequence's start offset themselves)."""
+    return (0, *x.stride()[1:]) if packed else tuple(x.stride())
 
 
 import triton  # noqa: E402
@@ -262,6 +263,14 @@ def atomic_add_vec(A, rows, x, N, MASKED: tl.constexpr):
         tl.atomic_add(A + rows, x, mask=rows < N, sem="relaxed")
     else:
         tl.atomic_add(A + rows, x, sem="relaxed")
+
+
+@triton.jit
+def seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b):
+    """Packed sequence ``b``: (start row in q, start key in k, its number of queries, its number of keys)."""
+    q_start = tl.load(CU_SEQLENS_Q + b)
+    k_start = tl.load(CU_SEQLENS_K + b)
+    return q_start, k_start, tl.load(CU_SEQLENS_Q + b + 1) - q_start, tl.load(CU_SEQLENS_K + b + 1) - k_start
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
     INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, interpreting, load_pair, mma,
-    padded_head_dim, supports, to16, visible,
+    padded_head_dim, seq_bounds, supports, to16, visible,
 )
 
 __all__ = ["forward", "supports"]
@@ -112,11 +112,10 @@ def _fwd_kernel(
         # Packed sequences: batch row b is rows [cu_q[b], cu_q[b+1]) of q, o and keys [cu_k[b], cu_k[b+1])
         # of k, v (batch strides are 0); N_Q, N_K arrive as total_q, total_k (m, log2l are (H, total_q))
         # and become this sequence's lengths, so every bound and the causal offset below are per sequence.
-        q_start = tl.load(CU_SEQLENS_Q + b)
-        k_start = tl.load(CU_SEQLENS_K + b)
+        q_start, k_start, n_q, n_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b)
         row0 = h.to(tl.int64) * N_Q + q_start
-        N_Q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
-        N_K = tl.load(CU_SEQLENS_K + b + 1) - k_start
+        N_Q = n_q
+        N_K = n_k
         if start_m >= N_Q:
             return
         Q += q_start.to(tl.int64) * stride_qn
@@ -232,24 +231,25 @@ def forward(
     seqlens_k = check_seqlens(seqlens_k, q)
     b, nq, h, d = q4.shape
     nk, hk = k4.shape[1], k4.shape[2]
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
     m = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
     log2l = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
     c = float(softmax_scale) * LOG2E
     # Packed: one batch row per sequence, over the longest one (N_Q, N_K stay total_q, total_k).
-    nb, grid_q = (varlen[0].numel() - 1, varlen[2]) if varlen else (b, nq)
+    packed = varlen is not None
+    nb, grid_q = (varlen[0].numel() - 1, varlen[2]) if packed else (b, nq)
 
     def grid(meta):
         return (triton.cdiv(grid_q, meta["BLOCK_M"]), nb * h)
 
     _fwd_kernel[grid](
-        q, k, v, o, m, log2l, seqlens_k if seqlens_k is not None else m,
+        q4, k4, v4, o, m, log2l, seqlens_k if seqlens_k is not None else m,
         *(varlen[:2] if varlen else (m, m)),
-        *batch_strides(q), *batch_strides(k), *batch_strides(v), *batch_strides(o),
+        *batch_strides(q4, packed), *batch_strides(k4, packed), *batch_strides(v4, packed), *batch_strides(o, packed),
         c, h, nq, nk,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=padded_head_dim(d), CAUSAL=bool(causal),
-        HAS_SEQLENS=seqlens_k is not None, IS_VARLEN=varlen is not None, INTERP=INTERPRET,
+        HAS_SEQLENS=seqlens_k is not None, IS_VARLEN=packed, INTERP=INTERPRET,
     )
     if varlen:
-        m, log2l = m[0], log2l[0]
+        o, m, log2l = o[0], m[0], log2l[0]
     return o, m, log2l

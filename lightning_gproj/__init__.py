@@ -2,14 +2,14 @@
 
 Public API::
 
-    from lightning_gproj import gproj_attn_func, GProjPlugin, ZeroSumMonitor, GradNormMonitor
+    from lightning_gproj import gproj_attn_func, gproj_attn_varlen_func, GProjPlugin, ZeroSumMonitor, GradNormMonitor
 
 See README.md and docs/design.md.
 """
 
 from lightning_gproj.callbacks import Alert, GradNormMonitor, ZeroSumMonitor
 from lightning_gproj.fabric import GProjFabricPlugin
-from lightning_gproj.ops import DS_FORMATS, FIXES, gproj_attn_func
+from lightning_gproj.ops import DS_FORMATS, FIXES, gproj_attn_func, gproj_attn_varlen_func
 from lightning_gproj.plugin import GProjPlugin
 from lightning_gproj.stats import RECORDER, StatsRecorder
 from lightning_gproj.swap import GProjFallbackError, GProjFallbackWarning, SwapReport, swap_attention, unswap_attention
@@ -28,6 +28,7 @@ __all__ = [
     "SwapReport",
     "ZeroSumMonitor",
     "gproj_attn_func",
+    "gproj_attn_varlen_func",
     "swap_attention",
     "unswap_attention",
 ]

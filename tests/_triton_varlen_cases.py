@@ -142,8 +142,8 @@ def main() -> None:
         # Causal, GQA 2:1: an empty query sequence with keys, a keyless query sequence, a length-1 pair,
         # Nq > Nk (rows with no key), Nq < Nk, lengths crossing the interpreter's 16-row blocks.
         run_case([5, 0, 1, 3, 20, 9], [7, 3, 1, 0, 14, 17], 2, 1, 32, True, 1, every),
-        # Not causal, no GQA, a sequence spanning three blocks.
-        run_case([1, 33, 0, 7], [2, 40, 5, 7], 2, 2, 32, False, 2,
+        # Not causal, no GQA, a key sequence spanning three blocks.
+        run_case([1, 21, 0, 7], [2, 36, 5, 7], 2, 2, 32, False, 2,
                  [("none", "two_pass"), ("gproj", "two_pass"), ("gproj", "one_pass")]),
     ]}
     res["one_pass_calls"] = ONE_PASS_CALLS[0]

@@ -210,12 +210,14 @@ def swap_attention(
                 continue
             report.sites[path] = hf.swap_module(module, path, fix, site=old)
             dropout = hf.dropout_note(module)
-            notes = again + ([dropout] if dropout else []) + ["left padding and other non-causal masks, dropout, softcap run sdpa_attention_forward (warns once)"]
+            notes = again + ([dropout] if dropout else []) + [
+                "packed sequences (position_ids restarting at 0, cu_seq_lens kwargs) served through the varlen op; "
+                "left padding and other non-causal masks, dropout, softcap run sdpa_attention_forward (warns once)"]
             if implementation != "sdpa":
                 notes.append(f"its masks are now built as for 'sdpa', not {implementation!r}")
             report.rows.append(SwapRow(path, original, f"{replacement} via AttentionInterface 'gproj'", "; ".join(notes)))
         elif bindings:
-            names = ", ".join(f"{source}.flash_attn_func as {name}" for name, source in bindings)
+            names = ", ".join(f"{source} as {name}" for name, source in bindings)
             original = f"{type(module).__name__}: {names}"
             if reason is not None:
                 flash_attn.swap_module(module, path, fix, bindings, keep=True)
@@ -223,7 +225,8 @@ def swap_attention(
                 continue
             report.sites[path] = flash_attn.swap_module(module, path, fix, bindings, site=old)
             where = type(module).__module__
-            notes = again + ["dropout, windows, softcap, ALiBi, return_attn_probs run the original (warns once)"]
+            notes = again + ["flash_attn_varlen_func calls served with their cu_seqlens; dropout, windows, softcap, "
+                             "ALiBi, return_attn_probs, seqused/paged KV run the original (warns once)"]
             report.rows.append(SwapRow(path, original, f"{replacement} via rebinding in {where}", "; ".join(notes)))
         elif isinstance(module, nn.MultiheadAttention):
             original = "nn.MultiheadAttention"

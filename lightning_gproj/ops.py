@@ -1,4 +1,5 @@
-"""``gproj_attn_func``: attention whose backward keeps the softmax zero-sum law (DESIGN.md §4).
+"""``gproj_attn_func``: attention whose backward keeps the softmax zero-sum law (DESIGN.md §4), and
+``gproj_attn_varlen_func``, the same over packed sequences (flash-attn's varlen layout).
 
 The op is two ``torch.library`` custom ops (forward and backward) joined by ``register_autograd``, so
 ``torch.compile(fullgraph=True)`` sees attention as one opaque op instead of breaking the graph. Each

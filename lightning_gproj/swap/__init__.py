@@ -1,7 +1,8 @@
 """Swap a model's attention for :func:`lightning_gproj.ops.gproj_attn_func`, in place.
 
 One file per target: :mod:`.sdpa` (modules calling ``F.scaled_dot_product_attention``), :mod:`.mha`
-(``nn.MultiheadAttention``), :mod:`.flash_attn` (modules calling an imported ``flash_attn_func``) and
+(``nn.MultiheadAttention``), :mod:`.flash_attn` (modules calling an imported ``flash_attn_func`` or
+``flash_attn_varlen_func``) and
 :mod:`.hf` (Hugging Face ``transformers`` models, through their attention registry).
 :func:`swap_attention` walks the model once, swaps what it can serve exactly, and returns a
 :class:`SwapReport` of what it did and what it left alone and why.
@@ -135,9 +136,11 @@ def swap_attention(
     :class:`~lightning_gproj.swap.mha.GProjMultiheadAttention`, same parameters); every module
     whose class code names ``scaled_dot_product_attention`` (its ``forward`` wrapped in a
     ``TorchFunctionMode``; see :mod:`.sdpa`); every module whose class code names a
-    ``flash_attn_func`` imported from ``flash_attn``, ``flash_attn_interface`` or ``flash_attn.cute``
-    (the name rebound in its module; see :mod:`.flash_attn`); every ``transformers`` model (attention
-    implementation set to ``"gproj"``; its attention modules get a site; see :mod:`.hf`). Calls the
+    ``flash_attn_func`` or ``flash_attn_varlen_func`` imported from ``flash_attn``,
+    ``flash_attn_interface`` or ``flash_attn.cute`` (the name rebound in its module, packed sequences
+    served by ``gproj_attn_varlen_func``; see :mod:`.flash_attn`); every ``transformers`` model
+    (attention implementation set to ``"gproj"``, packed sequences included; its attention modules get
+    a site; see :mod:`.hf`). Calls the
     op cannot reproduce exactly run the original code with one :class:`GProjFallbackWarning` per
     module.
 

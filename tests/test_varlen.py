@@ -164,8 +164,9 @@ def test_key_gradients_sum_to_zero_per_sequence(fix):
         glob = grads["none"] - grads["none"].mean(dim=0, keepdim=True)  # the wrong, packed-wide projection
 
         def residuals(dk):
+            # sequences with two or more keys that some query sees (the others have dk = 0)
             return [(dk[a:e].sum(dim=0).norm(dim=-1) / dk[a:e].norm(dim=(0, 2))).max().item()
-                    for a, e in zip(cu_k[:-1].tolist(), cu_k[1:].tolist()) if e - a > 1 and cu_q[1:][cu_k[1:] == e].numel()]
+                    for a, e in zip(cu_k[:-1].tolist(), cu_k[1:].tolist()) if e - a > 1 and dk[a:e].norm() > 0]
         assert max(residuals(grads[fix])) <= 4 * U32, residuals(grads[fix])
         assert max(residuals(glob)) >= 100 * U32
         assert max(residuals(grads["none"])) >= 100 * U32

@@ -68,11 +68,11 @@ import triton
 import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, atomic_add_rows, atomic_add_vec, autotune_enabled, check_seqlens, in_window, interpreting,
-    load_pair, load_rows, mma, padded_head_dim, round_ds, supports, tanh_f32, to16, visible, window_args,
-    window_key_blocks, window_query_blocks,
+    INTERPRET, LOG2E, atomic_add_rows, atomic_add_vec, autotune_enabled, batch_strides, check_seqlens, check_varlen,
+    in_window, interpreting, load_pair, load_rows, mma, padded_head_dim, round_ds, seq_bounds, supports, tanh_f32,
+    to16, visible, window_args, window_key_blocks, window_query_blocks,
 )
-from lightning_gproj.kernels.reference import FIXES, check_ds_format, project_key_sum_
+from lightning_gproj.kernels.reference import FIXES, check_ds_format, project_key_sum_, sequences
 
 __all__ = ["backward", "supports", "FIXES", "DEFAULT_DK_FOLD", "SCHEDULES", "default_schedule", "ONE_PASS_MAX_HEAD_DIM"]
 
@@ -189,11 +189,11 @@ def _dq_inner(
 
 
 @triton.autotune(configs=_DQ_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "GPROJ", "NEED_R", "STATS",
-                                           "HAS_SEQLENS", "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM"],
+                                           "HAS_SEQLENS", "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, M, LOG2L, DELTA, DQ, R, RHO, ABS, LEAK, SEQLENS,
+    Q, K, V, DO, M, LOG2L, DELTA, DQ, R, RHO, ABS, LEAK, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -202,8 +202,8 @@ def _dq_kernel(
     c, tau, H, N_Q, N_K, WL, WR, sc, cap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     GPROJ: tl.constexpr, NEED_R: tl.constexpr, STATS: tl.constexpr, HAS_SEQLENS: tl.constexpr,
-    DS_BITS: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    UNIFORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DS_BITS: tl.constexpr, IS_VARLEN: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     NEED_PK: tl.constexpr = GPROJ or STATS
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -216,6 +216,22 @@ def _dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    if IS_VARLEN:
+        # Packed sequences, as in attention_fwd._fwd_kernel: batch strides are 0, N_Q and N_K arrive as
+        # total_q, total_k (row statistics are (H, total_q)) and become this sequence's lengths.
+        q_start, k_start, n_q, n_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b)
+        row0 = h.to(tl.int64) * N_Q + q_start
+        N_Q = n_q
+        N_K = n_k
+        if start_m >= N_Q:
+            return
+        Q += q_start.to(tl.int64) * stride_qn
+        DO += q_start.to(tl.int64) * stride_don
+        DQ += q_start.to(tl.int64) * stride_dqn
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+    else:
+        row0 = pid_bh.to(tl.int64) * N_Q
     CAUSAL_OFF = N_K - N_Q  # the causal alignment always uses the full seqlen_k
     b64 = b.to(tl.int64)
     # Keys [0, K_LEN) are valid in this batch row (right padding); K_LEN = N_K without seqlens_k.
@@ -232,7 +248,7 @@ def _dq_kernel(
                 mask=tile_mask, other=0.0)
     do = tl.load(DO + b64 * stride_dob + h * stride_doh + offs_m[:, None] * stride_don
                  + offs_d[None, :] * stride_dod, mask=tile_mask, other=0.0)
-    rows = pid_bh.to(tl.int64) * N_Q + offs_m
+    rows = row0 + offs_m
     m = tl.load(M + rows, mask=row_mask, other=0.0)
     # Rows past N_Q get log2l = +inf, hence P = 0 (their gradients are never stored).
     l2 = tl.load(LOG2L + rows, mask=row_mask, other=float("inf"))
@@ -363,11 +379,11 @@ def _dkdv_inner(
 
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "DK_MODE", "HAS_SEQLENS",
-                                             "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM"],
+                                             "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, M, LOG2L, DELTA, R, DK, DV, SEQLENS,
+    Q, K, V, DO, M, LOG2L, DELTA, R, DK, DV, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -376,8 +392,8 @@ def _dkdv_kernel(
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     c, tau, H, HK, N_Q, N_K, WL, WR, sc, cap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    DK_MODE: tl.constexpr, HAS_SEQLENS: tl.constexpr, DS_BITS: tl.constexpr, INTERP: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr,
+    DK_MODE: tl.constexpr, HAS_SEQLENS: tl.constexpr, DS_BITS: tl.constexpr, IS_VARLEN: tl.constexpr,
+    INTERP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -390,6 +406,20 @@ def _dkdv_kernel(
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    if IS_VARLEN:
+        # Packed sequences, as in _dq_kernel; key blocks past the sequence's keys exit at once.
+        q_start, k_start, n_q, n_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b)
+        ROWS = N_Q
+        N_Q = n_q
+        N_K = n_k
+        if start_n >= N_K:
+            return
+        Q += q_start.to(tl.int64) * stride_qn
+        DO += q_start.to(tl.int64) * stride_don
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+        DK += k_start.to(tl.int64) * stride_dkn
+        DV += k_start.to(tl.int64) * stride_dvn
     CAUSAL_OFF = N_K - N_Q
 
     kv_mask = cols[:, None] < N_K
@@ -436,7 +466,10 @@ def _dkdv_kernel(
         h = hk * GROUP + g
         Qh = Q + b64 * stride_qb + h * stride_qh
         DOh = DO + b64 * stride_dob + h * stride_doh
-        row0 = (b64 * H + h) * N_Q
+        if IS_VARLEN:
+            row0 = h.to(tl.int64) * ROWS + q_start
+        else:
+            row0 = (b64 * H + h) * N_Q
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
             offs_m, cols, offs_d, offs_dq, offs_ddo, lo, tl.minimum(lo_full, q_end), c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
@@ -562,11 +595,11 @@ def _one_pass_inner(
 
 
 @triton.autotune(configs=_ONE_PASS_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "NEED_R", "NEED_PS",
-                                                 "STATS", "HAS_SEQLENS", "DS_BITS"],
+                                                 "STATS", "HAS_SEQLENS", "DS_BITS", "IS_VARLEN"],
                  prune_configs_by={"early_config_prune": _prune}, reset_to_zero=["DQ", "R", "PS", "ABS"])
 @triton.jit
 def _one_pass_kernel(
-    Q, K, V, DO, M, LOG2L, DELTA, DQ, R, PS, ABS, DK, DV, SEQLENS,
+    Q, K, V, DO, M, LOG2L, DELTA, DQ, R, PS, ABS, DK, DV, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -577,7 +610,8 @@ def _one_pass_kernel(
     c, dk_scale, H, HK, N_Q, N_K,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     NEED_R: tl.constexpr, NEED_PS: tl.constexpr, STATS: tl.constexpr, HAS_SEQLENS: tl.constexpr,
-    DS_BITS: tl.constexpr, INTERP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DS_BITS: tl.constexpr, IS_VARLEN: tl.constexpr, INTERP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_n = tl.program_id(0)
@@ -589,6 +623,21 @@ def _one_pass_kernel(
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    if IS_VARLEN:
+        # Packed sequences, as in _dq_kernel; key blocks past the sequence's keys exit at once.
+        q_start, k_start, n_q, n_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b)
+        ROWS = N_Q
+        N_Q = n_q
+        N_K = n_k
+        if start_n >= N_K:
+            return
+        Q += q_start.to(tl.int64) * stride_qn
+        DO += q_start.to(tl.int64) * stride_don
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+        DK += k_start.to(tl.int64) * stride_dkn
+        DV += k_start.to(tl.int64) * stride_dvn
+        DQ += q_start.to(tl.int64) * stride_dqn
     CAUSAL_OFF = N_K - N_Q
     if HAS_SEQLENS:
         K_LEN = tl.load(SEQLENS + b).to(tl.int32)
@@ -613,7 +662,10 @@ def _one_pass_kernel(
         Qh = Q + b64 * stride_qb + h * stride_qh
         DOh = DO + b64 * stride_dob + h * stride_doh
         DQh = DQ + b64 * stride_dqb + h * stride_dqh
-        row0 = (b64 * H + h) * N_Q
+        if IS_VARLEN:
+            row0 = h.to(tl.int64) * ROWS + q_start
+        else:
+            row0 = (b64 * H + h) * N_Q
         dk, dv = _one_pass_inner(
             dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, DQh, R + row0, PS + row0, ABS + row0,
             stride_qn, stride_don, stride_dqn, offs_m, cols, offs_d, offs_dq, offs_ddo,
@@ -674,11 +726,11 @@ def _corr_inner(
 
 
 @triton.autotune(configs=_CORR_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "GPROJ", "STATS",
-                                             "HAS_SEQLENS"],
+                                             "HAS_SEQLENS", "IS_VARLEN"],
                  prune_configs_by={"early_config_prune": _prune}, restore_value=["DQ", "LEAK"])
 @triton.jit
 def _corr_kernel(
-    Q, K, M, LOG2L, R, PS, DQ, LEAK, DKM, DK, SEQLENS,
+    Q, K, M, LOG2L, R, PS, DQ, LEAK, DKM, DK, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_dqb, stride_dqn, stride_dqh,
@@ -686,8 +738,8 @@ def _corr_kernel(
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     c, tau, H, HK, N_Q, N_K,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    GPROJ: tl.constexpr, STATS: tl.constexpr, HAS_SEQLENS: tl.constexpr, INTERP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GPROJ: tl.constexpr, STATS: tl.constexpr, HAS_SEQLENS: tl.constexpr, IS_VARLEN: tl.constexpr,
+    INTERP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The P-weighted corrections once r is final (fix="gproj"): dK_j = τ (dKmain_j − Σ_i bf16(ρ_i P̃_ij) q_i)
     from the fp32 main-pass dK (DKM, unscaled) into DK; dQ_i −= ρ_i (P̃K)_i added into the fp32 dQ
@@ -702,6 +754,19 @@ def _corr_kernel(
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    if IS_VARLEN:
+        # Packed sequences, as in _dq_kernel; key blocks past the sequence's keys exit at once.
+        q_start, k_start, n_q, n_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b)
+        ROWS = N_Q
+        N_Q = n_q
+        N_K = n_k
+        if start_n >= N_K:
+            return
+        Q += q_start.to(tl.int64) * stride_qn
+        K += k_start.to(tl.int64) * stride_kn
+        DQ += q_start.to(tl.int64) * stride_dqn
+        DKM += k_start.to(tl.int64) * stride_dkmn
+        DK += k_start.to(tl.int64) * stride_dkn
     CAUSAL_OFF = N_K - N_Q
     if HAS_SEQLENS:
         K_LEN = tl.load(SEQLENS + b).to(tl.int32)
@@ -720,7 +785,10 @@ def _corr_kernel(
         h = hk * GROUP + g
         Qh = Q + b64 * stride_qb + h * stride_qh
         DQh = DQ + b64 * stride_dqb + h * stride_dqh
-        row0 = (b64 * H + h) * N_Q
+        if IS_VARLEN:
+            row0 = h.to(tl.int64) * ROWS + q_start
+        else:
+            row0 = (b64 * H + h) * N_Q
         LEAKh = LEAK + row0 * HEAD_DIM
         dkc = _corr_inner(
             dkc, k, Qh, M + row0, LOG2L + row0, R + row0, PS + row0, DQh, LEAKh, stride_qn, stride_dqn,
@@ -847,6 +915,10 @@ def backward(
     schedule: str | None = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ):
     """Attention backward with FA3-class rounding points and the GProj corrections.
 
@@ -881,15 +953,25 @@ def backward(
             acts in the capped domain and an fp32 dk gets no C2 projection; with either, fix="gproj_uniform"
             runs in the kernels with the visible-key mask as its direction instead of the O(N·d) PyTorch
             corrections). Query/key block pairs outside the window are skipped.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: packed sequences, the values the
+            forward ran with (:func:`lightning_gproj.kernels.attention_fwd.forward`): do, q, o
+            (total_q, nheads, headdim), k, v (total_k, nheads_k, headdim), m, log2l (nheads, total_q).
+            Query-block programs run over cdiv(max_seqlen_q, BLOCK_M), key-block programs over
+            cdiv(max_seqlen_k, BLOCK_N), per sequence; blocks past a sequence's end exit at once.
+            Both schedules serve them; r is per query row, and the fp32 dk projection and
+            gproj_uniform's dK correction act per sequence (Σ over each sequence's keys). A window
+            and softcap apply within each sequence (bottom-right aligned per sequence).
 
     Returns:
         (dq, dk, dv, extras): dq like q, dk/dv like k/v (GQA: summed over each kv head's query heads),
-        all contiguous; extras is {} unless want_stats.
+        all contiguous; extras is {} unless want_stats (packed: r, abs_dS (nheads, total_q), leak
+        (nheads, total_q, headdim)).
 
     Raises:
         ValueError: unknown ``fix``, ``ds_format`` or ``schedule`` (or GPROJ_BWD_SCHEDULE), an input the
-            kernels cannot serve (:func:`supports`), or a ``seqlens_k`` that is not a (batch,) integer
-            tensor on q's device.
+            kernels cannot serve (:func:`supports`), a ``seqlens_k`` that is not a (batch,) integer
+            tensor on q's device, or malformed packed-sequence arguments
+            (:func:`~lightning_gproj.kernels._triton_utils.check_varlen`).
     """
     if fix not in FIXES:
         raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
@@ -898,6 +980,10 @@ def backward(
         schedule = default_schedule()
     elif schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES} or None, got {schedule!r}")
+    varlen = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, seqlens_k)
+    if varlen:  # packed: (1, total, ...) views; the kernels see batch stride 0 and one batch row per sequence
+        do, q, k, v, o = (x.unsqueeze(0) for x in (do, q, k, v, o))
+        m, log2l = m.unsqueeze(0), log2l.unsqueeze(0)
     reason = supports(q, k, v)
     if reason is not None:
         raise ValueError(f"Triton attention backward cannot serve this input: {reason}")
@@ -930,28 +1016,44 @@ def backward(
     extra = (win,) if run is _two_pass else ()
     dq, dk, dv, r, abs_ds, leak = run(
         do, q, k, v, m.contiguous(), log2l.contiguous(), delta, float(softmax_scale), win["CAUSAL"], fix,
-        bool(want_stats), dk_fold, out32, gdt, seqlens_k, ds_bits, *extra,
+        bool(want_stats), dk_fold, out32, gdt, seqlens_k, ds_bits, varlen, *extra,
     )
     if fix == "gproj_uniform" and not in_kernel_uniform:
-        _apply_uniform_corrections(dq, dk, q, k, r, float(softmax_scale), bool(causal), seqlens_k)
+        if varlen:  # each sequence on its own: its rows see only its keys
+            for q0, q1, k0, k1 in sequences(varlen[0], varlen[1]):
+                if q1 > q0 and k1 > k0:
+                    _apply_uniform_corrections(dq[:, q0:q1], dk[:, k0:k1], q[:, q0:q1], k[:, k0:k1], r[:, :, q0:q1],
+                                               float(softmax_scale), bool(causal))
+        else:
+            _apply_uniform_corrections(dq, dk, q, k, r, float(softmax_scale), bool(causal), seqlens_k)
     if fix != "none" and gdt == torch.float32 and not win["SOFTCAP"]:
         # C2 to fp32 rounding, as kernels/reference.py: it holds with a window (over the keys some query
-        # sees), not with softcap.
+        # sees), not with softcap; packed: per sequence, with each sequence's own alignment.
         left = tuple(window_size)[0]
-        project_key_sum_(dk, seqlens_k, key_start=max(0, nk - nq - left) if left >= 0 else 0)
+        if varlen:
+            cu_q, cu_k = varlen[0].long(), varlen[1].long()
+            starts = (cu_k.diff() - cu_q.diff() - left).clamp(min=0) if left >= 0 else 0
+            project_key_sum_(dk[0], key_start=starts, cu_seqlens_k=cu_k)
+        else:
+            project_key_sum_(dk, seqlens_k, key_start=max(0, nk - nq - left) if left >= 0 else 0)
     dq, dk = dq.to(gdt), dk.to(gdt)
 
     extras = {}
     if want_stats:
         extras = {"r": r, "abs_dS": abs_ds, "leak": leak}
+    if varlen:
+        dq, dk, dv = dq[0], dk[0], dv[0]
+        extras = {name: x[0] for name, x in extras.items()}
     return dq, dk, dv, extras
 
 
 def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fold, out32, gdt, seqlens_k, ds_bits,
-              win=None):
+              varlen, win=None):
     """dQ pass then dK/dV pass (module docstring). Returns dq, dk (fp32 if out32), dv, r, abs_dS, leak
-    (r None unless needed; abs_dS, leak None unless want_stats). ``win``: the window / softcap
-    arguments of :func:`~lightning_gproj.kernels._triton_utils.window_args` (None: neither)."""
+    (r None unless needed; abs_dS, leak None unless want_stats). ``varlen``: None, or (cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k) with the tensors as packed (1, total, ...) views. ``win``:
+    the window / softcap arguments of :func:`~lightning_gproj.kernels._triton_utils.window_args`
+    (None: neither)."""
     b, nq, h, d = q.shape
     nk, hk = k.shape[1], k.shape[2]
     dev = q.device
@@ -967,6 +1069,10 @@ def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fol
     sc = tau / win["cap"]
     wargs = (win["WL"], win["WR"], sc, win["cap"])
     wconst = dict(WINDOW=win["WINDOW"], SOFTCAP=win["SOFTCAP"], UNIFORM=uniform)
+    # Packed: one batch row per sequence, over the longest one (N_Q, N_K stay total_q, total_k).
+    packed = varlen is not None
+    nb, grid_q, grid_k = (varlen[0].numel() - 1, varlen[2], varlen[3]) if packed else (b, nq, nk)
+    cu_args = varlen[:2] if packed else (m, m)
     need_r = fix != "none" or want_stats
     dq = torch.empty((b, nq, h, d), dtype=torch.float32 if out32 else q.dtype, device=dev)
     r = torch.empty((b, h, nq), dtype=torch.float32, device=dev) if need_r else delta
@@ -974,31 +1080,34 @@ def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fol
     abs_ds = torch.empty((b, h, nq), dtype=torch.float32, device=dev) if want_stats else delta
     leak = torch.empty((b, h, nq, d), dtype=torch.float32, device=dev) if want_stats else delta
 
-    _dq_kernel[lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * h)](
-        q, k, v, do, m, log2l, delta, dq, r, rho, abs_ds, leak, seqlens_arg,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+    _dq_kernel[lambda meta: (triton.cdiv(grid_q, meta["BLOCK_M"]), nb * h)](
+        q, k, v, do, m, log2l, delta, dq, r, rho, abs_ds, leak, seqlens_arg, *cu_args,
+        *batch_strides(q, packed), *batch_strides(k, packed), *batch_strides(v, packed), *batch_strides(do, packed),
+        *batch_strides(dq, packed),
         c, tau, h, nq, nk, *wargs,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal,
         GPROJ=gproj, NEED_R=need_r, STATS=want_stats, HAS_SEQLENS=has_seqlens, DS_BITS=ds_bits,
-        INTERP=INTERPRET, **wconst,
+        IS_VARLEN=packed, INTERP=INTERPRET, **wconst,
     )
 
     dk_mode = (_DK_FOLD if dk_fold and not uniform else _DK_GEMM) if gproj else _DK_NONE
     dk = torch.empty((b, nk, hk, d), dtype=torch.float32 if out32 else k.dtype, device=dev)
     dv = torch.empty((b, nk, hk, d), dtype=gdt, device=dev)
-    _dkdv_kernel[lambda meta: (triton.cdiv(nk, meta["BLOCK_N"]), b * hk)](
-        q, k, v, do, m, log2l, delta, rho if dk_mode == _DK_GEMM else r, dk, dv, seqlens_arg,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+    _dkdv_kernel[lambda meta: (triton.cdiv(grid_k, meta["BLOCK_N"]), nb * hk)](
+        q, k, v, do, m, log2l, delta, rho if dk_mode == _DK_GEMM else r, dk, dv, seqlens_arg, *cu_args,
+        *batch_strides(q, packed), *batch_strides(k, packed), *batch_strides(v, packed), *batch_strides(do, packed),
+        *batch_strides(dk, packed), *batch_strides(dv, packed),
         c, tau, h, hk, nq, nk, *wargs,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, DK_MODE=dk_mode, HAS_SEQLENS=has_seqlens,
-        DS_BITS=ds_bits, INTERP=INTERPRET, **wconst,
+        DS_BITS=ds_bits, IS_VARLEN=packed, INTERP=INTERPRET, **wconst,
     )
     return dq, dk, dv, (r if need_r else None), (abs_ds if want_stats else None), (leak if want_stats else None)
 
 
-def _one_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fold, out32, gdt, seqlens_k, ds_bits):
-    """The one-pass schedule (module docstring): main pass, correction pass, dQ rounding. Same returns
-    as :func:`_two_pass`."""
+def _one_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fold, out32, gdt, seqlens_k, ds_bits,
+              varlen):
+    """The one-pass schedule (module docstring): main pass, correction pass, dQ rounding. Same arguments
+    and returns as :func:`_two_pass`."""
     b, nq, h, d = q.shape
     nk, hk = k.shape[1], k.shape[2]
     dev = q.device
@@ -1006,6 +1115,10 @@ def _one_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fol
     bd = padded_head_dim(d)
     has_seqlens = seqlens_k is not None
     seqlens_arg = seqlens_k if has_seqlens else m
+    # Packed: one batch row per sequence, over the longest one (N_Q, N_K stay total_q, total_k).
+    packed = varlen is not None
+    nb, grid_q, grid_k = (varlen[0].numel() - 1, varlen[2], varlen[3]) if packed else (b, nq, nk)
+    cu_args = varlen[:2] if packed else (m, m)
     gproj = fix == "gproj"
     need_r = fix != "none" or want_stats
     need_ps = gproj or want_stats
@@ -1019,23 +1132,25 @@ def _one_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fol
     dk_main = torch.empty((b, nk, hk, d), dtype=torch.float32 if (out32 or gproj) else k.dtype, device=dev)
     dv = torch.empty((b, nk, hk, d), dtype=gdt, device=dev)
     group = h // hk
-    _one_pass_kernel[lambda meta: (triton.cdiv(nk, meta["BLOCK_N"]), b * hk)](
-        q, k, v, do, m, log2l, delta, dq_acc, r, ps, abs_ds, dk_main, dv, seqlens_arg,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq_acc.stride()[:3], *dk_main.stride(), *dv.stride(),
+    _one_pass_kernel[lambda meta: (triton.cdiv(grid_k, meta["BLOCK_N"]), nb * hk)](
+        q, k, v, do, m, log2l, delta, dq_acc, r, ps, abs_ds, dk_main, dv, seqlens_arg, *cu_args,
+        *batch_strides(q, packed), *batch_strides(k, packed), *batch_strides(v, packed), *batch_strides(do, packed),
+        *batch_strides(dq_acc, packed)[:3], *batch_strides(dk_main, packed), *batch_strides(dv, packed),
         c, 1.0 if gproj else tau, h, hk, nq, nk,
         GROUP=group, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, NEED_R=need_r, NEED_PS=need_ps, STATS=want_stats,
-        HAS_SEQLENS=has_seqlens, DS_BITS=ds_bits, INTERP=INTERPRET,
+        HAS_SEQLENS=has_seqlens, DS_BITS=ds_bits, IS_VARLEN=packed, INTERP=INTERPRET,
     )
     dk = dk_main
     leak = torch.zeros((b, h, nq, d), **f32) if want_stats else unused
     if gproj or want_stats:
         dk = torch.empty((b, nk, hk, d), dtype=torch.float32 if out32 else k.dtype, device=dev) if gproj else dk_main
-        _corr_kernel[lambda meta: (triton.cdiv(nk, meta["BLOCK_N"]), b * hk)](
-            q, k, m, log2l, r, ps, dq_acc, leak, dk_main, dk, seqlens_arg,
-            *q.stride(), *k.stride(), *dq_acc.stride()[:3], *dk_main.stride(), *dk.stride(),
+        _corr_kernel[lambda meta: (triton.cdiv(grid_k, meta["BLOCK_N"]), nb * hk)](
+            q, k, m, log2l, r, ps, dq_acc, leak, dk_main, dk, seqlens_arg, *cu_args,
+            *batch_strides(q, packed), *batch_strides(k, packed), *batch_strides(dq_acc, packed)[:3],
+            *batch_strides(dk_main, packed), *batch_strides(dk, packed),
             c, tau, h, hk, nq, nk,
             GROUP=group, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, GPROJ=gproj, STATS=want_stats,
-            HAS_SEQLENS=has_seqlens, INTERP=INTERPRET,
+            HAS_SEQLENS=has_seqlens, IS_VARLEN=packed, INTERP=INTERPRET,
         )
     dq = dq_acc if out32 else torch.empty((b, nq, h, d), dtype=q.dtype, device=dev)
     block = 1024

@@ -55,6 +55,17 @@ def test_attention_smoke_writes_speed_records(tmp_path):
     assert "| 1×1×24×16 causal |" in (tmp_path / "attention.md").read_text()
 
 
+def test_attention_varlen_smoke_writes_packed_and_padded_records(tmp_path):
+    _run(["benchmarks/attention.py", "--smoke", "--varlen", "--varlen-heads", "1,16", "--out", str(tmp_path)], tmp_path,
+         TRITON_INTERPRET="1")
+    res = json.loads((tmp_path / "attention_varlen.json").read_text())
+    assert res["smoke"] is True
+    assert {(r["layout"], r["causal"]) for r in res["rows"]} == {(l, c) for l in ("packed", "padded") for c in (False, True)}
+    for r in res["rows"]:
+        assert "error" not in r, r
+        assert r["lengths"] == [9, 0, 20, 1] and all(_positive(r[k]) for k in ("fwd_ms", "bwd_ms", "fwdbwd_tflops"))
+
+
 def test_train_step_smoke_writes_step_times(tmp_path):
     out = tmp_path / "train_step.json"
     _run(["benchmarks/train_step.py", "--smoke", "--out", str(out), "--profile-steps", "1"], tmp_path)

@@ -5,11 +5,9 @@ Usage: python benchmarks/gpu_check.py [--quick-speed] [--skip-cases] [--ds-forma
 
 Prints relative Frobenius differences Triton vs reference (same rounding points: expect <~1e-3,
 mostly 0), the constant checks of DESIGN.md §5, and (with --quick-speed) a few fwd+bwd timings.
-The backward schedule of the checks is GPROJ_BWD_SCHEDULE's (default two_pass; one_pass checks the
-one-pass kernels, which leave the fold variant and d = 256 to the two-pass ones); the timings name it.
 
 Packed sequences (varlen, issue 16): ragged lengths with an empty and a length-1 sequence, GQA,
-Nq ≠ Nk, causal and not, both backward schedules, every fix: Triton vs reference (expect <~1e-3),
+Nq ≠ Nk, causal and not, every fix: Triton vs reference (expect <~1e-3),
 C2 per sequence of the fp32 dk (expect a few 1e-8 for gproj), and cross-sequence independence
 (NaN in one sequence's keys must leave the others bit-identical).
 """
@@ -50,17 +48,16 @@ def varlen_check(dev):
         o_r, m_r, l_r = R.forward(q, k, v, tau, causal, **vl)
         fin = torch.isfinite(l_r)
         row = [f"o {rel(o, o_r):.1e} m {(m - m_r).abs().max().item():.1e} log2l {(l2 - l_r)[fin].abs().max().item():.1e}"]
-        for schedule in ("two_pass", "one_pass"):
-            for fix in ("none", "gproj", "gproj_uniform"):
-                g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, schedule=schedule, **vl)
-                g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, **vl)
-                dk32 = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, False, grad_dtype=torch.float32,
-                                  schedule=schedule, **vl)[1].double()
-                c2 = max((dk32[a:e].sum(0).norm(dim=-1) / dk32[a:e].norm(dim=(0, 2))).max().item()
-                         for a, e in zip(cu_k[:-1].tolist(), cu_k[1:].tolist()) if e - a > 1 and dk32[a:e].norm() > 0)
-                nan = any(torch.isnan(x).any().item() for x in g[:3])
-                row.append(f"{fix}/{schedule[:3]}:" + ",".join(f"{rel(x, y):.1e}" for x, y in zip(g[:3], g_r[:3]))
-                           + f" C2/seq {c2:.1e}" + (" NAN" if nan else ""))
+        for fix in ("none", "gproj", "gproj_uniform"):
+            g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, **vl)
+            g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, **vl)
+            dk32 = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, False, grad_dtype=torch.float32,
+                              **vl)[1].double()
+            c2 = max((dk32[a:e].sum(0).norm(dim=-1) / dk32[a:e].norm(dim=(0, 2))).max().item()
+                     for a, e in zip(cu_k[:-1].tolist(), cu_k[1:].tolist()) if e - a > 1 and dk32[a:e].norm() > 0)
+            nan = any(torch.isnan(x).any().item() for x in g[:3])
+            row.append(f"{fix}:" + ",".join(f"{rel(x, y):.1e}" for x, y in zip(g[:3], g_r[:3]))
+                       + f" C2/seq {c2:.1e}" + (" NAN" if nan else ""))
         # independence: NaN keys/values in the 2048-token sequence change nothing elsewhere
         k0, k1, q0, q1 = cu_k[4].item(), cu_k[5].item(), cu_q[4].item(), cu_q[5].item()
         kp, vp = k.clone(), v.clone()
@@ -85,8 +82,7 @@ def main():
     ap.add_argument("--ds-formats", default="bf16", help="ds_format values to check (FP8 ones with none/gproj only)")
     args = ap.parse_args()
     import triton
-    print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(),
-          "backward schedule", B.default_schedule())
+    print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())
     torch.manual_seed(0)
     dev = "cuda"
     worst = 0.0
@@ -191,12 +187,10 @@ def main():
             q, k, v, do = (torch.randn(b, n, h, d, device=dev, dtype=torch.bfloat16, requires_grad=False) for _ in range(4))
             flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0) * 3.5
             res = {}
-            for name, fold, fix, sched in [("none", False, "none", "two_pass"), ("gproj", False, "gproj", "two_pass"),
-                                           ("gproj_fold", True, "gproj", "two_pass"),
-                                           ("none_1p", False, "none", "one_pass"), ("gproj_1p", False, "gproj", "one_pass")]:
+            for name, fold, fix in [("none", False, "none"), ("gproj", False, "gproj"), ("gproj_fold", True, "gproj")]:
                 def run():
                     o, m, l2 = F.forward(q, k, v, d ** -0.5, causal)
-                    B.backward(do, q, k, v, o, m, l2, d ** -0.5, causal, fix, False, dk_fold=fold, schedule=sched)
+                    B.backward(do, q, k, v, o, m, l2, d ** -0.5, causal, fix, False, dk_fold=fold)
                 run()
                 res[name] = flops / do_bench(run, warmup=50, rep=200, return_mode="median") * 1e-9
             for name, be in [("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]:

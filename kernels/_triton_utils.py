@@ -239,33 +239,6 @@ def load_pair(A, B, rows, stride_an, stride_bn, offs_d, offs_da, offs_db, N,
 
 
 @triton.jit
-def atomic_add_rows(A, rows, stride_an, offs_d, x, N, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-                    EVEN_D: tl.constexpr):
-    """fp32 ``A[rows, :HEAD_DIM] += x`` by relaxed atomic adds (the order of concurrent adds is not
-    fixed, so the sum is reproducible only to fp32 rounding); rows past ``N`` skipped when MASKED.
-    ``A``'s head dim is contiguous (stride 1)."""
-    ptrs = A + rows[:, None] * stride_an + offs_d[None, :]
-    if MASKED:
-        mask = rows[:, None] < N
-        if not EVEN_D:
-            mask = mask & (offs_d[None, :] < HEAD_DIM)
-        tl.atomic_add(ptrs, x, mask=mask, sem="relaxed")
-    elif EVEN_D:
-        tl.atomic_add(ptrs, x, sem="relaxed")
-    else:
-        tl.atomic_add(ptrs, x, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
-
-
-@triton.jit
-def atomic_add_vec(A, rows, x, N, MASKED: tl.constexpr):
-    """fp32 ``A[rows] += x`` by relaxed atomic adds; rows past ``N`` skipped when MASKED."""
-    if MASKED:
-        tl.atomic_add(A + rows, x, mask=rows < N, sem="relaxed")
-    else:
-        tl.atomic_add(A + rows, x, sem="relaxed")
-
-
-@triton.jit
 def seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b):
     """Packed sequence ``b``: (start row in q, start key in k, its number of queries, its number of keys)."""
     q_start = tl.load(CU_SEQLENS_Q + b)

@@ -840,8 +840,8 @@ def gproj_attn_varlen_func(
     Returns:
         o: (total_q, nheads, headdim), q's dtype (under autocast, the autocast dtype).
 
-    Dtypes and autocast: as :func:`gproj_attn_func` (Triton kernels for 16-bit CUDA inputs, both
-    backward schedules; the PyTorch reference, one sequence at a time, elsewhere).
+    Dtypes and autocast: as :func:`gproj_attn_func` (Triton kernels for 16-bit CUDA inputs; the PyTorch
+    reference, one sequence at a time, elsewhere).
 
     Raises:
         TypeError: q, k or v not tensors of a floating dtype listed above or of different dtypes;

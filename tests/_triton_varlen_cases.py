@@ -21,19 +21,6 @@ from lightning_gproj.kernels import reference as R  # noqa: E402
 
 from _fp64 import packed_attention_fp64  # noqa: E402  (tests/ is this script's directory)
 
-#: One-pass kernel calls (to show that the one-pass variants did not fall back to two-pass).
-ONE_PASS_CALLS = [0]
-_one_pass = B._one_pass
-
-
-def _count_one_pass(*args, **kwargs):
-    ONE_PASS_CALLS[0] += 1
-    return _one_pass(*args, **kwargs)
-
-
-B._one_pass = _count_one_pass
-
-
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖_F / ‖b‖_F in float64 (0 when both are 0)."""
     a, b = a.double(), b.double()
@@ -66,8 +53,8 @@ def c2_per_sequence(dk: torch.Tensor, cu_k: torch.Tensor) -> float:
     return out
 
 
-def run_case(lens_q, lens_k, h, hk, d, causal, seed, runs):
-    """Forward and the backward ``runs`` [(fix, schedule)] against kernels/reference.py and float64."""
+def run_case(lens_q, lens_k, h, hk, d, causal, seed, fixes):
+    """Forward and the backward for ``fixes`` against kernels/reference.py and float64."""
     q, k, v, do, vl = inputs(lens_q, lens_k, h, hk, d, seed)
     tau = d**-0.5
     o, m, l2 = F.forward(q, k, v, tau, causal, **vl)
@@ -88,8 +75,8 @@ def run_case(lens_q, lens_k, h, hk, d, causal, seed, runs):
     idle_k = [j for b in range(len(lens_q)) if lens_q[b] == 0 for j in range(ck[b], ck[b + 1])]
     out["idle"] = [len(idle_q), len(idle_k)]
     out["fwd"]["idle_rows_zero"] = bool((o[idle_q] == 0).all().item())
-    for fix, schedule in runs:
-        g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, schedule=schedule, **vl)
+    for fix in fixes:
+        g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, **vl)
         g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, **vl)
         res = {"nan": any(bool(torch.isnan(x).any().item()) for x in g[:3])}
         for nm, x, y, z in zip(("dq", "dk", "dv"), g[:3], g_r[:3], (dq64, dk64, dv64)):
@@ -100,16 +87,15 @@ def run_case(lens_q, lens_k, h, hk, d, causal, seed, runs):
         for key in ("r", "abs_dS", "leak"):
             res[f"{key}_rel_vs_ref"] = rel(g[3][key], g_r[3][key])
         res["idle_zero"] = bool((g[0][idle_q] == 0).all() and (g[1][idle_k] == 0).all() and (g[2][idle_k] == 0).all())
-        g32 = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, False, grad_dtype=torch.float32,
-                         schedule=schedule, **vl)
+        g32 = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, False, grad_dtype=torch.float32, **vl)
         res["c2_per_sequence_fp32"] = c2_per_sequence(g32[1], vl["cu_seqlens_k"])
-        out["bwd"][fix + ("_1p" if schedule == "one_pass" else "")] = res
+        out["bwd"][fix] = res
     return out
 
 
 def run_window_case(lens_q, lens_k, h, hk, causal, window, softcap, seed):
     """Packed sequences with a sliding window and / or softcap (each sequence in its own bottom-right
-    aligned coordinates): Triton (two-pass) and the reference against float64 over all packed tokens,
+    aligned coordinates): Triton and the reference against float64 over all packed tokens,
     every fix; C2 per sequence of the fp32 dk; rows with no visible key."""
     q, k, v, do, vl = inputs(lens_q, lens_k, h, hk, 32, seed)
     tau = 32**-0.5
@@ -140,7 +126,7 @@ def run_window_case(lens_q, lens_k, h, hk, causal, window, softcap, seed):
 
 def independence(seed):
     """One sequence's keys and values set to NaN / 1e10: every other sequence's o, dq, dk, dv must be
-    bit-identical (both schedules, fix="gproj", causal)."""
+    bit-identical (fix="gproj", causal)."""
     lens_q, lens_k = [9, 18, 1, 6], [9, 21, 2, 6]
     q, k, v, do, vl = inputs(lens_q, lens_k, 2, 1, 32, seed)
     tau = 32**-0.5
@@ -157,27 +143,23 @@ def independence(seed):
         kp[k0:k1], vp[k0:k1] = poison, -poison
         fwd = F.forward(q, kp, vp, tau, True, **vl)
         same = bool(torch.equal(fwd[0][rows], fwd_clean[0][rows]))
-        for schedule in ("two_pass", "one_pass"):
-            gc = B.backward(do, q, k, v, *fwd_clean, tau, True, "gproj", schedule=schedule, **vl)
-            gd = B.backward(do, q, kp, vp, *fwd, tau, True, "gproj", schedule=schedule, **vl)
-            out[f"{poison:g} {schedule}"] = same and bool(
-                torch.equal(gc[0][rows], gd[0][rows]) and torch.equal(gc[1][keys], gd[1][keys])
-                and torch.equal(gc[2][keys], gd[2][keys]))
+        gc = B.backward(do, q, k, v, *fwd_clean, tau, True, "gproj", **vl)
+        gd = B.backward(do, q, kp, vp, *fwd, tau, True, "gproj", **vl)
+        out[f"{poison:g}"] = same and bool(
+            torch.equal(gc[0][rows], gd[0][rows]) and torch.equal(gc[1][keys], gd[1][keys])
+            and torch.equal(gc[2][keys], gd[2][keys]))
     return out
 
 
 def main() -> None:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    every = [(fix, sched) for sched in ("two_pass", "one_pass") for fix in R.FIXES]
     res = {"cases": [
         # Causal, GQA 2:1: an empty query sequence with keys, a keyless query sequence, a length-1 pair,
         # Nq > Nk (rows with no key), Nq < Nk, lengths crossing the interpreter's 16-row blocks.
-        run_case([5, 0, 1, 3, 20, 9], [7, 3, 1, 0, 14, 17], 2, 1, 32, True, 1, every),
+        run_case([5, 0, 1, 3, 20, 9], [7, 3, 1, 0, 14, 17], 2, 1, 32, True, 1, R.FIXES),
         # Not causal, no GQA, a key sequence spanning three blocks.
-        run_case([1, 21, 0, 7], [2, 36, 5, 7], 2, 2, 32, False, 2,
-                 [("none", "two_pass"), ("gproj", "two_pass"), ("gproj", "one_pass")]),
+        run_case([1, 21, 0, 7], [2, 36, 5, 7], 2, 2, 32, False, 2, ("none", "gproj")),
     ]}
-    res["one_pass_calls"] = ONE_PASS_CALLS[0]
     res["window_cases"] = [
         # Mistral-style causal window: sequences with Nq > Nk (rows with no key), Nq < Nk (keys before
         # the first row's window: C2 over the keys some query sees), an empty one, one spanning blocks.

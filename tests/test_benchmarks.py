@@ -40,10 +40,10 @@ def test_attention_runs_every_shape_with_and_without_causal_mask():
 def test_attention_smoke_writes_speed_records(tmp_path):
     out = tmp_path / "speed.json"
     _run(["benchmarks/attention.py", "--smoke", "--out", str(tmp_path), "--json", str(out),
-          "--methods", "gproj,none_1p"], tmp_path, TRITON_INTERPRET="1")
+          "--methods", "gproj,none"], tmp_path, TRITON_INTERPRET="1")
     records = json.loads(out.read_text())
     assert isinstance(records, list) and len(records) == 4  # 2 shapes (full, causal) × 2 methods
-    assert {(r["method"], r["causal"]) for r in records} == {(m, c) for m in ("gproj", "none_1p") for c in (False, True)}
+    assert {(r["method"], r["causal"]) for r in records} == {(m, c) for m in ("gproj", "none") for c in (False, True)}
     for r in records:
         assert "error" not in r, r
         assert {"shape", "causal", "method", "fwd_tflops", "bwd_tflops", "fwdbwd_tflops", "peak_mib"} <= set(r)

@@ -5,8 +5,7 @@ incoming gradient do to (o, dq, dk, dv), and offers separate forward / backward 
 
 - ``gproj``, ``gproj_fold``, ``none``, ``gproj_uniform``: our Triton kernels (kernels/attention_*.py);
   ``gproj_fold`` is fix="gproj" with the dK term folded into dS (DESIGN.md §4.1); ``*_e4m3``, ``*_e5m2``
-  round dS to FP8 significands (``ds_format``, DESIGN.md §11); ``*_1p`` run the one-pass backward
-  (``schedule="one_pass"``), the others the two-pass one whatever GPROJ_BWD_SCHEDULE says.
+  round dS to FP8 significands (``ds_format``, DESIGN.md §11).
 - ``cudnn``, ``sdpa_flash``: torch SDPA restricted to one backend (GQA: k, v repeated, autograd sums).
 - ``fa4``: flash-attn-4's CuTe kernels (``flash_attn.cute.flash_attn_func``, Hopper path) if importable.
 - ``sdpa_mask``: torch SDPA with the causal mask / sliding window as an explicit boolean ``attn_mask``
@@ -29,9 +28,6 @@ OURS = {
     "gproj_fold": dict(fix="gproj", dk_fold=True),
     "none": dict(fix="none", dk_fold=False),
     "gproj_uniform": dict(fix="gproj_uniform", dk_fold=False),
-    # the one-pass backward (attention_bwd.backward(schedule="one_pass"), DESIGN.md §10)
-    "gproj_1p": dict(fix="gproj", dk_fold=False, schedule="one_pass"),
-    "none_1p": dict(fix="none", dk_fold=False, schedule="one_pass"),
     # dS rounded to FP8 significands (ds_format, DESIGN.md §11): the accelerated-test formats
     "gproj_e4m3": dict(fix="gproj", dk_fold=False, ds_format="e4m3"),
     "none_e4m3": dict(fix="none", dk_fold=False, ds_format="e4m3"),
@@ -109,8 +105,7 @@ class Ours:
         o, m, l2 = self.state
         return self.B.backward(self.do, self.q, self.k, self.v, o, m, l2, self.tau, self.causal, self.kw["fix"],
                                self.want_stats, dk_fold=self.kw["dk_fold"], grad_dtype=self.grad_dtype,
-                               ds_format=self.kw.get("ds_format", "bf16"),
-                               schedule=self.kw.get("schedule", "two_pass"), **self.feat)
+                               ds_format=self.kw.get("ds_format", "bf16"), **self.feat)
 
     def fwd_bwd(self):
         self.fwd()

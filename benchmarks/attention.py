@@ -6,8 +6,7 @@ Shapes (B×H×N×d), each without and with the causal mask: 4×16×2048×128, 1�
 autotunes / compiles). Peak memory: torch.cuda.max_memory_allocated over one forward+backward, minus
 the memory held before it (inputs), in MiB.
 
-Methods (benchmarks/_methods.py): gproj, gproj_fold, none, gproj_uniform (our kernels, two-pass
-backward), gproj_1p, none_1p (the one-pass backward, ``schedule="one_pass"``), cudnn (SDPA),
+Methods (benchmarks/_methods.py): gproj, gproj_fold, none, gproj_uniform (our kernels), cudnn (SDPA),
 sdpa_flash (SDPA FlashAttention-2), fa4 (flash-attn-4 CuTe, when importable).
 
 Usage: python benchmarks/attention.py --out DIR [--json [PATH]] [--smoke] [--methods a,b] [--shapes i,j]
@@ -20,6 +19,14 @@ times in ms, and ``error`` where a method failed, its numbers then null).
 ``--smoke``: CPU, Triton's interpreter (TRITON_INTERPRET=1), two tiny shapes (causal and not), our
 kernels only. The timings are the interpreter's and mean nothing; it exists so that a CPU test can
 check that the script runs and what it writes.
+
+``--varlen [LENGTHS]``: packed sequences instead (issue 16): the comma-separated sequence lengths
+(default 4096,3072,2560,2048,1536,1280,1024,768: 8 sequences, 16384 tokens), ``--varlen-heads H,d``
+(default 16,128), bf16, without and with the causal mask, fix none and gproj. "packed": the kernels with cu_seqlens (total, H, d); "padded": the same sequences right-padded
+to the longest as one (8, max, H, d) batch with seqlens_k (padded query rows computed and thrown away).
+Both are timed on the kernels (attention_fwd.forward, attention_bwd.backward; no op-level device sync)
+and rated in useful TFLOP/s (Σ_b 4·H·L_b²·d, × ½ causal; backward 2.5×). Writes DIR/attention_varlen.json
+and prints a table; with ``--smoke`` tiny lengths on the interpreter (gproj only).
 """
 
 from __future__ import annotations
@@ -38,8 +45,8 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _methods as M  # noqa: E402
 
-METHODS = ["gproj", "gproj_fold", "none", "gproj_uniform", "gproj_1p", "none_1p", "cudnn", "sdpa_flash", "fa4"]
-SMOKE_METHODS = ["gproj", "none", "gproj_1p", "none_1p"]
+METHODS = ["gproj", "gproj_fold", "none", "gproj_uniform", "cudnn", "sdpa_flash", "fa4"]
+SMOKE_METHODS = ["gproj", "none"]
 #: (B, H, N, d): DESIGN.md §7 and issue 12; each runs without and with the causal mask.
 BASE_SHAPES = [(4, 16, 2048, 128), (1, 16, 8192, 128), (2, 16, 4096, 64), (1, 8, 16384, 128)]
 SHAPES = [(*s, causal) for s in BASE_SHAPES for causal in (False, True)]
@@ -155,8 +162,7 @@ def markdown(res):
         cells = [ratio(get(s, m, "fwdbwd_tflops"), c) for m in ours]
         cells.append(ratio(get(s, "gproj", "fwd_tflops"), get(s, "cudnn", "fwd_tflops")))
         out.append(f"| {_label(s)} | " + " | ".join(cells) + " |")
-    pairs = [(a, b) for a, b in (("gproj", "none"), ("gproj_fold", "none"), ("gproj_1p", "none_1p"),
-                                 ("none_1p", "none"), ("gproj_1p", "gproj")) if a in methods and b in methods]
+    pairs = [(a, b) for a, b in (("gproj", "none"), ("gproj_fold", "none")) if a in methods and b in methods]
     if pairs:
         out += ["", "### fwd+bwd time, one method over another", "",
                 "| shape | " + " | ".join(f"{a} / {b}" for a, b in pairs) + " |", "|---|" + "---|" * len(pairs)]
@@ -211,6 +217,67 @@ def records(rows):
     return [{k: r[k] for k in keep if k in r} for r in rows]
 
 
+VARLEN_LENGTHS = "4096,3072,2560,2048,1536,1280,1024,768"
+SMOKE_VARLEN_LENGTHS = "9,0,20,1"
+
+
+def varlen(lengths, heads, head_dim, smoke, out):
+    """Packed vs padded timings of the same sequences (module docstring, ``--varlen``)."""
+    from lightning_gproj.kernels import attention_bwd as B
+    from lightning_gproj.kernels import attention_fwd as F
+
+    dev = "cpu" if smoke else "cuda"
+    lens = [int(x) for x in lengths.split(",")]
+    g = torch.Generator(device=dev).manual_seed(0)
+    total, longest, batch = sum(lens), max(lens), len(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    packed = [torch.randn(total, heads, head_dim, generator=g, device=dev).bfloat16() for _ in range(4)]
+    padded = [torch.zeros(batch, longest, heads, head_dim, device=dev, dtype=torch.bfloat16) for _ in range(4)]
+    for x, y in zip(packed, padded):
+        for b, n in enumerate(lens):
+            y[b, :n] = x[cu[b]:cu[b] + n]
+    seqlens = torch.tensor([max(n, 1) for n in lens], dtype=torch.int32, device=dev)  # seqlens_k must be >= 1
+    vl = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
+    tau = head_dim**-0.5
+    fixes = ["gproj"] if smoke else ["none", "gproj"]
+    rows = []
+    for causal in (False, True):
+        flops = sum(4 * heads * n * n * head_dim * (0.5 if causal else 1.0) for n in lens)
+        for layout, (q, k, v, do), extra in (("packed", packed, vl), ("padded", padded, dict(seqlens_k=seqlens))):
+            for fix in fixes:
+                row = {"lengths": lens, "heads": heads, "head_dim": head_dim, "causal": causal, "layout": layout,
+                       "fix": fix}
+                try:
+                    fwd = F.forward(q, k, v, tau, causal, **extra)
+                    times = {
+                        "fwd": bench(lambda: F.forward(q, k, v, tau, causal, **extra), smoke),
+                        "bwd": bench(lambda: B.backward(do, q, k, v, *fwd, tau, causal, fix, **extra),
+                                     smoke),
+                    }
+                    times["fwdbwd"] = times["fwd"] + times["bwd"]
+                    for key, mult in (("fwd", 1.0), ("bwd", 2.5), ("fwdbwd", 3.5)):
+                        row[f"{key}_ms"] = times[key]
+                        row[f"{key}_tflops"] = mult * flops / (times[key] * 1e-3) / 1e12
+                except Exception as exc:
+                    row["error"] = f"{exc.__class__.__name__}: {str(exc)[:300]}"
+                rows.append(row)
+                print(f"{layout} causal={causal} {fix}: " + (row["error"] if "error" in row else
+                      f"fwd {row['fwd_ms']:.2f} ms, bwd {row['bwd_ms']:.2f} ms, useful fwd+bwd "
+                      f"{row['fwdbwd_tflops']:.0f} TFLOP/s"), flush=True)
+    res = {"env": M.env_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": smoke, "rows": rows}
+    with open(os.path.join(out, "attention_varlen.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    lines = ["| causal | fix | packed fwd+bwd ms | padded fwd+bwd ms | packed / padded |", "|---|---|---|---|---|"]
+    for r in rows:
+        if r["layout"] == "packed":
+            p = next(x for x in rows if x["layout"] == "padded" and all(x[k] == r[k] for k in ("causal", "fix")))
+            if "error" not in r and "error" not in p:
+                lines.append(f"| {r['causal']} | {r['fix']} | {r['fwdbwd_ms']:.2f} | {p['fwdbwd_ms']:.2f} | "
+                             f"{r['fwdbwd_ms'] / p['fwdbwd_ms']:.2f} |")
+    print("\n".join(lines))
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
@@ -222,8 +289,16 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=0,
                     help="also time each method with a sliding window of this many keys back (our kernels)")
     ap.add_argument("--softcap", type=float, default=0.0, help="also time each method with this logit softcap")
+    ap.add_argument("--varlen", nargs="?", const="", default=None, metavar="LENGTHS",
+                    help=f"time packed sequences vs padded (default lengths {VARLEN_LENGTHS})")
+    ap.add_argument("--varlen-heads", default="16,128", help="H,d of --varlen (default 16,128)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.varlen is not None:
+        heads, head_dim = (int(x) for x in args.varlen_heads.split(","))
+        lengths = args.varlen or (SMOKE_VARLEN_LENGTHS if args.smoke else VARLEN_LENGTHS)
+        varlen(lengths, heads, head_dim, args.smoke, args.out)
+        return
     requested = args.methods.split(",") if args.methods else (SMOKE_METHODS if args.smoke else METHODS)
     unknown = [m for m in requested if m not in METHODS and m not in M.OURS]
     if unknown:

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Issue 12 on one H200 (benchmarks/NOTES.md, "Run 10 plan"), one device call, nothing to carry:
 #   bash benchmarks/speed_device.sh [all|check|attention|train]
-# check:     the one-pass backward against reference.py on the GPU (gpu_check.py, GPROJ_BWD_SCHEDULE=one_pass)
-# attention: benchmarks/attention.py --json, every shape with and without the causal mask, both schedules,
+# check:     the backward against reference.py on the GPU (gpu_check.py)
+# attention: benchmarks/attention.py --json, every shape with and without the causal mask, gproj and none,
 #            cuDNN and SDPA-flash (autotuned)
-# train:     benchmarks/train_step.py, both Llama configurations, arms cudnn gproj none gproj_1p none_1p, then
+# train:     benchmarks/train_step.py, both Llama configurations, arms cudnn gproj none, then
 #            2 profiled steps per arm
 # Each phase has its own time limit (140 + 230 + 190 s) so that "all" ends inside the device tool's 600 s;
 # the scripts write their JSON as they go, so a phase cut by its limit still returns what it measured.
@@ -16,18 +16,18 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 mkdir -p "$OUT/results"
 python3 -c 'import torch, triton, lightning, transformers; print(torch.__version__, triton.__version__, lightning.__version__, transformers.__version__, torch.cuda.get_device_name())'
 if [[ $what == all || $what == check ]]; then
-  GPROJ_BWD_SCHEDULE=one_pass GPROJ_TRITON_AUTOTUNE=0 timeout 140 \
+  GPROJ_TRITON_AUTOTUNE=0 timeout 140 \
     python3 benchmarks/gpu_check.py > "$OUT/gpu_check_run10.log" 2>&1
   echo "check rc=$?"
 fi
 if [[ $what == all || $what == attention ]]; then
   timeout 230 python3 benchmarks/attention.py --out "$OUT/attention" --json "$OUT/results/speed_latest.json" \
-    --methods gproj,none,gproj_1p,none_1p,cudnn,sdpa_flash > "$OUT/attention_run10.log" 2>&1
+    --methods gproj,none,cudnn,sdpa_flash > "$OUT/attention_run10.log" 2>&1
   echo "attention rc=$?"
 fi
 if [[ $what == all || $what == train ]]; then
   timeout 190 python3 benchmarks/train_step.py --out "$OUT/results/train_step_latest.json" \
-    --arms cudnn,gproj,none,gproj_1p,none_1p --warmup 5 --steps 15 --profile-steps 2 > "$OUT/train_step_run10.log" 2>&1
+    --arms cudnn,gproj,none --warmup 5 --steps 15 --profile-steps 2 > "$OUT/train_step_run10.log" 2>&1
   echo "train rc=$?"
 fi
 tail -n 5 "$OUT"/*_run10.log

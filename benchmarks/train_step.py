@@ -12,9 +12,7 @@ other on a freshly built model (same seed, same tokens):
 
 - ``cudnn``: ``Trainer(precision="bf16-mixed")``, every SDPA call restricted to the cuDNN backend;
 - ``gproj``: ``Trainer(plugins=[GProjPlugin("bf16-mixed", fix="gproj")])``;
-- ``none``: the same plugin with ``fix="none"`` (our kernels, no correction);
-- ``gproj_1p``, ``none_1p``: as gproj / none with ``GPROJ_BWD_SCHEDULE=one_pass`` (the one-pass
-  backward of kernels/attention_bwd.py) while the arm runs.
+- ``none``: the same plugin with ``fix="none"`` (our kernels, no correction).
 
 Each arm runs ``--warmup`` steps (Triton compiles and autotunes in the first ones) then ``--steps``
 timed steps. A step is timed from Lightning's ``on_train_batch_start`` to ``on_train_batch_end``
@@ -51,9 +49,8 @@ CONFIGS = {
     "llama12x1536": dict(layers=12, hidden=1536, heads=12, intermediate=4096, vocab=32000, seq=2048, batch=8),
 }
 SMOKE_CONFIGS = {"tiny": dict(layers=2, hidden=64, heads=2, intermediate=128, vocab=256, seq=64, batch=2)}
-#: arm: (fix, backward schedule); fix None = plain SDPA (cuDNN backend on CUDA).
-ARMS = {"cudnn": (None, None), "gproj": ("gproj", None), "none": ("none", None),
-        "gproj_1p": ("gproj", "one_pass"), "none_1p": ("none", "one_pass")}
+#: arm: fix; None = plain SDPA (cuDNN backend on CUDA).
+ARMS = {"cudnn": None, "gproj": "gproj", "none": "none"}
 DEFAULT_ARMS = ("cudnn", "gproj", "none")
 
 
@@ -163,13 +160,10 @@ def run_arm(cfg_name: str, cfg: dict, arm: str, warmup: int, steps: int, smoke: 
     from torch.utils.data import DataLoader, TensorDataset
     L = _lightning()
     cuda = not smoke
-    fix, schedule = ARMS[arm]
+    fix = ARMS[arm]
     row = {"config": cfg_name, "arm": arm, **cfg, "head_dim": cfg["hidden"] // cfg["heads"],
            "warmup_steps": warmup, "timed_steps": steps}
-    old_schedule = os.environ.get("GPROJ_BWD_SCHEDULE")
     try:
-        if schedule is not None:
-            os.environ["GPROJ_BWD_SCHEDULE"] = schedule
         backend = None
         if fix is None and cuda:
             from torch.nn.attention import SDPBackend
@@ -209,10 +203,6 @@ def run_arm(cfg_name: str, cfg: dict, arm: str, warmup: int, steps: int, smoke: 
     except Exception as exc:
         row["error"] = f"{exc.__class__.__name__}: {str(exc)[:300]}"
     finally:
-        if old_schedule is None:
-            os.environ.pop("GPROJ_BWD_SCHEDULE", None)
-        else:
-            os.environ["GPROJ_BWD_SCHEDULE"] = old_schedule
         module = trainer = loader = data = None  # noqa: F841 (free the arm before the next one)
         gc.collect()
         if cuda:

@@ -102,6 +102,50 @@ def check_seqlens(seqlens_k: torch.Tensor | None, q: torch.Tensor) -> torch.Tens
     return seqlens_k.to(torch.int32).contiguous()
 
 
+def check_varlen(
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    q: torch.Tensor,
+    seqlens_k: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+    """None (no packed sequences), or ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` as
+    contiguous int32 tensors and ints for the kernels.
+
+    Raises:
+        ValueError: only some of the four given, cu_seqlens not int32 (batch + 1,) tensors of one length
+            on q's device, max_seqlen not non-negative ints, q not 3-D (total_q, nheads, headdim), or
+            combined with ``seqlens_k``. The values (start at 0, nondecreasing, end at total, no
+            sequence longer than max_seqlen) are the caller's contract, not read here (no device sync).
+    """
+    given = [x is not None for x in (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValueError("cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k must be given together")
+    if seqlens_k is not None:
+        raise ValueError("seqlens_k cannot be combined with cu_seqlens_q / cu_seqlens_k (packed sequences have no padding)")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if (not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2
+                or cu.shape != cu_seqlens_q.shape or cu.device != q.device):
+            raise ValueError(f"{name} must be an int32 tensor of shape (batch + 1,) on {q.device}, as long as "
+                             f"cu_seqlens_q, got {getattr(cu, 'dtype', type(cu).__name__)} {tuple(getattr(cu, 'shape', ()))}")
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {n!r}")
+    if q.dim() != 3:
+        raise ValueError(f"packed q must be 3-D (total_q, nheads, headdim), got shape {tuple(q.shape)}")
+    return cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k
+
+
+def batch_strides(x: torch.Tensor, packed: bool) -> tuple[int, ...]:
+    """The strides of a (batch, seqlen, nheads, headdim) tensor for the kernels; ``packed``: ``x`` is a
+    packed (1, total, nheads, headdim) view, whose batch stride is passed as 0 (the kernels add each
+    sequence's start offset themselves)."""
+    return (0, *x.stride()[1:]) if packed else tuple(x.stride())
+
+
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -195,30 +239,11 @@ def load_pair(A, B, rows, stride_an, stride_bn, offs_d, offs_da, offs_db, N,
 
 
 @triton.jit
-def atomic_add_rows(A, rows, stride_an, offs_d, x, N, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-                    EVEN_D: tl.constexpr):
-    """fp32 ``A[rows, :HEAD_DIM] += x`` by relaxed atomic adds (the order of concurrent adds is not
-    fixed, so the sum is reproducible only to fp32 rounding); rows past ``N`` skipped when MASKED.
-    ``A``'s head dim is contiguous (stride 1)."""
-    ptrs = A + rows[:, None] * stride_an + offs_d[None, :]
-    if MASKED:
-        mask = rows[:, None] < N
-        if not EVEN_D:
-            mask = mask & (offs_d[None, :] < HEAD_DIM)
-        tl.atomic_add(ptrs, x, mask=mask, sem="relaxed")
-    elif EVEN_D:
-        tl.atomic_add(ptrs, x, sem="relaxed")
-    else:
-        tl.atomic_add(ptrs, x, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
-
-
-@triton.jit
-def atomic_add_vec(A, rows, x, N, MASKED: tl.constexpr):
-    """fp32 ``A[rows] += x`` by relaxed atomic adds; rows past ``N`` skipped when MASKED."""
-    if MASKED:
-        tl.atomic_add(A + rows, x, mask=rows < N, sem="relaxed")
-    else:
-        tl.atomic_add(A + rows, x, sem="relaxed")
+def seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b):
+    """Packed sequence ``b``: (start row in q, start key in k, its number of queries, its number of keys)."""
+    q_start = tl.load(CU_SEQLENS_Q + b)
+    k_start = tl.load(CU_SEQLENS_K + b)
+    return q_start, k_start, tl.load(CU_SEQLENS_Q + b + 1) - q_start, tl.load(CU_SEQLENS_K + b + 1) - k_start
 
 
 @triton.jit

@@ -3,10 +3,7 @@ docs/architecture.md:
 
     backward(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats) -> (dq, dk, dv, extras)
 
-Two schedules, chosen by ``backward(schedule=...)`` or the environment variable GPROJ_BWD_SCHEDULE
-(:func:`default_schedule`; default "two_pass"). Both round at the points of kernels/reference.py.
-
-**two_pass** (default): three launches (DESIGN.md §3, §4, §4.1):
+Three launches, rounding at the points of kernels/reference.py (DESIGN.md §3, §4, §4.1):
 
 1. preprocess: D_i = Σ_d do_id·o_id in fp32 from the *stored* 16-bit o and do.
 2. dQ pass, one program per (query block, batch·head), looping over key blocks:
@@ -37,44 +34,22 @@ dK/dV pass skips key blocks wholly past it and zeroes the rows of padded keys be
 
 Extra memory: D and r (B·H·Nq fp32 each); with want_stats also abs_dS (B·H·Nq) and the leak
 (B·H·Nq·d fp32). Never N×N.
-
-**one_pass** (DESIGN.md §10, the FA2/FA3 layout; not yet timed on a GPU): after the same preprocess,
-
-1. main pass, one program per (key block, batch·kv-head), looping over the query heads of its GQA
-   group and over query blocks: the same P̃ and dS̃ as above (from the same fp32 values), dV += P̃ᵀ·dO
-   and dK += dS̃ᵀ·Q in registers, and dS̃·K, r_i = Σ_j dS̃_ij, Σ_j P̃_ij (fix="gproj" or want_stats)
-   and Σ_j |dS̃_ij| (want_stats) added into fp32 buffers by atomic adds: 5 GEMMs per tile pair.
-   A key block that straddles the key length (padding or the ragged tail) runs masked throughout,
-   since its masked columns must not reach dQ or r.
-2. correction pass (fix="gproj" or want_stats), the same grid, once r is final: ρ_i = r_i / Σ_j P̃_ij,
-   recompute S and P̃, dK_j = τ (dK_j − Σ_i bf16(ρ_i P̃_ij) q_i) (its own GEMM, as two_pass "gemm"),
-   and −ρ_i (P̃K)_i (fp32 partial products per key block, scaled by ρ_i in fp32) added into the dQ
-   buffer; with want_stats the leak τ ρ_i (P̃K)_i likewise: 3 GEMMs per tile pair.
-3. dQ = τ · buffer, rounded once (_dq_post_kernel).
-
-fix="none": 5 GEMMs per tile pair against two_pass's 7; fix="gproj": 8 against 9. The atomic adds
-land in no fixed order, so dq, r and the gproj corrections are reproducible only to fp32 rounding
-between runs (the two-pass schedule is deterministic). ``dk_fold=True`` and head dims above
-:data:`ONE_PASS_MAX_HEAD_DIM` run the two-pass kernels. Extra memory: the fp32 dQ buffer (B·Nq·H·d),
-Σ_j P̃_ij (B·H·Nq), for fix="gproj" the fp32 main-pass dK (B·Nk·Hk·d). Never N×N.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, atomic_add_rows, atomic_add_vec, autotune_enabled, check_seqlens, in_window, interpreting,
-    load_pair, load_rows, mma, padded_head_dim, round_ds, supports, tanh_f32, to16, visible, window_args,
+    INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, in_window, interpreting,
+    load_pair, mma, padded_head_dim, round_ds, seq_bounds, supports, tanh_f32, to16, visible, window_args,
     window_key_blocks, window_query_blocks,
 )
-from lightning_gproj.kernels.reference import FIXES, check_ds_format, project_key_sum_
+from lightning_gproj.kernels.reference import FIXES, check_ds_format, project_key_sum_, sequences
 
-__all__ = ["backward", "supports", "FIXES", "DEFAULT_DK_FOLD", "SCHEDULES", "default_schedule", "ONE_PASS_MAX_HEAD_DIM"]
+__all__ = ["backward", "supports", "FIXES", "DEFAULT_DK_FOLD"]
 
 
 #: Default schedule of the P-weighted dK term (False: its own GEMM; True: folded into dS before its
@@ -189,11 +164,11 @@ def _dq_inner(
 
 
 @triton.autotune(configs=_DQ_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "GPROJ", "NEED_R", "STATS",
-                                           "HAS_SEQLENS", "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM"],
+                                           "HAS_SEQLENS", "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, M, LOG2L, DELTA, DQ, R, RHO, ABS, LEAK, SEQLENS,
+    Q, K, V, DO, M, LOG2L, DELTA, DQ, R, RHO, ABS, LEAK, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -202,8 +177,8 @@ def _dq_kernel(
     c, tau, H, N_Q, N_K, WL, WR, sc, cap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     GPROJ: tl.constexpr, NEED_R: tl.constexpr, STATS: tl.constexpr, HAS_SEQLENS: tl.constexpr,
-    DS_BITS: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    UNIFORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DS_BITS: tl.constexpr, IS_VARLEN: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     NEED_PK: tl.constexpr = GPROJ or STATS
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -216,6 +191,22 @@ def _dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    if IS_VARLEN:
+        # Packed sequences, as in attention_fwd._fwd_kernel: batch strides are 0, N_Q and N_K arrive as
+        # total_q, total_k (row statistics are (H, total_q)) and become this sequence's lengths.
+        q_start, k_start, n_q, n_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b)
+        row0 = h.to(tl.int64) * N_Q + q_start
+        N_Q = n_q
+        N_K = n_k
+        if start_m >= N_Q:
+            return
+        Q += q_start.to(tl.int64) * stride_qn
+        DO += q_start.to(tl.int64) * stride_don
+        DQ += q_start.to(tl.int64) * stride_dqn
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+    else:
+        row0 = pid_bh.to(tl.int64) * N_Q
     CAUSAL_OFF = N_K - N_Q  # the causal alignment always uses the full seqlen_k
     b64 = b.to(tl.int64)
     # Keys [0, K_LEN) are valid in this batch row (right padding); K_LEN = N_K without seqlens_k.
@@ -232,7 +223,7 @@ def _dq_kernel(
                 mask=tile_mask, other=0.0)
     do = tl.load(DO + b64 * stride_dob + h * stride_doh + offs_m[:, None] * stride_don
                  + offs_d[None, :] * stride_dod, mask=tile_mask, other=0.0)
-    rows = pid_bh.to(tl.int64) * N_Q + offs_m
+    rows = row0 + offs_m
     m = tl.load(M + rows, mask=row_mask, other=0.0)
     # Rows past N_Q get log2l = +inf, hence P = 0 (their gradients are never stored).
     l2 = tl.load(LOG2L + rows, mask=row_mask, other=float("inf"))
@@ -363,11 +354,11 @@ def _dkdv_inner(
 
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "DK_MODE", "HAS_SEQLENS",
-                                             "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM"],
+                                             "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, M, LOG2L, DELTA, R, DK, DV, SEQLENS,
+    Q, K, V, DO, M, LOG2L, DELTA, R, DK, DV, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -376,8 +367,8 @@ def _dkdv_kernel(
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     c, tau, H, HK, N_Q, N_K, WL, WR, sc, cap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    DK_MODE: tl.constexpr, HAS_SEQLENS: tl.constexpr, DS_BITS: tl.constexpr, INTERP: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr,
+    DK_MODE: tl.constexpr, HAS_SEQLENS: tl.constexpr, DS_BITS: tl.constexpr, IS_VARLEN: tl.constexpr,
+    INTERP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -390,6 +381,20 @@ def _dkdv_kernel(
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    if IS_VARLEN:
+        # Packed sequences, as in _dq_kernel; key blocks past the sequence's keys exit at once.
+        q_start, k_start, n_q, n_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b)
+        ROWS = N_Q
+        N_Q = n_q
+        N_K = n_k
+        if start_n >= N_K:
+            return
+        Q += q_start.to(tl.int64) * stride_qn
+        DO += q_start.to(tl.int64) * stride_don
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+        DK += k_start.to(tl.int64) * stride_dkn
+        DV += k_start.to(tl.int64) * stride_dvn
     CAUSAL_OFF = N_K - N_Q
 
     kv_mask = cols[:, None] < N_K
@@ -436,7 +441,10 @@ def _dkdv_kernel(
         h = hk * GROUP + g
         Qh = Q + b64 * stride_qb + h * stride_qh
         DOh = DO + b64 * stride_dob + h * stride_doh
-        row0 = (b64 * H + h) * N_Q
+        if IS_VARLEN:
+            row0 = h.to(tl.int64) * ROWS + q_start
+        else:
+            row0 = (b64 * H + h) * N_Q
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
             offs_m, cols, offs_d, offs_dq, offs_ddo, lo, tl.minimum(lo_full, q_end), c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
@@ -460,298 +468,6 @@ def _dkdv_kernel(
              to16(dk, DK.dtype.element_ty, INTERP), mask=kv_mask)
     tl.store(DV + b64 * stride_dvb + hk * stride_dvh + cols[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
              to16(dv, DV.dtype.element_ty, INTERP), mask=kv_mask)
-
-
-# ---------------------------------------------------------------------------------------------------
-# One-pass schedule (schedule="one_pass"): one program per (key block, batch·kv head) loops over the
-# query blocks of its GQA group once, keeps dK and dV in registers and adds its share of dQ, r, Σ_j P̃_ij
-# and Σ_j |dS̃_ij| into fp32 buffers by atomic adds; the P-weighted corrections, which need the final
-# r, run in a light second pass (_corr_kernel); _dq_post_kernel scales and rounds the dQ buffer once.
-
-# Both kernels: key block BLOCK_N stays resident, query blocks BLOCK_M stream (d <= 128 only, so every
-# entry is a candidate). The main pass holds three fp32 accumulators (dK, dV: [BLOCK_N, d]; the dQ
-# share: [BLOCK_M, d]), hence 8 warps on the wide tiles; chosen by register arithmetic, not measured.
-_ONE_PASS_CONFIGS = _cfgs([(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3)], (16, 16))
-_CORR_CONFIGS = _cfgs([(64, 128, 8, 2), (32, 128, 4, 4), (64, 64, 4, 3)], (16, 16))
-
-#: Largest head dim the one-pass kernels serve; larger ones run the two-pass kernels. Its dQ tile is a
-#: third fp32 [tile, d] accumulator beside dK and dV, and d = 256 was never checked to fit registers.
-ONE_PASS_MAX_HEAD_DIM = 128
-
-
-@triton.jit
-def _q_ranges(start_n, K_LEN, N_Q, CAUSAL_OFF, HAS_SEQLENS: tl.constexpr, CAUSAL: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Query-block ranges of the key block at ``start_n``: [lo, min(lo_full, q_end)) crosses the
-    causal diagonal (masked), [lo_full, min(nq_full, q_end)) sees the whole key block (unmasked),
-    [max(lo_full, nq_full), q_end) is the ragged tail (masked). A key block that ends past K_LEN
-    (key padding, or the ragged key tail) runs every query block masked, since its masked columns
-    must not reach dQ, r or Σ_j P̃_ij; a block wholly past K_LEN runs none (q_end = 0)."""
-    nq_full = (N_Q // BLOCK_M) * BLOCK_M
-    if HAS_SEQLENS:
-        q_end = tl.where(start_n < K_LEN, N_Q, 0)
-    else:
-        q_end = N_Q
-    if CAUSAL:
-        first = tl.maximum(start_n - CAUSAL_OFF, 0)
-        lo = (first // BLOCK_M) * BLOCK_M
-        last = tl.maximum(start_n + BLOCK_N - 1 - CAUSAL_OFF, 0)
-        lo_full = tl.maximum(((last + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, lo)
-    else:
-        lo = 0
-        lo_full = 0
-    lo_full = tl.where(start_n + BLOCK_N <= K_LEN, lo_full, q_end)
-    return lo, lo_full, nq_full, q_end
-
-
-@triton.jit
-def _p_tile(k, q, m, l2, rows, cols, c, K_LEN, CAUSAL_OFF, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-            INTERP: tl.constexpr):
-    """Pᵀ (BLOCK_N × BLOCK_M, fp32) rebuilt with the forward's exponent; zero on masked pairs."""
-    sT = mma(k, tl.trans(q), tl.zeros([k.shape[0], q.shape[0]], tl.float32), INTERP)
-    pT = tl.math.exp2((sT - m[None, :]) * c - l2[None, :])  # rows past N_Q: l2 = +inf, P = 0
-    if MASKED:
-        valid = cols[:, None] < K_LEN
-        if CAUSAL:
-            valid = valid & (cols[:, None] <= rows[None, :] + CAUSAL_OFF)
-        pT = tl.where(valid, pT, 0.0)
-    return pT
-
-
-@triton.jit
-def _row_vec(X, rows, N_Q, other: tl.constexpr, MASKED: tl.constexpr):
-    """X[rows] (a per-row fp32 vector), ``other`` past N_Q when MASKED."""
-    if MASKED:
-        return tl.load(X + rows, mask=rows < N_Q, other=other)
-    else:
-        return tl.load(X + rows)
-
-
-@triton.jit
-def _one_pass_inner(
-    dk, dv, k, v, Qh, DOh, Mh, L2h, DELh, DQh, Rh, PSh, ABSh, stride_qn, stride_don, stride_dqn,
-    offs_m, cols, offs_d, offs_dq, offs_ddo, lo, hi, c, N_Q, K_LEN, CAUSAL_OFF,
-    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, NEED_R: tl.constexpr, NEED_PS: tl.constexpr, STATS: tl.constexpr,
-    DS_BITS: tl.constexpr, INTERP: tl.constexpr,
-):
-    for start_m in range(lo, hi, BLOCK_M):
-        rows = start_m + offs_m
-        q, do = load_pair(Qh, DOh, rows, stride_qn, stride_don, offs_d, offs_dq, offs_ddo, N_Q, HEAD_DIM, MASKED, EVEN_D)
-        m = _row_vec(Mh, rows, N_Q, 0.0, MASKED)
-        l2 = _row_vec(L2h, rows, N_Q, float("inf"), MASKED)
-        Di = _row_vec(DELh, rows, N_Q, 0.0, MASKED)
-        pT = _p_tile(k, q, m, l2, rows, cols, c, K_LEN, CAUSAL_OFF, MASKED, CAUSAL, INTERP)
-        p16 = to16(pT, k.dtype, INTERP)  # rounding point: P̃, the operand of P̃ᵀ·dO
-        dv = mma(p16, do, dv, INTERP)
-        dpT = mma(v, tl.trans(do), tl.zeros([k.shape[0], BLOCK_M], tl.float32), INTERP)
-        dsT = pT * (dpT - Di[None, :])
-        # Rounding point (DESIGN.md §3): dS̃ is the operand of both dS̃ᵀ·Q and dS̃·K, and r sums these values.
-        ds16 = round_ds(dsT, k.dtype, DS_BITS, INTERP)
-        dk = mma(ds16, q, dk, INTERP)
-        dq = mma(tl.trans(ds16), k, tl.zeros([BLOCK_M, q.shape[1]], tl.float32), INTERP)
-        atomic_add_rows(DQh, rows, stride_dqn, offs_d, dq, N_Q, HEAD_DIM, MASKED, EVEN_D)
-        if NEED_R:
-            atomic_add_vec(Rh, rows, tl.sum(ds16.to(tl.float32), 0), N_Q, MASKED)
-        if STATS:
-            atomic_add_vec(ABSh, rows, tl.sum(tl.abs(ds16.to(tl.float32)), 0), N_Q, MASKED)
-        if NEED_PS:
-            # Σ_j P̃_ij of the rounded P: ρ_i = r_i / Σ_j P̃_ij makes Σ_j (dS̃_ij − ρ_i P̃_ij) = 0.
-            atomic_add_vec(PSh, rows, tl.sum(p16.to(tl.float32), 0), N_Q, MASKED)
-    return dk, dv
-
-
-@triton.autotune(configs=_ONE_PASS_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "NEED_R", "NEED_PS",
-                                                 "STATS", "HAS_SEQLENS", "DS_BITS"],
-                 prune_configs_by={"early_config_prune": _prune}, reset_to_zero=["DQ", "R", "PS", "ABS"])
-@triton.jit
-def _one_pass_kernel(
-    Q, K, V, DO, M, LOG2L, DELTA, DQ, R, PS, ABS, DK, DV, SEQLENS,
-    stride_qb, stride_qn, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_dob, stride_don, stride_doh, stride_dod,
-    stride_dqb, stride_dqn, stride_dqh,
-    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
-    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-    c, dk_scale, H, HK, N_Q, N_K,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    NEED_R: tl.constexpr, NEED_PS: tl.constexpr, STATS: tl.constexpr, HAS_SEQLENS: tl.constexpr,
-    DS_BITS: tl.constexpr, INTERP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // HK
-    hk = pid_bh % HK
-    b64 = b.to(tl.int64)
-    start_n = pid_n * BLOCK_N
-    cols = start_n + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    CAUSAL_OFF = N_K - N_Q
-    if HAS_SEQLENS:
-        K_LEN = tl.load(SEQLENS + b).to(tl.int32)
-    else:
-        K_LEN = N_K
-    kv_mask = cols[:, None] < N_K
-    if not EVEN_D:
-        kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
-    key_ok = cols < K_LEN
-    load_mask = kv_mask & key_ok[:, None]
-    k = tl.load(K + b64 * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=load_mask, other=0.0)
-    v = tl.load(V + b64 * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=load_mask, other=0.0)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    lo, lo_full, nq_full, q_end = _q_ranges(start_n, K_LEN, N_Q, CAUSAL_OFF, HAS_SEQLENS, CAUSAL, BLOCK_M, BLOCK_N)
-    offs_dq = offs_d * stride_qd
-    offs_ddo = offs_d * stride_dod
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        Qh = Q + b64 * stride_qb + h * stride_qh
-        DOh = DO + b64 * stride_dob + h * stride_doh
-        DQh = DQ + b64 * stride_dqb + h * stride_dqh
-        row0 = (b64 * H + h) * N_Q
-        dk, dv = _one_pass_inner(
-            dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, DQh, R + row0, PS + row0, ABS + row0,
-            stride_qn, stride_don, stride_dqn, offs_m, cols, offs_d, offs_dq, offs_ddo,
-            lo, tl.minimum(lo_full, q_end), c, N_Q, K_LEN, CAUSAL_OFF,
-            BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PS, STATS, DS_BITS, INTERP,
-        )
-        dk, dv = _one_pass_inner(
-            dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, DQh, R + row0, PS + row0, ABS + row0,
-            stride_qn, stride_don, stride_dqn, offs_m, cols, offs_d, offs_dq, offs_ddo,
-            lo_full, tl.minimum(nq_full, q_end), c, N_Q, K_LEN, CAUSAL_OFF,
-            BLOCK_M, False, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PS, STATS, DS_BITS, INTERP,
-        )
-        dk, dv = _one_pass_inner(
-            dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, DQh, R + row0, PS + row0, ABS + row0,
-            stride_qn, stride_don, stride_dqn, offs_m, cols, offs_d, offs_dq, offs_ddo,
-            tl.maximum(lo_full, nq_full), q_end, c, N_Q, K_LEN, CAUSAL_OFF,
-            BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PS, STATS, DS_BITS, INTERP,
-        )
-    dk = dk * dk_scale
-    # Padded keys (j >= K_LEN) get exactly zero gradients.
-    dk = tl.where(key_ok[:, None], dk, 0.0)
-    dv = tl.where(key_ok[:, None], dv, 0.0)
-    tl.store(DK + b64 * stride_dkb + hk * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
-             to16(dk, DK.dtype.element_ty, INTERP), mask=kv_mask)
-    tl.store(DV + b64 * stride_dvb + hk * stride_dvh + cols[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
-             to16(dv, DV.dtype.element_ty, INTERP), mask=kv_mask)
-
-
-@triton.jit
-def _corr_inner(
-    dkc, k, Qh, Mh, L2h, Rh, PSh, DQh, LEAKh, stride_qn, stride_dqn, offs_m, cols, offs_d, offs_dq,
-    lo, hi, c, tau, N_Q, K_LEN, CAUSAL_OFF,
-    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, GPROJ: tl.constexpr, STATS: tl.constexpr, INTERP: tl.constexpr,
-):
-    for start_m in range(lo, hi, BLOCK_M):
-        rows = start_m + offs_m
-        q = load_rows(Qh, rows, stride_qn, offs_d, offs_dq, N_Q, HEAD_DIM, MASKED, EVEN_D)
-        m = _row_vec(Mh, rows, N_Q, 0.0, MASKED)
-        l2 = _row_vec(L2h, rows, N_Q, float("inf"), MASKED)
-        r = _row_vec(Rh, rows, N_Q, 0.0, MASKED)
-        ps = _row_vec(PSh, rows, N_Q, 0.0, MASKED)
-        # ρ_i = r_i / Σ_j P̃_ij (kernels/reference.py); rows with no visible key have r = 0 and get ρ = 0.
-        rho = r / tl.maximum(ps, 1.1754943508222875e-38)
-        pT = _p_tile(k, q, m, l2, rows, cols, c, K_LEN, CAUSAL_OFF, MASKED, CAUSAL, INTERP)
-        p16 = to16(pT, k.dtype, INTERP)
-        if GPROJ:
-            # dK term as its own GEMM, −bf16(ρ∘P̃)ᵀQ, as in the two-pass kernels (see _dkdv_inner).
-            rp = to16(p16.to(tl.float32) * (-rho)[None, :], k.dtype, INTERP)
-            dkc = mma(rp, q, dkc, INTERP)
-        # (P̃K)_i restricted to this key block, fp32; ρ_i scales it in fp32 (no extra rounding point).
-        pk = mma(tl.trans(p16), k, tl.zeros([BLOCK_M, q.shape[1]], tl.float32), INTERP)
-        if GPROJ:
-            atomic_add_rows(DQh, rows, stride_dqn, offs_d, (-rho)[:, None] * pk, N_Q, HEAD_DIM, MASKED, EVEN_D)
-        if STATS:
-            atomic_add_rows(LEAKh, rows, HEAD_DIM, offs_d, (tau * rho)[:, None] * pk, N_Q, HEAD_DIM, MASKED, EVEN_D)
-    return dkc
-
-
-@triton.autotune(configs=_CORR_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "GPROJ", "STATS",
-                                             "HAS_SEQLENS"],
-                 prune_configs_by={"early_config_prune": _prune}, restore_value=["DQ", "LEAK"])
-@triton.jit
-def _corr_kernel(
-    Q, K, M, LOG2L, R, PS, DQ, LEAK, DKM, DK, SEQLENS,
-    stride_qb, stride_qn, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_dqb, stride_dqn, stride_dqh,
-    stride_dkmb, stride_dkmn, stride_dkmh, stride_dkmd,
-    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
-    c, tau, H, HK, N_Q, N_K,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    GPROJ: tl.constexpr, STATS: tl.constexpr, HAS_SEQLENS: tl.constexpr, INTERP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """The P-weighted corrections once r is final (fix="gproj"): dK_j = τ (dKmain_j − Σ_i bf16(ρ_i P̃_ij) q_i)
-    from the fp32 main-pass dK (DKM, unscaled) into DK; dQ_i −= ρ_i (P̃K)_i added into the fp32 dQ
-    buffer; and/or (STATS) the leak τ ρ_i (P̃K)_i into LEAK. Recomputes S: 3 GEMMs per tile pair."""
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // HK
-    hk = pid_bh % HK
-    b64 = b.to(tl.int64)
-    start_n = pid_n * BLOCK_N
-    cols = start_n + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    CAUSAL_OFF = N_K - N_Q
-    if HAS_SEQLENS:
-        K_LEN = tl.load(SEQLENS + b).to(tl.int32)
-    else:
-        K_LEN = N_K
-    kv_mask = cols[:, None] < N_K
-    if not EVEN_D:
-        kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
-    key_ok = cols < K_LEN
-    k = tl.load(K + b64 * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=kv_mask & key_ok[:, None], other=0.0)
-    dkc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    lo, lo_full, nq_full, q_end = _q_ranges(start_n, K_LEN, N_Q, CAUSAL_OFF, HAS_SEQLENS, CAUSAL, BLOCK_M, BLOCK_N)
-    offs_dq = offs_d * stride_qd
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        Qh = Q + b64 * stride_qb + h * stride_qh
-        DQh = DQ + b64 * stride_dqb + h * stride_dqh
-        row0 = (b64 * H + h) * N_Q
-        LEAKh = LEAK + row0 * HEAD_DIM
-        dkc = _corr_inner(
-            dkc, k, Qh, M + row0, LOG2L + row0, R + row0, PS + row0, DQh, LEAKh, stride_qn, stride_dqn,
-            offs_m, cols, offs_d, offs_dq, lo, tl.minimum(lo_full, q_end), c, tau, N_Q, K_LEN, CAUSAL_OFF,
-            BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, GPROJ, STATS, INTERP,
-        )
-        dkc = _corr_inner(
-            dkc, k, Qh, M + row0, LOG2L + row0, R + row0, PS + row0, DQh, LEAKh, stride_qn, stride_dqn,
-            offs_m, cols, offs_d, offs_dq, lo_full, tl.minimum(nq_full, q_end), c, tau, N_Q, K_LEN, CAUSAL_OFF,
-            BLOCK_M, False, CAUSAL, HEAD_DIM, EVEN_D, GPROJ, STATS, INTERP,
-        )
-        dkc = _corr_inner(
-            dkc, k, Qh, M + row0, LOG2L + row0, R + row0, PS + row0, DQh, LEAKh, stride_qn, stride_dqn,
-            offs_m, cols, offs_d, offs_dq, tl.maximum(lo_full, nq_full), q_end, c, tau, N_Q, K_LEN, CAUSAL_OFF,
-            BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, GPROJ, STATS, INTERP,
-        )
-    if GPROJ:
-        dk = tl.load(DKM + b64 * stride_dkmb + hk * stride_dkmh + cols[:, None] * stride_dkmn
-                     + offs_d[None, :] * stride_dkmd, mask=kv_mask, other=0.0)
-        dk = tl.where(key_ok[:, None], (dk + dkc) * tau, 0.0)
-        tl.store(DK + b64 * stride_dkb + hk * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
-                 to16(dk, DK.dtype.element_ty, INTERP), mask=kv_mask)
-
-
-@triton.jit
-def _dq_post_kernel(DQACC, DQ, tau, NUMEL, INTERP: tl.constexpr, BLOCK: tl.constexpr):
-    """dQ = τ · (fp32 dQ buffer), rounded once to DQ's dtype (elementwise over two contiguous tensors)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < NUMEL
-    x = tl.load(DQACC + offs, mask=mask, other=0.0)
-    tl.store(DQ + offs, to16(x * tau, DQ.dtype.element_ty, INTERP), mask=mask)
 
 
 def _cumsum_seq(x):
@@ -810,24 +526,6 @@ def _apply_uniform_corrections(dq, dk, q, k, r, tau, causal, seqlens_k=None):
     dk.sub_(tau * corr * key_ok[:, :, None, None])
 
 
-#: Accepted values of ``schedule`` and of the GPROJ_BWD_SCHEDULE environment variable.
-SCHEDULES = ("two_pass", "one_pass")
-
-
-def default_schedule() -> str:
-    """The backward schedule used when ``backward(schedule=None)``: the environment variable
-    GPROJ_BWD_SCHEDULE if set, else "two_pass". Read at every call (the op's backward passes no
-    schedule), so a benchmark can switch it between runs.
-
-    Raises:
-        ValueError: GPROJ_BWD_SCHEDULE is set to something not in :data:`SCHEDULES`.
-    """
-    value = os.environ.get("GPROJ_BWD_SCHEDULE", "two_pass")
-    if value not in SCHEDULES:
-        raise ValueError(f"GPROJ_BWD_SCHEDULE must be one of {SCHEDULES}, got {value!r}")
-    return value
-
-
 def backward(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -844,9 +542,12 @@ def backward(
     grad_dtype: torch.dtype | None = None,
     seqlens_k: torch.Tensor | None = None,
     ds_format: str = "bf16",
-    schedule: str | None = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ):
     """Attention backward with FA3-class rounding points and the GProj corrections.
 
@@ -867,37 +568,37 @@ def backward(
             padding, values in [1, seqlen_k], not checked). Masked keys get dk = dv = 0 exactly.
         ds_format: "bf16" (dS rounded to the input dtype), "e4m3" or "e5m2" (first to 4 / 3 significant
             bits, no range limit): as in :func:`lightning_gproj.kernels.reference.backward`.
-        schedule: "two_pass" (a dQ pass, then a dK/dV pass; deterministic), "one_pass" (one dK/dV/dQ
-            pass with dQ, r and Σ_j P̃_ij added by fp32 atomics, plus a correction pass for
-            fix="gproj" or want_stats), or None: :func:`default_schedule` (GPROJ_BWD_SCHEDULE, else
-            "two_pass"). Both round at the same points as kernels/reference.py; "one_pass" adds
-            each (key block, query block) pair's share of dQ and r in whatever order the atomics
-            land, so its dq, r and (through ρ) the gproj corrections change between runs at fp32
-            rounding — it is not bitwise deterministic. It runs the two-pass kernels where it does
-            not serve: head dims above :data:`ONE_PASS_MAX_HEAD_DIM` and ``dk_fold=True`` (the fold
-            needs the final r before dK is formed), and windows and softcap (the one-pass kernels do not
-            implement them yet).
         window_size, softcap: as the forward ran with (kernels/reference.py: with softcap the projection
             acts in the capped domain and an fp32 dk gets no C2 projection; with either, fix="gproj_uniform"
             runs in the kernels with the visible-key mask as its direction instead of the O(N·d) PyTorch
             corrections). Query/key block pairs outside the window are skipped.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: packed sequences, the values the
+            forward ran with (:func:`lightning_gproj.kernels.attention_fwd.forward`): do, q, o
+            (total_q, nheads, headdim), k, v (total_k, nheads_k, headdim), m, log2l (nheads, total_q).
+            Query-block programs run over cdiv(max_seqlen_q, BLOCK_M), key-block programs over
+            cdiv(max_seqlen_k, BLOCK_N), per sequence; blocks past a sequence's end exit at once.
+            r is per query row, and the fp32 dk projection and
+            gproj_uniform's dK correction act per sequence (Σ over each sequence's keys). A window
+            and softcap apply within each sequence (bottom-right aligned per sequence).
 
     Returns:
         (dq, dk, dv, extras): dq like q, dk/dv like k/v (GQA: summed over each kv head's query heads),
-        all contiguous; extras is {} unless want_stats.
+        all contiguous; extras is {} unless want_stats (packed: r, abs_dS (nheads, total_q), leak
+        (nheads, total_q, headdim)).
 
     Raises:
-        ValueError: unknown ``fix``, ``ds_format`` or ``schedule`` (or GPROJ_BWD_SCHEDULE), an input the
-            kernels cannot serve (:func:`supports`), or a ``seqlens_k`` that is not a (batch,) integer
-            tensor on q's device.
+        ValueError: unknown ``fix`` or ``ds_format``, an input the
+            kernels cannot serve (:func:`supports`), a ``seqlens_k`` that is not a (batch,) integer
+            tensor on q's device, or malformed packed-sequence arguments
+            (:func:`~lightning_gproj.kernels._triton_utils.check_varlen`).
     """
     if fix not in FIXES:
         raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
     ds_bits = check_ds_format(ds_format)
-    if schedule is None:
-        schedule = default_schedule()
-    elif schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES} or None, got {schedule!r}")
+    varlen = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, seqlens_k)
+    if varlen:  # packed: (1, total, ...) views; the kernels see batch stride 0 and one batch row per sequence
+        do, q, k, v, o = (x.unsqueeze(0) for x in (do, q, k, v, o))
+        m, log2l = m.unsqueeze(0), log2l.unsqueeze(0)
     reason = supports(q, k, v)
     if reason is not None:
         raise ValueError(f"Triton attention backward cannot serve this input: {reason}")
@@ -915,43 +616,52 @@ def backward(
     _preprocess_kernel[(triton.cdiv(nq, pre_bm), b * h)](
         o, do, delta, *o.stride(), *do.stride(), h, nq, HEAD_DIM=d, BLOCK_D=padded_head_dim(d), BLOCK_M=pre_bm,
     )
-    gproj = fix == "gproj"
     nk = k.shape[1]
     win = window_args(bool(causal), window_size, float(softcap), nq, nk)
     # Windows and softcap: the uniform projection runs in the kernels (its direction is not constant
     # along a row, or its rows are bands), so no PyTorch corrections afterwards.
     in_kernel_uniform = fix == "gproj_uniform" and (win["WINDOW"] or win["SOFTCAP"])
-    # The one-pass kernels do not implement windows and softcap: those run two-pass.
-    one_pass = (schedule == "one_pass" and d <= ONE_PASS_MAX_HEAD_DIM and not (gproj and dk_fold)
-                and not (win["WINDOW"] or win["SOFTCAP"]))
-    run = _one_pass if one_pass else _two_pass
     # Uniform corrections are applied in fp32 before the single final rounding.
     out32 = (fix == "gproj_uniform" and not in_kernel_uniform) or gdt == torch.float32
-    extra = (win,) if run is _two_pass else ()
-    dq, dk, dv, r, abs_ds, leak = run(
+    dq, dk, dv, r, abs_ds, leak = _two_pass(
         do, q, k, v, m.contiguous(), log2l.contiguous(), delta, float(softmax_scale), win["CAUSAL"], fix,
-        bool(want_stats), dk_fold, out32, gdt, seqlens_k, ds_bits, *extra,
+        bool(want_stats), dk_fold, out32, gdt, seqlens_k, ds_bits, varlen, win,
     )
     if fix == "gproj_uniform" and not in_kernel_uniform:
-        _apply_uniform_corrections(dq, dk, q, k, r, float(softmax_scale), bool(causal), seqlens_k)
+        if varlen:  # each sequence on its own: its rows see only its keys
+            for q0, q1, k0, k1 in sequences(varlen[0], varlen[1]):
+                if q1 > q0 and k1 > k0:
+                    _apply_uniform_corrections(dq[:, q0:q1], dk[:, k0:k1], q[:, q0:q1], k[:, k0:k1], r[:, :, q0:q1],
+                                               float(softmax_scale), bool(causal))
+        else:
+            _apply_uniform_corrections(dq, dk, q, k, r, float(softmax_scale), bool(causal), seqlens_k)
     if fix != "none" and gdt == torch.float32 and not win["SOFTCAP"]:
         # C2 to fp32 rounding, as kernels/reference.py: it holds with a window (over the keys some query
-        # sees), not with softcap.
+        # sees), not with softcap; packed: per sequence, with each sequence's own alignment.
         left = tuple(window_size)[0]
-        project_key_sum_(dk, seqlens_k, key_start=max(0, nk - nq - left) if left >= 0 else 0)
+        if varlen:
+            cu_q, cu_k = varlen[0].long(), varlen[1].long()
+            starts = (cu_k.diff() - cu_q.diff() - left).clamp(min=0) if left >= 0 else 0
+            project_key_sum_(dk[0], key_start=starts, cu_seqlens_k=cu_k)
+        else:
+            project_key_sum_(dk, seqlens_k, key_start=max(0, nk - nq - left) if left >= 0 else 0)
     dq, dk = dq.to(gdt), dk.to(gdt)
 
     extras = {}
     if want_stats:
         extras = {"r": r, "abs_dS": abs_ds, "leak": leak}
+    if varlen:
+        dq, dk, dv = dq[0], dk[0], dv[0]
+        extras = {name: x[0] for name, x in extras.items()}
     return dq, dk, dv, extras
 
 
 def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fold, out32, gdt, seqlens_k, ds_bits,
-              win=None):
+              varlen, win):
     """dQ pass then dK/dV pass (module docstring). Returns dq, dk (fp32 if out32), dv, r, abs_dS, leak
-    (r None unless needed; abs_dS, leak None unless want_stats). ``win``: the window / softcap
-    arguments of :func:`~lightning_gproj.kernels._triton_utils.window_args` (None: neither)."""
+    (r None unless needed; abs_dS, leak None unless want_stats). ``varlen``: None, or (cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k) with the tensors as packed (1, total, ...) views. ``win``:
+    the window / softcap arguments of :func:`~lightning_gproj.kernels._triton_utils.window_args`."""
     b, nq, h, d = q.shape
     nk, hk = k.shape[1], k.shape[2]
     dev = q.device
@@ -959,7 +669,6 @@ def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fol
     bd = padded_head_dim(d)
     has_seqlens = seqlens_k is not None
     seqlens_arg = seqlens_k if has_seqlens else m
-    win = win or window_args(causal, (-1, -1), 0.0, nq, nk)
     uniform = fix == "gproj_uniform" and (win["WINDOW"] or win["SOFTCAP"])
     gproj = fix == "gproj" or uniform  # the in-kernel projection, P̃ or the visible-key mask as direction
     if win["SOFTCAP"]:
@@ -967,6 +676,10 @@ def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fol
     sc = tau / win["cap"]
     wargs = (win["WL"], win["WR"], sc, win["cap"])
     wconst = dict(WINDOW=win["WINDOW"], SOFTCAP=win["SOFTCAP"], UNIFORM=uniform)
+    # Packed: one batch row per sequence, over the longest one (N_Q, N_K stay total_q, total_k).
+    packed = varlen is not None
+    nb, grid_q, grid_k = (varlen[0].numel() - 1, varlen[2], varlen[3]) if packed else (b, nq, nk)
+    cu_args = varlen[:2] if packed else (m, m)
     need_r = fix != "none" or want_stats
     dq = torch.empty((b, nq, h, d), dtype=torch.float32 if out32 else q.dtype, device=dev)
     r = torch.empty((b, h, nq), dtype=torch.float32, device=dev) if need_r else delta
@@ -974,70 +687,25 @@ def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fol
     abs_ds = torch.empty((b, h, nq), dtype=torch.float32, device=dev) if want_stats else delta
     leak = torch.empty((b, h, nq, d), dtype=torch.float32, device=dev) if want_stats else delta
 
-    _dq_kernel[lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * h)](
-        q, k, v, do, m, log2l, delta, dq, r, rho, abs_ds, leak, seqlens_arg,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+    _dq_kernel[lambda meta: (triton.cdiv(grid_q, meta["BLOCK_M"]), nb * h)](
+        q, k, v, do, m, log2l, delta, dq, r, rho, abs_ds, leak, seqlens_arg, *cu_args,
+        *batch_strides(q, packed), *batch_strides(k, packed), *batch_strides(v, packed), *batch_strides(do, packed),
+        *batch_strides(dq, packed),
         c, tau, h, nq, nk, *wargs,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal,
         GPROJ=gproj, NEED_R=need_r, STATS=want_stats, HAS_SEQLENS=has_seqlens, DS_BITS=ds_bits,
-        INTERP=INTERPRET, **wconst,
+        IS_VARLEN=packed, INTERP=INTERPRET, **wconst,
     )
 
     dk_mode = (_DK_FOLD if dk_fold and not uniform else _DK_GEMM) if gproj else _DK_NONE
     dk = torch.empty((b, nk, hk, d), dtype=torch.float32 if out32 else k.dtype, device=dev)
     dv = torch.empty((b, nk, hk, d), dtype=gdt, device=dev)
-    _dkdv_kernel[lambda meta: (triton.cdiv(nk, meta["BLOCK_N"]), b * hk)](
-        q, k, v, do, m, log2l, delta, rho if dk_mode == _DK_GEMM else r, dk, dv, seqlens_arg,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+    _dkdv_kernel[lambda meta: (triton.cdiv(grid_k, meta["BLOCK_N"]), nb * hk)](
+        q, k, v, do, m, log2l, delta, rho if dk_mode == _DK_GEMM else r, dk, dv, seqlens_arg, *cu_args,
+        *batch_strides(q, packed), *batch_strides(k, packed), *batch_strides(v, packed), *batch_strides(do, packed),
+        *batch_strides(dk, packed), *batch_strides(dv, packed),
         c, tau, h, hk, nq, nk, *wargs,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, DK_MODE=dk_mode, HAS_SEQLENS=has_seqlens,
-        DS_BITS=ds_bits, INTERP=INTERPRET, **wconst,
+        DS_BITS=ds_bits, IS_VARLEN=packed, INTERP=INTERPRET, **wconst,
     )
-    return dq, dk, dv, (r if need_r else None), (abs_ds if want_stats else None), (leak if want_stats else None)
-
-
-def _one_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fold, out32, gdt, seqlens_k, ds_bits):
-    """The one-pass schedule (module docstring): main pass, correction pass, dQ rounding. Same returns
-    as :func:`_two_pass`."""
-    b, nq, h, d = q.shape
-    nk, hk = k.shape[1], k.shape[2]
-    dev = q.device
-    c = tau * LOG2E
-    bd = padded_head_dim(d)
-    has_seqlens = seqlens_k is not None
-    seqlens_arg = seqlens_k if has_seqlens else m
-    gproj = fix == "gproj"
-    need_r = fix != "none" or want_stats
-    need_ps = gproj or want_stats
-    f32 = dict(dtype=torch.float32, device=dev)
-    unused = torch.zeros(1, **f32)  # stands for the buffers a variant never touches (reset by the autotuner)
-    dq_acc = torch.zeros((b, nq, h, d), **f32)
-    r = torch.zeros((b, h, nq), **f32) if need_r else unused
-    ps = torch.zeros((b, h, nq), **f32) if need_ps else unused
-    abs_ds = torch.zeros((b, h, nq), **f32) if want_stats else unused
-    # fix="gproj": the main pass leaves the unscaled fp32 dK for the correction pass to finish.
-    dk_main = torch.empty((b, nk, hk, d), dtype=torch.float32 if (out32 or gproj) else k.dtype, device=dev)
-    dv = torch.empty((b, nk, hk, d), dtype=gdt, device=dev)
-    group = h // hk
-    _one_pass_kernel[lambda meta: (triton.cdiv(nk, meta["BLOCK_N"]), b * hk)](
-        q, k, v, do, m, log2l, delta, dq_acc, r, ps, abs_ds, dk_main, dv, seqlens_arg,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq_acc.stride()[:3], *dk_main.stride(), *dv.stride(),
-        c, 1.0 if gproj else tau, h, hk, nq, nk,
-        GROUP=group, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, NEED_R=need_r, NEED_PS=need_ps, STATS=want_stats,
-        HAS_SEQLENS=has_seqlens, DS_BITS=ds_bits, INTERP=INTERPRET,
-    )
-    dk = dk_main
-    leak = torch.zeros((b, h, nq, d), **f32) if want_stats else unused
-    if gproj or want_stats:
-        dk = torch.empty((b, nk, hk, d), dtype=torch.float32 if out32 else k.dtype, device=dev) if gproj else dk_main
-        _corr_kernel[lambda meta: (triton.cdiv(nk, meta["BLOCK_N"]), b * hk)](
-            q, k, m, log2l, r, ps, dq_acc, leak, dk_main, dk, seqlens_arg,
-            *q.stride(), *k.stride(), *dq_acc.stride()[:3], *dk_main.stride(), *dk.stride(),
-            c, tau, h, hk, nq, nk,
-            GROUP=group, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, GPROJ=gproj, STATS=want_stats,
-            HAS_SEQLENS=has_seqlens, INTERP=INTERPRET,
-        )
-    dq = dq_acc if out32 else torch.empty((b, nq, h, d), dtype=q.dtype, device=dev)
-    block = 1024
-    _dq_post_kernel[(triton.cdiv(dq.numel(), block),)](dq_acc, dq, tau, dq.numel(), INTERP=INTERPRET, BLOCK=block)
     return dq, dk, dv, (r if need_r else None), (abs_ds if want_stats else None), (leak if want_stats else None)

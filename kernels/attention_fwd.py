@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, autotune_enabled, check_seqlens, in_window, interpreting, load_pair, mma, padded_head_dim,
-    supports, tanh_f32, to16, visible, window_args, window_key_blocks,
+    INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, in_window, interpreting,
+    load_pair, mma, padded_head_dim, seq_bounds, supports, tanh_f32, to16, visible, window_args, window_key_blocks,
 )
 
 __all__ = ["forward", "supports"]
@@ -97,19 +97,19 @@ def _fwd_inner(
 
 
 @triton.autotune(configs=_fwd_configs(), key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "HAS_SEQLENS", "WINDOW",
-                                             "SOFTCAP"],
+                                             "SOFTCAP", "IS_VARLEN"],
                  prune_configs_by={"early_config_prune": _prune_fwd})
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, M, LOG2L, SEQLENS,
+    Q, K, V, O, M, LOG2L, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_on, stride_oh, stride_od,
     c, H, N_Q, N_K, WL, WR, sc, cap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, IS_VARLEN: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -118,6 +118,22 @@ def _fwd_kernel(
     hk = h // GROUP
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     start_m = pid_m * BLOCK_M
+    if IS_VARLEN:
+        # Packed sequences: batch row b is rows [cu_q[b], cu_q[b+1]) of q, o and keys [cu_k[b], cu_k[b+1])
+        # of k, v (batch strides are 0); N_Q, N_K arrive as total_q, total_k (m, log2l are (H, total_q))
+        # and become this sequence's lengths, so every bound and the causal offset below are per sequence.
+        q_start, k_start, n_q, n_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b)
+        row0 = h.to(tl.int64) * N_Q + q_start
+        N_Q = n_q
+        N_K = n_k
+        if start_m >= N_Q:
+            return
+        Q += q_start.to(tl.int64) * stride_qn
+        O += q_start.to(tl.int64) * stride_on
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+    else:
+        row0 = pid_bh.to(tl.int64) * N_Q
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -180,7 +196,7 @@ def _fwd_kernel(
     Ob = O + b.to(tl.int64) * stride_ob + h * stride_oh
     tl.store(Ob + offs_m[:, None] * stride_on + (offs_d * stride_od)[None, :], to16(o, O.dtype.element_ty, INTERP),
              mask=q_mask)
-    row = pid_bh.to(tl.int64) * N_Q + offs_m
+    row = row0 + offs_m
     tl.store(M + row, m_out, mask=offs_m < N_Q)
     tl.store(LOG2L + row, log2l, mask=offs_m < N_Q)
 
@@ -194,6 +210,10 @@ def forward(
     seqlens_k: torch.Tensor | None = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ):
     """FMA-safe attention forward.
 
@@ -208,40 +228,57 @@ def forward(
         window_size: (left, right), flash-attn's sliding window (−1 unbounded; ``causal`` sets right = 0),
             as in kernels/reference.py. Key blocks outside every row's window are skipped.
         softcap: 0 (off) or cap > 0: logits z = cap·tanh(τ s / cap), softmax(z) with no further scale.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: packed sequences (all four or none;
+            not with ``seqlens_k``): q (total_q, nheads, headdim), k, v (total_k, nheads_k, headdim),
+            cu_seqlens int32 (batch + 1,) on q's device, max_seqlen ints >= every sequence's length
+            (values not checked here; :func:`lightning_gproj.ops.gproj_attn_varlen_func` checks them).
+            Sequence b is its own batch row (rows cu_seqlens_q[b]..cu_seqlens_q[b+1], keys likewise;
+            causal and window bottom-right aligned within it). The grid is (cdiv(max_seqlen_q,
+            BLOCK_M), batch·nheads); query blocks past a sequence's end exit at once.
 
     Returns:
-        o: (batch, seqlen_q, nheads, headdim), q's dtype, contiguous.
-        m: (batch, nheads, seqlen_q) fp32, row max of the raw scores q·k (with softcap: of the capped
-        logits z) (0 for a row with no key).
-        log2l: (batch, nheads, seqlen_q) fp32, log2 Σ_j exp2((s_ij − m_i)·τ·log2e) (+inf for a row
-        with no key).
+        o: (batch, seqlen_q, nheads, headdim) (packed: (total_q, nheads, headdim)), q's dtype, contiguous.
+        m: (batch, nheads, seqlen_q) fp32 (packed: (nheads, total_q)), row max of the raw scores q·k
+        (with softcap: of the capped logits z) (0 for a row with no key).
+        log2l: same shape as m, log2 Σ_j exp2((s_ij − m_i)·τ·log2e) (+inf for a row with no key).
 
     Raises:
-        ValueError: the input is not served (see :func:`supports` for the reason), or ``seqlens_k``
-            is not a (batch,) integer tensor on q's device.
+        ValueError: the input is not served (see :func:`supports` for the reason), ``seqlens_k`` is
+            not a (batch,) integer tensor on q's device, or the packed-sequence arguments are
+            malformed (:func:`~lightning_gproj.kernels._triton_utils.check_varlen`).
     """
-    reason = supports(q, k, v)
+    varlen = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, seqlens_k)
+    q4, k4, v4 = (x.unsqueeze(0) for x in (q, k, v)) if varlen else (q, k, v)
+    reason = supports(q4, k4, v4)
     if reason is not None:
         raise ValueError(f"Triton attention forward cannot serve this input: {reason}")
     seqlens_k = check_seqlens(seqlens_k, q)
-    b, nq, h, d = q.shape
-    nk, hk = k.shape[1], k.shape[2]
+    b, nq, h, d = q4.shape
+    nk, hk = k4.shape[1], k4.shape[2]
     o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
     m = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
     log2l = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+    # nq, nk are total_q, total_k when packed: window_args only needs an "unbounded" wider than any sequence.
     win = window_args(causal, window_size, softcap, nq, nk)
     # With softcap τ sits inside the tanh and the exponent's factor is log2e alone.
     c = (1.0 if win["SOFTCAP"] else float(softmax_scale)) * LOG2E
     sc = float(softmax_scale) / win["cap"]
+    # Packed: one batch row per sequence, over the longest one (N_Q, N_K stay total_q, total_k).
+    packed = varlen is not None
+    nb, grid_q = (varlen[0].numel() - 1, varlen[2]) if packed else (b, nq)
 
     def grid(meta):
-        return (triton.cdiv(nq, meta["BLOCK_M"]), b * h)
+        return (triton.cdiv(grid_q, meta["BLOCK_M"]), nb * h)
 
     _fwd_kernel[grid](
-        q, k, v, o, m, log2l, seqlens_k if seqlens_k is not None else m,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        q4, k4, v4, o, m, log2l, seqlens_k if seqlens_k is not None else m,
+        *(varlen[:2] if varlen else (m, m)),
+        *batch_strides(q4, packed), *batch_strides(k4, packed), *batch_strides(v4, packed), *batch_strides(o, packed),
         c, h, nq, nk, win["WL"], win["WR"], sc, win["cap"],
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=padded_head_dim(d), CAUSAL=win["CAUSAL"],
-        HAS_SEQLENS=seqlens_k is not None, INTERP=INTERPRET, WINDOW=win["WINDOW"], SOFTCAP=win["SOFTCAP"],
+        HAS_SEQLENS=seqlens_k is not None, IS_VARLEN=packed, INTERP=INTERPRET, WINDOW=win["WINDOW"],
+        SOFTCAP=win["SOFTCAP"],
     )
+    if varlen:
+        o, m, log2l = o[0], m[0], log2l[0]
     return o, m, log2l

@@ -47,7 +47,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["forward", "backward", "FIXES", "DS_FORMATS", "round_significand", "normalize_window"]
+__all__ = ["forward", "backward", "FIXES", "DS_FORMATS", "round_significand", "normalize_window", "project_key_sum_"]
 
 #: Accepted values of ``fix``.
 FIXES = ("none", "gproj", "gproj_uniform")
@@ -178,6 +178,10 @@ def forward(
     seqlens_k: Tensor | None = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Attention forward with FA3-class rounding points and an FMA-safe exponent.
 
@@ -197,15 +201,32 @@ def forward(
             ``causal`` sets right = 0.
         softcap: 0 (off) or cap > 0: logits z = cap · tanh(τ s / cap), softmax(z) with no further scale.
 
+        cu_seqlens_q, cu_seqlens_k: packed sequences (flash-attn's varlen layout), or None. int32
+            (batch + 1,) cumulative lengths: sequence b is the query rows cu_seqlens_q[b] <= i <
+            cu_seqlens_q[b + 1] of q (total_q, nheads, headdim) and the keys cu_seqlens_k[b] <= j <
+            cu_seqlens_k[b + 1] of k, v (total_k, nheads_k, headdim); each sequence is its own batch row
+            (causal bottom-right aligned per sequence; sequences never see each other; a sequence may be
+            empty). Expected to start at 0, not to decrease and to end at total_q / total_k (not checked
+            here; :func:`lightning_gproj.ops.gproj_attn_varlen_func` validates). Not combined with
+            ``seqlens_k``; ``window_size`` and ``softcap`` apply within each sequence (its own
+            bottom-right alignment i + Nk_seq − Nq_seq).
+        max_seqlen_q, max_seqlen_k: the longest sequence lengths (launch sizes of the Triton kernels;
+            accepted for the same signature, not needed here).
+
     Returns:
         o: like q. m: (batch, nheads, seqlen_q) fp32 (fp64 for fp64 input), the row max of the unscaled
-        scores (with softcap: of the capped logits z); 0 for a row with no visible key. log2l: same shape, log2 of Σ_j exp2((s_ij − m_i)·τ·log2e);
-        +inf for a row with no visible key (its P is then 0 and its output 0).
+        scores (with softcap: of the capped logits z); 0 for a row with no visible key. log2l: same shape,
+        log2 of Σ_j exp2((s_ij − m_i)·τ·log2e); +inf for a row with no visible key (its P is then 0 and
+        its output 0). Packed sequences: m and log2l are (nheads, total_q), as flash-attn's varlen
+        softmax_lse.
 
     The exponent is ``(s − m)·(τ·log2e)`` with s and m the same fp32 numbers, so the row's maximum gets
     exactly exp2(0) = 1 (DESIGN.md §5): no FMA can move it, and q = k = v = constant returns the
     constant (no NaN even for 133120 in bf16).
     """
+    if cu_seqlens_q is not None:
+        return _forward_varlen(q, k, v, softmax_scale, causal, block_m, cu_seqlens_q, cu_seqlens_k, window_size,
+                               softcap)
     dtype = q.dtype
     cdt = _compute_dtype(dtype)
     rnd = _rounder(dtype)
@@ -234,6 +255,30 @@ def forward(
     return o.transpose(1, 2).to(dtype), m, log2l
 
 
+def sequences(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> list[tuple[int, int, int, int]]:
+    """``[(q0, q1, k0, k1)]`` per packed sequence: its query rows q0 <= i < q1 and keys k0 <= j < k1
+    (reads the values: a device sync)."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
+
+
+def _forward_varlen(q, k, v, softmax_scale, causal, block_m, cu_seqlens_q, cu_seqlens_k, window_size, softcap):
+    """:func:`forward` over packed sequences, one sequence at a time (each its own batch row of 1)."""
+    nheads = q.shape[1]
+    stat = torch.float64 if q.dtype == torch.float64 else torch.float32
+    o = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    # A sequence with no keys keeps the contract of a row with no visible key: o = 0, m = 0, log2l = +inf.
+    m = torch.zeros(nheads, q.shape[0], dtype=stat, device=q.device)
+    log2l = torch.full_like(m, float("inf"))
+    for q0, q1, k0, k1 in sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0 or k1 == k0:
+            continue
+        ob, mb, lb = forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, causal, block_m,
+                             window_size=window_size, softcap=softcap)
+        o[q0:q1], m[:, q0:q1], log2l[:, q0:q1] = ob[0], mb[0], lb[0]
+    return o, m, log2l
+
+
 def backward(
     do: Tensor,
     q: Tensor,
@@ -253,6 +298,10 @@ def backward(
     ds_format: str = "bf16",
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
     """Attention backward with FA3-class rounding points and the GProj corrections.
 
@@ -281,12 +330,19 @@ def backward(
         window_size, softcap: as in :func:`forward` (the values the forward ran with). With softcap the
             projection acts in the capped domain (module docstring) and dk gets no C2 projection;
             with a window or softcap, ``gproj_uniform`` runs in the loop with W = the visible-key mask.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: packed sequences, as in :func:`forward`
+            (the same values the forward ran with; m, log2l then (nheads, total_q)). Each sequence is
+            its own batch row: r_i per query row, and the fp32 dk projection (C2) and
+            ``gproj_uniform``'s dK correction per sequence — Σ over each sequence's keys, never across
+            sequences (with a left window, over the keys some query of the sequence sees). A sequence with no keys gets dq = 0; one with no queries dk = dv = 0.
 
     Returns:
         dq like q; dk, dv like k, v (GQA: summed over the query heads of each kv head); extras with,
         when ``want_stats``, fp32 tensors ``r`` and ``abs_dS`` (batch, nheads, seqlen_q): the row sums
         Σ_j dS̃_ij and Σ_j |dS̃_ij| of the rounded dS before any projection, and ``leak``
-        (batch, nheads, seqlen_q, headdim): τ ρ_i (P̃ K)_i, the part of dQ̃ that GProj removes.
+        (batch, nheads, seqlen_q, headdim): τ ρ_i (P̃ K)_i, the part of dQ̃ that GProj removes. Packed
+        sequences: dq (total_q, nheads, headdim), dk, dv (total_k, nheads_k, headdim); r, abs_dS
+        (nheads, total_q), leak (nheads, total_q, headdim).
 
     Raises:
         ValueError: ``fix`` not one of :data:`FIXES`, ``ds_format`` not one of :data:`DS_FORMATS`.
@@ -294,6 +350,11 @@ def backward(
     if fix not in FIXES:
         raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
     ds_bits = check_ds_format(ds_format)
+    if cu_seqlens_q is not None:
+        return _backward_varlen(
+            do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, dk_fold, grad_dtype, block_m,
+            ds_format, cu_seqlens_q, cu_seqlens_k, window_size, softcap,
+        )
     dtype = q.dtype
     cdt = _compute_dtype(dtype)
     rnd = _rounder(dtype)
@@ -394,9 +455,12 @@ def backward(
     return dq.transpose(1, 2).to(out), dk, dv.transpose(1, 2).to(out), extras
 
 
-def project_key_sum_(dk: Tensor, seqlens_k: Tensor | None = None, key_start: int = 0) -> Tensor:
+def project_key_sum_(
+    dk: Tensor, seqlens_k: Tensor | None = None, key_start: int = 0, cu_seqlens_k: Tensor | None = None,
+) -> Tensor:
     """In place: subtract from every valid key's gradient the mean over the valid keys, per batch row
-    and kv head, so that Σ_j dK_j = 0 (C2, DESIGN.md §2) holds to the rounding of this step.
+    (per packed sequence) and kv head, so that Σ_j dK_j = 0 (C2, DESIGN.md §2) holds to the rounding
+    of this step.
 
     The exact gradient satisfies C2, so this orthogonal projection never moves dk away from it. It
     cleans up what the projections (fix="gproj" and "gproj_uniform") leave when dk is returned in
@@ -407,10 +471,28 @@ def project_key_sum_(dk: Tensor, seqlens_k: Tensor | None = None, key_start: int
 
     Args:
         dk: (batch, seqlen_k, nheads_k, headdim), fp32 or fp64, any strides; modified and returned.
+            With ``cu_seqlens_k``: (total_k, nheads_k, headdim).
         seqlens_k: None, or (batch,) integer key lengths (right padding): masked keys keep dk = 0.
         key_start: keys j < key_start are seen by no query (a left window with seqlen_q < seqlen_k:
-            key_start = Nk − Nq − left): they keep dk = 0 and the mean is over the others.
+            key_start = Nk − Nq − left): they keep dk = 0 and the mean is over the others. With
+            ``cu_seqlens_k``: an int or a (batch,) integer tensor, per sequence and counted from the
+            sequence's first key.
+        cu_seqlens_k: None, or the (batch + 1,) cumulative key lengths of packed sequences: the mean
+            is taken over each sequence's keys, so each sequence's Σ_j dK_j = 0 on its own (an empty
+            sequence has nothing to project).
     """
+    if cu_seqlens_k is not None:
+        cu = cu_seqlens_k.to(device=dk.device, dtype=torch.long)
+        lens = cu.diff()
+        seq = torch.repeat_interleave(torch.arange(lens.numel(), device=dk.device), lens, output_size=dk.shape[0])
+        starts = torch.as_tensor(key_start, device=dk.device, dtype=torch.long).expand(lens.numel())
+        valid = (torch.arange(dk.shape[0], device=dk.device) - cu[seq] >= starts[seq])[:, None, None]
+        total = torch.zeros((lens.numel(),) + dk.shape[1:], dtype=torch.float64, device=dk.device)
+        total.index_add_(0, seq, (dk * valid).double())
+        count = torch.zeros(lens.numel(), dtype=torch.float64, device=dk.device)
+        count.index_add_(0, seq, valid[:, 0, 0].double())
+        mean = total / count.clamp(min=1)[:, None, None]
+        return dk.sub_(mean.to(dk.dtype)[seq] * valid)
     if seqlens_k is None and key_start == 0:
         mean = dk.sum(dim=1, keepdim=True, dtype=torch.float64) / dk.shape[1]
         return dk.sub_(mean.to(dk.dtype))
@@ -421,6 +503,31 @@ def project_key_sum_(dk: Tensor, seqlens_k: Tensor | None = None, key_start: int
     total = (dk * valid).sum(dim=1, keepdim=True, dtype=torch.float64)
     count = valid.sum(dim=1, keepdim=True).to(torch.float64).clamp(min=1)
     return dk.sub_((total / count).to(dk.dtype) * valid)
+
+
+def _backward_varlen(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, dk_fold, grad_dtype,
+                     block_m, ds_format, cu_seqlens_q, cu_seqlens_k, window_size, softcap):
+    """:func:`backward` over packed sequences, one sequence at a time: every correction (and the fp32
+    dk projection) then acts within the sequence."""
+    out = grad_dtype or q.dtype
+    nheads, d = q.shape[1], q.shape[2]
+    dq = torch.zeros(q.shape, dtype=out, device=q.device)
+    dk = torch.zeros(k.shape, dtype=out, device=q.device)
+    dv = torch.zeros(v.shape, dtype=out, device=q.device)
+    stats = {"r": torch.zeros(nheads, q.shape[0], device=q.device), "abs_dS": torch.zeros(nheads, q.shape[0], device=q.device),
+             "leak": torch.zeros(nheads, q.shape[0], d, device=q.device)} if want_stats else {}
+    for q0, q1, k0, k1 in sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0 or k1 == k0:
+            continue  # no query sees a key: every gradient (and statistic) of the sequence is 0
+        g = backward(
+            do[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], o[None, q0:q1], m[None, :, q0:q1],
+            log2l[None, :, q0:q1], softmax_scale, causal, fix, want_stats, dk_fold, grad_dtype, block_m,
+            ds_format=ds_format, window_size=window_size, softcap=softcap,
+        )
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+        for name, x in g[3].items():
+            stats[name][:, q0:q1] = x[0]
+    return dq, dk, dv, stats
 
 
 def _uniform_corrections(qh: Tensor, kh: Tensor, r: Tensor, causal: bool, n_valid: int) -> tuple[Tensor, Tensor]:

@@ -2,14 +2,14 @@
 
 Public API::
 
-    from lightning_gproj import gproj_attn_func, GProjPlugin, ZeroSumMonitor, GradNormMonitor
+    from lightning_gproj import gproj_attn_func, gproj_attn_varlen_func, GProjPlugin, ZeroSumMonitor, GradNormMonitor
 
 See README.md and docs/design.md.
 """
 
 from lightning_gproj.callbacks import Alert, GradNormMonitor, ZeroSumMonitor
 from lightning_gproj.fabric import GProjFabricPlugin
-from lightning_gproj.ops import DS_FORMATS, FIXES, gproj_attn_func
+from lightning_gproj.ops import DS_FORMATS, FIXES, gproj_attn_func, gproj_attn_varlen_func
 from lightning_gproj.plugin import GProjPlugin
 from lightning_gproj.sdpa_registry import activate_sdpa_registry, restore_sdpa_registry, use_sdpa_registry
 from lightning_gproj.stats import RECORDER, StatsRecorder
@@ -30,6 +30,7 @@ __all__ = [
     "ZeroSumMonitor",
     "activate_sdpa_registry",
     "gproj_attn_func",
+    "gproj_attn_varlen_func",
     "restore_sdpa_registry",
     "swap_attention",
     "unswap_attention",

@@ -1,4 +1,5 @@
-"""``gproj_attn_func``: attention whose backward keeps the softmax zero-sum law (DESIGN.md §4).
+"""``gproj_attn_func``: attention whose backward keeps the softmax zero-sum law (DESIGN.md §4), and
+``gproj_attn_varlen_func``, the same over packed sequences (flash-attn's varlen layout).
 
 The op is two ``torch.library`` custom ops (forward and backward) joined by ``register_autograd``, so
 ``torch.compile(fullgraph=True)`` sees attention as one opaque op instead of breaking the graph. Each
@@ -20,7 +21,7 @@ from torch import Tensor
 from lightning_gproj.kernels import reference
 from lightning_gproj.stats import RECORDER
 
-__all__ = ["gproj_attn_func", "FIXES", "DS_FORMATS", "LAYOUTS", "MAX_HEAD_DIM"]
+__all__ = ["gproj_attn_func", "gproj_attn_varlen_func", "FIXES", "DS_FORMATS", "LAYOUTS", "MAX_HEAD_DIM"]
 
 #: Accepted values of ``fix``.
 FIXES = reference.FIXES
@@ -128,10 +129,25 @@ def _attn_fwd(
     return o.contiguous(), m, log2l
 
 
-def record_forward_stats(name: str, q: Tensor, k: Tensor, seqlens_k: Optional[Tensor] = None) -> None:
+def record_forward_stats(
+    name: str,
+    q: Tensor,
+    k: Tensor,
+    seqlens_k: Optional[Tensor] = None,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+) -> None:
     """Record the mean-key and mean-query norms (DESIGN.md §8) of one call under ``name``: ‖mean_j k_j‖
     per (batch, kv head), over each batch row's valid keys, averaged; the same for q. q, k in the op
-    layout (batch, seqlen, nheads, headdim)."""
+    layout (batch, seqlen, nheads, headdim); packed sequences (``cu_seqlens_q``, ``cu_seqlens_k``):
+    q (total_q, nheads, headdim), k (total_k, nheads_k, headdim), means per non-empty sequence."""
+    if cu_seqlens_q is not None:
+        RECORDER.record(
+            name,
+            mean_key_norm=_sequence_means(k, cu_seqlens_k).norm(dim=-1).mean(),
+            mean_query_norm=_sequence_means(q, cu_seqlens_q).norm(dim=-1).mean(),
+        )
+        return
     if seqlens_k is None:
         mean_key = k.float().mean(dim=1)
     else:  # over each batch row's valid keys; a where, not a product, so padded NaN/inf stay out
@@ -142,6 +158,15 @@ def record_forward_stats(name: str, q: Tensor, k: Tensor, seqlens_k: Optional[Te
         mean_key_norm=mean_key.norm(dim=-1).mean(),
         mean_query_norm=q.float().mean(dim=1).norm(dim=-1).mean(),
     )
+
+
+def _sequence_means(x: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """(sequences, nheads, headdim) fp32 means of the packed x (total, nheads, headdim) over each
+    non-empty sequence's tokens."""
+    lens = cu_seqlens.diff().long()
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=x.device), lens, output_size=x.shape[0])
+    sums = torch.zeros((lens.numel(),) + x.shape[1:], dtype=torch.float32, device=x.device).index_add_(0, seq, x.float())
+    return (sums / lens.clamp(min=1)[:, None, None])[lens > 0]
 
 
 @_attn_fwd.register_fake
@@ -219,8 +244,11 @@ def _record_backward_stats(
     extras: dict[str, Tensor],
     seqlens_k: Optional[Tensor] = None,
     window_size: tuple[int, int] = (-1, -1),
+    n_keys: Optional[Tensor] = None,
 ) -> None:
-    """Zero-sum violation ρ_i = |r_i| / Σ_j |dS̃_ij| and leak ratio λ (DESIGN.md §8)."""
+    """Zero-sum violation ρ_i = |r_i| / Σ_j |dS̃_ij| and leak ratio λ (DESIGN.md §8). ``n_keys``: the
+    number of keys each query row sees, when the caller knows it (packed sequences), else derived
+    from ``causal``, ``nk`` and ``seqlens_k``."""
     r, abs_ds, leak = extras["r"], extras["abs_dS"], extras["leak"]
     # ρ_i is undefined where the row sees a single key (dS ≡ 0 in exact arithmetic, so any computed
     # value gives ρ_i = 1) and ill-conditioned where the row's exact dS is (near) zero for another
@@ -230,11 +258,9 @@ def _record_backward_stats(
     # most rows of a trained causal LM can be one-hot.
     # n_keys: keys row i of batch row b sees, (batch, 1, nq) or (nq,).
     nq = r.shape[-1]
-    left, right = reference.normalize_window(causal, window_size)
-    diag = torch.arange(nq, device=r.device) + (nk - nq)
-    hi = (diag + right).clamp(max=nk - 1) if right >= 0 else torch.full((nq,), nk - 1, device=r.device)
-    lo = (diag - left).clamp(min=0) if left >= 0 else torch.zeros(nq, dtype=torch.long, device=r.device)
-    n_keys = (hi - lo + 1).clamp(min=0)
+    if n_keys is None:
+        left, right = reference.normalize_window(causal, window_size)
+        n_keys = _visible_keys(torch.arange(nq, device=r.device), nq, nk, left, right)
     if seqlens_k is not None:
         n_keys = torch.minimum(n_keys[None, None, :], seqlens_k.to(device=r.device, dtype=torch.long)[:, None, None])
     defined = (abs_ds > 0) & (n_keys > 1)
@@ -250,6 +276,16 @@ def _record_backward_stats(
         stat = "leak_ratio" if fix == "none" else "leak_removed_ratio"
         values[stat] = leak.norm() / dq_gproj.norm().clamp(min=torch.finfo(torch.float32).tiny)
     RECORDER.record(name, **values)
+
+
+def _visible_keys(i: Tensor, nq, nk, left: int, right: int) -> Tensor:
+    """The number of keys query row i (of a sequence with nq queries, nk keys; ints or per-row tensors)
+    sees under the bottom-right aligned window (left, right) (causal folded in, −1 unbounded)."""
+    diag = i + (nk - nq)
+    last = torch.as_tensor(nk - 1, device=i.device).expand_as(i)
+    hi = torch.minimum(diag + right, last) if right >= 0 else last
+    lo = (diag - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
+    return (hi - lo + 1).clamp(min=0)
 
 
 def _setup_context(ctx, inputs, output):
@@ -362,6 +398,53 @@ def _check_softcap(softcap: object) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite float >= 0 (0: no capping), got {softcap!r}")
     return float(softcap)
+
+
+def _autocast_dtype(q: Tensor, k: Tensor, v: Tensor) -> Optional[torch.dtype]:
+    """The dtype the op computes in under autocast (None: as given), as autocast casts SDPA's inputs:
+    every fp16 / bf16 / fp32 input to the autocast dtype, fp64 kept.
+
+    Raises:
+        TypeError: autocast would cast some inputs and not an fp64 one."""
+    device_type = q.device.type
+    compute_dtype = None
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        autocast_dtype = torch.get_autocast_dtype(device_type)
+        cast = [x.dtype in _AUTOCAST_ELIGIBLE for x in (q, k, v)]
+        if any(c and x.dtype != autocast_dtype for c, x in zip(cast, (q, k, v))):
+            compute_dtype = autocast_dtype
+        if compute_dtype is not None and not all(cast):
+            raise TypeError(
+                f"q, k, v must share one dtype after autocast casts fp16/bf16/fp32 inputs to {autocast_dtype}; "
+                f"got q {q.dtype}, k {k.dtype}, v {v.dtype} (fp64 inputs are not cast)"
+            )
+    return compute_dtype
+
+
+def _check_options(
+    fix: object, ds_format: object, dropout_p: object, softmax_scale: object, stats_name: object, causal: object,
+    head_dim: int,
+) -> float:
+    """Validate the options both ops take; return softmax_scale (default ``1 / sqrt(head_dim)``)."""
+    if fix not in FIXES:
+        raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
+    reference.check_ds_format(ds_format)
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p must be 0.0 (gproj_attn_func has no attention dropout), got {dropout_p!r}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (
+        math.isfinite(softmax_scale) and 0 < softmax_scale <= _MAX_SOFTMAX_SCALE
+    ):
+        raise ValueError(
+            f"softmax_scale must be a positive float ≤ {_MAX_SOFTMAX_SCALE:.3g} (τ·log2e finite in fp32) or None, "
+            f"got {softmax_scale!r}"
+        )
+    if stats_name is not None and not isinstance(stats_name, str):
+        raise TypeError(f"stats_name must be a str or None, got {type(stats_name).__name__}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    return float(softmax_scale)
 
 
 def gproj_attn_func(
@@ -481,39 +564,11 @@ def gproj_attn_func(
                 raise ValueError(f"{name} must be 4-D (batch, nheads, seqlen, headdim), got shape {tuple(x.shape)}")
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     device_type = q.device.type
-    compute_dtype = None
-    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
-        # As autocast casts SDPA's inputs: every fp16 / bf16 / fp32 input to the autocast dtype, fp64 kept.
-        autocast_dtype = torch.get_autocast_dtype(device_type)
-        cast = [x.dtype in _AUTOCAST_ELIGIBLE for x in (q, k, v)]
-        if any(c and x.dtype != autocast_dtype for c, x in zip(cast, (q, k, v))):
-            compute_dtype = autocast_dtype
-        if compute_dtype is not None and not all(cast):
-            raise TypeError(
-                f"q, k, v must share one dtype after autocast casts fp16/bf16/fp32 inputs to {autocast_dtype}; "
-                f"got q {q.dtype}, k {k.dtype}, v {v.dtype} (fp64 inputs are not cast)"
-            )
+    compute_dtype = _autocast_dtype(q, k, v)
     _check_inputs(q, k, v, compute_dtype, layout)
     if layout is None:
         _warn_if_sdpa_layout(q)
-    if fix not in FIXES:
-        raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
-    reference.check_ds_format(ds_format)
-    if dropout_p != 0.0:
-        raise ValueError(f"dropout_p must be 0.0 (gproj_attn_func has no attention dropout), got {dropout_p!r}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (
-        math.isfinite(softmax_scale) and 0 < softmax_scale <= _MAX_SOFTMAX_SCALE
-    ):
-        raise ValueError(
-            f"softmax_scale must be a positive float ≤ {_MAX_SOFTMAX_SCALE:.3g} (τ·log2e finite in fp32) or None, "
-            f"got {softmax_scale!r}"
-        )
-    if stats_name is not None and not isinstance(stats_name, str):
-        raise TypeError(f"stats_name must be a str or None, got {type(stats_name).__name__}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    softmax_scale = _check_options(fix, ds_format, dropout_p, softmax_scale, stats_name, causal, q.shape[-1])
     if seqlens_k is not None:
         seqlens_k = _check_seqlens_k(seqlens_k, q, k)
     window_left, window_right = _check_window(window_size)
@@ -524,3 +579,294 @@ def gproj_attn_func(
             ds_format, window_left, window_right, softcap,
         )
     return o.transpose(1, 2) if layout == "bhsd" else o
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packed sequences (flash-attn's varlen interface): the same kernels with cu_seqlens, as their own pair
+# of custom ops (the tensors are (total, nheads, headdim) and the row statistics (nheads, total_q)).
+
+
+def _check_varlen_values(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: int, total_k: int,
+                         max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """Raise ValueError unless each cu_seqlens starts at 0, never decreases, ends at the total and has
+    no sequence longer than its max_seqlen (reads the values: one device sync). Runs inside the
+    forward op, so it also holds under ``torch.compile``."""
+    for name, cu, total, max_name, longest in (("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q),
+                                               ("cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k)):
+        values = cu.tolist()
+        lens = [b - a for a, b in zip(values, values[1:])]
+        if values[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {values[0]}")
+        if min(lens) < 0:
+            b = next(i for i, n in enumerate(lens) if n < 0)
+            raise ValueError(f"{name} must not decrease (sequence lengths are its differences), got "
+                             f"{name}[{b}] = {values[b]} > {name}[{b + 1}] = {values[b + 1]}")
+        if values[-1] != total:
+            raise ValueError(f"{name} must end at the number of packed tokens {total} (the first dim of "
+                             f"{'q' if name == 'cu_seqlens_q' else 'k and v'}), got {values[-1]}")
+        if max(lens) > longest:
+            raise ValueError(f"{max_name} ({longest}) is smaller than the longest sequence of {name} ({max(lens)})")
+
+
+@torch.library.custom_op("lightning_gproj::attn_varlen_fwd", mutates_args=())
+def _attn_varlen_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    fix: str,
+    stats_name: str,
+    compute_dtype: Optional[torch.dtype] = None,
+    ds_format: str = "bf16",
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    q, k, v = _cast(compute_dtype, q, k, v)
+    _check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    if RECORDER.enabled:
+        record_forward_stats(stats_name, q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                  max_seqlen_k=max_seqlen_k, window_size=(window_left, window_right), softcap=softcap)
+    if _use_triton(q[None], k[None], v[None]):
+        from lightning_gproj.kernels import attention_fwd
+
+        o, m, log2l = attention_fwd.forward(q, k, v, softmax_scale, causal, **varlen)
+    else:
+        o, m, log2l = reference.forward(q, k, v, softmax_scale, causal, **varlen)
+    if RECORDER.enabled:
+        scale = 1.0 if softcap > 0 else softmax_scale  # as in _attn_fwd
+        RECORDER.record(stats_name, max_logit=torch.where(torch.isinf(log2l), -math.inf, m).amax() * scale)
+    return o.contiguous(), m, log2l
+
+
+@_attn_varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, fix, stats_name,
+      compute_dtype=None, ds_format="bf16", window_left=-1, window_right=-1, softcap=0.0):
+    dtype = compute_dtype or q.dtype
+    stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    row = q.new_empty((q.shape[1], q.shape[0]), dtype=stat_dtype)
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],), dtype=dtype), row, torch.empty_like(row)
+
+
+def _varlen_n_keys(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, causal: bool, total_q: int,
+                   window_size: tuple[int, int]) -> Tensor:
+    """(total_q,) the number of keys each packed query row sees (its own sequence's, causal and window
+    bottom-right aligned per sequence)."""
+    lens_q, lens_k = cu_seqlens_q.diff().long(), cu_seqlens_k.diff().long()
+    seq = torch.repeat_interleave(torch.arange(lens_q.numel(), device=lens_q.device), lens_q, output_size=total_q)
+    local = torch.arange(total_q, device=lens_q.device) - cu_seqlens_q.long()[seq]
+    left, right = reference.normalize_window(causal, window_size)
+    return _visible_keys(local, lens_q[seq], lens_k[seq], left, right)
+
+
+@torch.library.custom_op("lightning_gproj::attn_varlen_bwd", mutates_args=())
+def _attn_varlen_bwd(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    m: Tensor,
+    log2l: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    fix: str,
+    stats_name: str,
+    compute_dtype: Optional[torch.dtype] = None,
+    ds_format: str = "bf16",
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    # As _attn_bwd: under autocast cast again and return the fp32 accumulators.
+    q, k, v = _cast(compute_dtype, q, k, v)
+    grad_dtype = None if compute_dtype is None else torch.float32
+    want_stats = RECORDER.enabled
+    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                  max_seqlen_k=max_seqlen_k, window_size=(window_left, window_right), softcap=softcap)
+    if _use_triton(q[None], k[None], v[None]):
+        from lightning_gproj.kernels import attention_bwd
+
+        dq, dk, dv, extras = attention_bwd.backward(
+            do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, grad_dtype=grad_dtype,
+            ds_format=ds_format, **varlen,
+        )
+    else:
+        dq, dk, dv, extras = reference.backward(
+            do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, grad_dtype=grad_dtype,
+            ds_format=ds_format, **varlen,
+        )
+    if want_stats:
+        n_keys = _varlen_n_keys(cu_seqlens_q, cu_seqlens_k, causal, q.shape[0], (window_left, window_right))
+        _record_backward_stats(stats_name, fix, causal, k.shape[0], dq[None], extras, n_keys=n_keys)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_attn_varlen_bwd.register_fake
+def _(do, q, k, v, o, m, log2l, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, fix,
+      stats_name, compute_dtype=None, ds_format="bf16", window_left=-1, window_right=-1, softcap=0.0):
+    dtype = None if compute_dtype is None else torch.float32
+    return tuple(torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device) for x in (q, k, v))
+
+
+def _setup_varlen_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, fix, stats_name,
+     compute_dtype, ds_format, wl, wr, softcap) = inputs
+    o, m, log2l = output
+    ctx.save_for_backward(q, k, v, o, m, log2l, cu_seqlens_q, cu_seqlens_k)
+    ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
+    ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name = softmax_scale, causal, fix, stats_name
+    ctx.compute_dtype, ctx.ds_format = compute_dtype, ds_format
+    ctx.window_left, ctx.window_right, ctx.softcap = wl, wr, softcap
+
+
+def _varlen_backward(ctx, do, _dm, _dlog2l):
+    q, k, v, o, m, log2l, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    dq, dk, dv = _attn_varlen_bwd(
+        do.contiguous(), q, k, v, o, m, log2l, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
+        ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name, ctx.compute_dtype, ctx.ds_format,
+        ctx.window_left, ctx.window_right, ctx.softcap,
+    )
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 13
+
+
+_attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
+
+
+def _check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, compute_dtype: Optional[torch.dtype]) -> None:
+    """Shapes, dtypes and devices of packed q (total_q, nheads, headdim), k, v (total_k, nheads_k, headdim)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (total, nheads, headdim) packed tokens, got shape {tuple(x.shape)}")
+    if compute_dtype is None and not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    total_q, nheads, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[-1] != d:
+        raise ValueError(f"k and v must have q's head dim {d}, got {k.shape[-1]}")
+    nheads_k = k.shape[1]
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k/v's nheads ({nheads_k}) (GQA/MQA)")
+    if d % 8 != 0 or not 8 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"headdim must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {d}")
+    if total_q == 0 or k.shape[0] == 0 or nheads == 0:
+        raise ValueError(f"q, k, v must be non-empty, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+
+
+def _check_cu_seqlens(cu_seqlens_q: object, cu_seqlens_k: object, device: torch.device) -> None:
+    """Type, dtype, shape and device of cu_seqlens_q / cu_seqlens_k (the values are checked in the op)."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, Tensor):
+            raise TypeError(f"{name} must be an int32 torch.Tensor of shape (batch + 1,), got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise ValueError(f"{name} must be an int32 tensor (as flash-attn's), got dtype {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name} must have shape (batch + 1,) with batch >= 1, got {tuple(cu.shape)}")
+        if cu.device != device:
+            raise ValueError(f"{name} must be on q's device {device}, got {cu.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+                         f"{cu_seqlens_q.shape[0] - 1} and {cu_seqlens_k.shape[0] - 1} (shapes {tuple(cu_seqlens_q.shape)} "
+                         f"and {tuple(cu_seqlens_k.shape)})")
+
+
+def _check_max_seqlen(name: str, value: object) -> int:
+    """``value`` as a non-negative int (an integer 0-d tensor is read: a device sync)."""
+    if isinstance(value, Tensor) and value.dim() == 0 and not value.dtype.is_floating_point and value.dtype != torch.bool:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int (the longest sequence's length), got {value!r}")
+    return value
+
+
+def gproj_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    fix: str = "gproj",
+    dropout_p: float = 0.0,
+    stats_name: Optional[str] = None,
+    ds_format: str = "bf16",
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+) -> Tensor:
+    """:func:`gproj_attn_func` over packed sequences (flash-attn's ``flash_attn_varlen_func`` layout).
+
+    Sequence b is the query tokens ``cu_seqlens_q[b] <= i < cu_seqlens_q[b + 1]`` of q and the keys
+    ``cu_seqlens_k[b] <= j < cu_seqlens_k[b + 1]`` of k, v; it attends to its own keys only, exactly
+    as if it ran alone through :func:`gproj_attn_func` with batch 1 (the same rounding points).
+    Sequences never see each other: GProj's r_i is per query row, and with an fp32 dk (fp32 k under
+    autocast) the C2 projection makes Σ_j dK_j = 0 over each sequence's keys (per kv head), never
+    across sequences. A sequence may be empty: its queries (if any) output 0 and get zero gradients,
+    its keys (if any) get dk = dv = 0.
+
+    Args:
+        q: (total_q, nheads, headdim), bf16 / fp16 / fp32 / fp64, any strides.
+        k, v: (total_k, nheads_k, headdim), same dtype and device; ``nheads % nheads_k == 0`` (GQA/MQA);
+            headdim a multiple of 8, at most 256.
+        cu_seqlens_q, cu_seqlens_k: int32 tensors of shape (batch + 1,) on q's device (the same batch):
+            cumulative sequence lengths, starting at 0, nondecreasing, ending at total_q / total_k.
+        max_seqlen_q, max_seqlen_k: ints (or integer 0-d tensors, read at once), at least the longest
+            query / key sequence (the kernels' launch size: a larger value only costs idle programs).
+        softmax_scale: τ, default ``1 / sqrt(headdim)``.
+        causal: bottom-right aligned within each sequence, as flash-attn ≥ 2.1: query i of a sequence
+            with n_q queries and n_k keys sees its key j iff ``j <= i + n_k - n_q`` (local positions).
+        fix, dropout_p, stats_name, ds_format: as :func:`gproj_attn_func`.
+        window_size, softcap: as :func:`gproj_attn_func` (flash-attn's ``flash_attn_varlen_func`` takes
+            them too), within each sequence: query i of a sequence sees its key j iff
+            ``i + n_k - n_q - left <= j <= i + n_k - n_q + right`` (local positions). With softcap no
+            C2 projection is applied to dk (C2 does not hold, :func:`gproj_attn_func`); with a left
+            window the C2 projection of each sequence is over the keys some query of it sees.
+
+    Returns:
+        o: (total_q, nheads, headdim), q's dtype (under autocast, the autocast dtype).
+
+    Dtypes and autocast: as :func:`gproj_attn_func` (Triton kernels for 16-bit CUDA inputs; the PyTorch
+    reference, one sequence at a time, elsewhere).
+
+    Raises:
+        TypeError: q, k or v not tensors of a floating dtype listed above or of different dtypes;
+            cu_seqlens not a tensor; ``causal`` not a bool; ``stats_name`` not a str.
+        ValueError: q, k, v not 3-D, mismatched heads / head dim, unsupported head dim, different
+            devices, empty q or k; ``cu_seqlens_q`` / ``cu_seqlens_k`` not int32, not of shape
+            (batch + 1,), not on q's device, of different lengths, not starting at 0, decreasing, or
+            not ending at total_q / total_k; ``max_seqlen_q`` / ``max_seqlen_k`` not a non-negative int
+            or smaller than the longest sequence; ``dropout_p != 0``; unknown ``fix`` or ``ds_format``;
+            bad ``softmax_scale``; ``window_size`` not a pair of ints >= −1, ``softcap`` not a finite
+            float >= 0. The value checks read cu_seqlens (one device sync per call).
+    """
+    _check_tensors(q, k, v)
+    compute_dtype = _autocast_dtype(q, k, v)
+    _check_varlen_inputs(q, k, v, compute_dtype)
+    softmax_scale = _check_options(fix, ds_format, dropout_p, softmax_scale, stats_name, causal, q.shape[-1])
+    _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.device)
+    max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    window_left, window_right = _check_window(window_size)
+    softcap = _check_softcap(softcap)
+    with torch.autocast(q.device.type, enabled=False):
+        o, _, _ = _attn_varlen_fwd(
+            q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
+            softmax_scale, causal, fix, stats_name or "attention", compute_dtype, ds_format, window_left,
+            window_right, softcap,
+        )
+    return o

@@ -46,20 +46,7 @@ def ulps(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> float:
     return ((a - b).abs() / ulp).max().item()
 
 
-#: Calls of the one-pass schedule (counted to show that it ran, not the two-pass fallback).
-ONE_PASS_CALLS = [0]
-_one_pass = B._one_pass
-
-
-def _count_one_pass(*args, **kwargs):
-    ONE_PASS_CALLS[0] += 1
-    return _one_pass(*args, **kwargs)
-
-
-B._one_pass = _count_one_pass
-
-
-def run_fp8_case(b, nq, nk, h, hk, d, causal, seed, one_pass=()):
+def run_fp8_case(b, nq, nk, h, hk, d, causal, seed):
     """ds_format e4m3 / e5m2 (dS rounded to FP8 significands): Triton vs reference, both vs float64."""
     gen = torch.Generator().manual_seed(seed)
     q, k, v, do = (torch.randn(b, n, hh, d, generator=gen) for n, hh in ((nq, h), (nk, hk), (nk, hk), (nq, h)))
@@ -69,10 +56,8 @@ def run_fp8_case(b, nq, nk, h, hk, d, causal, seed, one_pass=()):
     o_r, m_r, l_r = R.forward(q, k, v, tau, causal)
     _, dq64, dk64, dv64, _ = attention_fp64(q, k, v, do, tau, causal)
     out = {"shape": [b, nq, nk, h, hk, d], "causal": causal, "bwd": {}}
-    runs = [(fix, fmt, "two_pass") for fmt in ("e4m3", "e5m2") for fix in ("none", "gproj")]
-    runs += [(fix, fmt, "one_pass") for fix, fmt in one_pass]
-    for fix, ds_format, schedule in runs:
-        g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, ds_format=ds_format, schedule=schedule)
+    for fix, ds_format in [(fix, fmt) for fmt in ("e4m3", "e5m2") for fix in ("none", "gproj")]:
+        g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, ds_format=ds_format)
         g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, ds_format=ds_format)
         res = {"nan": any(bool(torch.isnan(x).any().item()) for x in g[:3])}
         for nm, x, y, z in zip(("dq", "dk", "dv"), g[:3], g_r[:3], (dq64, dk64, dv64)):
@@ -81,16 +66,16 @@ def run_fp8_case(b, nq, nk, h, hk, d, causal, seed, one_pass=()):
             res[f"ref_{nm}_rel_vs_f64"] = rel(y, z)
         res["r_rel_vs_ref"] = rel(g[3]["r"], g_r[3]["r"])
         g32 = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, False, grad_dtype=torch.float32,
-                         ds_format=ds_format, schedule=schedule)
+                         ds_format=ds_format)
         dk32 = g32[1].double()
         res["c2_residual_fp32"] = (dk32.sum(dim=1).norm() / dk32.norm()).item()
-        out["bwd"][f"{fix}_{ds_format}" + ("_1p" if schedule == "one_pass" else "")] = res
+        out["bwd"][f"{fix}_{ds_format}"] = res
     return out
 
 
-def run_case(b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed, seqlens=None, fixes=None, one_pass=()):
-    """Forward and backward variants (``fixes``: names of the two-pass variants, None = all four) against
-    kernels/reference.py and float64; ``one_pass``: fixes also run with schedule="one_pass" (name + "_1p")."""
+def run_case(b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed, seqlens=None, fixes=None):
+    """Forward and backward variants (``fixes``: names of the variants, None = all four) against
+    kernels/reference.py and float64."""
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     q = rnd(b, nq, h, d).to(dtype)
@@ -128,13 +113,11 @@ def run_case(b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed, seqle
 
     # The backward is fed the reference's forward state, so that any difference is the backward's own.
     out["bwd"] = {}
-    runs = [(fix, fold, "two_pass") for fix, fold in (("none", False), ("gproj", False), ("gproj", True),
-                                                      ("gproj_uniform", False))
+    runs = [(fix, fold) for fix, fold in (("none", False), ("gproj", False), ("gproj", True), ("gproj_uniform", False))
             if fixes is None or fix + ("_fold" if fold else "") in fixes]
-    runs += [(fix, False, "one_pass") for fix in one_pass]
-    for fix, fold, schedule in runs:
-        name = fix + ("_fold" if fold else "") + ("_1p" if schedule == "one_pass" else "")
-        g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, dk_fold=fold, seqlens_k=sk, schedule=schedule)
+    for fix, fold in runs:
+        name = fix + ("_fold" if fold else "")
+        g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, dk_fold=fold, seqlens_k=sk)
         g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, dk_fold=fold, seqlens_k=sk)
         res = {"nan": any(bool(torch.isnan(x).any().item()) for x in g[:3])}
         for nm, x, y, z in zip(("dq", "dk", "dv"), g[:3], g_r[:3], (dq64, dk64, dv64)):
@@ -146,7 +129,7 @@ def run_case(b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed, seqle
             res[f"{key}_rel_vs_ref"] = rel(g[3][key], g_r[3][key])
         # C2 on the fp32 accumulators: Σ_j dK_j / ‖dK‖_F (0 in exact arithmetic, DESIGN.md §2).
         g32 = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, False, dk_fold=fold,
-                         grad_dtype=torch.float32, seqlens_k=sk, schedule=schedule)
+                         grad_dtype=torch.float32, seqlens_k=sk)
         dk32 = g32[1].double()
         res["c2_residual_fp32"] = (dk32.sum(dim=1).norm() / dk32.norm()).item()
         if sk is not None:  # gradients of padded keys: exactly 0 (dk, dv), in both dtypes
@@ -207,7 +190,7 @@ def poisoned_keys(seed: int) -> dict:
 
 
 def run_window_case(nq, nk, h, hk, causal, window, softcap, seed):
-    """Sliding window / softcap: Triton (two-pass; one_pass falls back to it) and the reference vs float64,
+    """Sliding window / softcap: Triton and the reference vs float64,
     every fix; C2 of the fp32 dk; rows with no visible key."""
     gen = torch.Generator().manual_seed(seed)
     d = 32
@@ -225,53 +208,45 @@ def run_window_case(nq, nk, h, hk, causal, window, softcap, seed):
            "inf_pattern_equal": bool(torch.equal(torch.isinf(l2), empty)),
            "c2_f64": (dk64.sum(dim=1).norm() / dk64.norm()).item(), "bwd": {}}
     for fix in R.FIXES:
-        for schedule in ("two_pass", "one_pass") if fix == "gproj" else ("two_pass",):
-            g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, schedule=schedule, **kw)
-            if schedule == "one_pass":  # the fallback must give the two-pass result exactly
-                out["bwd"][fix]["one_pass_equal"] = all(torch.equal(x, y) for x, y in zip(g[:3], g2[:3]))
-                continue
-            g2 = g
-            g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, **kw)
-            res = {"nan": any(bool(torch.isnan(x).any()) for x in g[:3] + g_r[:3])}
-            for nm, x, y, z in zip(("dq", "dk", "dv"), g[:3], g_r[:3], (dq64, dk64, dv64)):
-                res[f"{nm}_rel_vs_ref"] = rel(x, y)
-                res[f"{nm}_rel_vs_f64"] = rel(x, z)
-                res[f"ref_{nm}_rel_vs_f64"] = rel(y, z)
-            rows = empty[0].transpose(0, 1)  # (nq, h)
-            res["empty_rows_zero"] = bool((g[0][0][rows] == 0).all() and (g_r[0][0][rows] == 0).all())
-            g32 = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, False, grad_dtype=torch.float32, **kw)
-            dk32 = g32[1].double()
-            res["c2_residual_fp32"] = (dk32.sum(dim=1).norm() / dk32.norm()).item()
-            out["bwd"][fix] = res
+        g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, **kw)
+        g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, True, **kw)
+        res = {"nan": any(bool(torch.isnan(x).any()) for x in g[:3] + g_r[:3])}
+        for nm, x, y, z in zip(("dq", "dk", "dv"), g[:3], g_r[:3], (dq64, dk64, dv64)):
+            res[f"{nm}_rel_vs_ref"] = rel(x, y)
+            res[f"{nm}_rel_vs_f64"] = rel(x, z)
+            res[f"ref_{nm}_rel_vs_f64"] = rel(y, z)
+        rows = empty[0].transpose(0, 1)  # (nq, h)
+        res["empty_rows_zero"] = bool((g[0][0][rows] == 0).all() and (g_r[0][0][rows] == 0).all())
+        g32 = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, False, grad_dtype=torch.float32, **kw)
+        dk32 = g32[1].double()
+        res["c2_residual_fp32"] = (dk32.sum(dim=1).norm() / dk32.norm()).item()
+        out["bwd"][fix] = res
     return out
 
 
 def main() -> None:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    # The one-pass schedule runs on a subset (interpreter time): GQA with Nq < Nk causal, several key
-    # blocks, fp16 strided, key padding, FP8 dS.
     cases = [
-        # (b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed), then one-pass fixes
-        ((1, 40, 40, 2, 2, 32, False, torch.bfloat16, 4.0, False, 1), ()),
-        ((2, 37, 53, 2, 1, 64, True, torch.bfloat16, 4.0, False, 2), R.FIXES),  # GQA 2:1, Nq < Nk
-        ((1, 53, 37, 2, 2, 32, True, torch.bfloat16, 4.0, False, 3), ()),  # Nq > Nk: rows with no key
-        ((1, 130, 130, 2, 1, 32, True, torch.bfloat16, 4.0, False, 4), ("gproj",)),  # several blocks + ragged tail
-        ((1, 45, 45, 2, 2, 32, False, torch.float16, 4.0, True, 5), ("none", "gproj_uniform")),  # fp16, strided q, k
+        # (b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed)
+        (1, 40, 40, 2, 2, 32, False, torch.bfloat16, 4.0, False, 1),
+        (2, 37, 53, 2, 1, 64, True, torch.bfloat16, 4.0, False, 2),  # GQA 2:1, Nq < Nk
+        (1, 53, 37, 2, 2, 32, True, torch.bfloat16, 4.0, False, 3),  # Nq > Nk: rows with no key
+        (1, 130, 130, 2, 1, 32, True, torch.bfloat16, 4.0, False, 4),  # several blocks + ragged tail
+        (1, 45, 45, 2, 2, 32, False, torch.float16, 4.0, True, 5),  # fp16, strided q, k
     ]
-    res = {"cases": [run_case(*c, one_pass=op) for c, op in cases]}
+    res = {"cases": [run_case(*c) for c in cases]}
     # Key padding (seqlens_k): lengths that end inside a 16-key block, on a block edge, and a batch
     # row with one valid key; causal with Nq == Nk (the usual causal + padding mask) and Nq < Nk.
     padded = [
-        # (b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed, seqlens, fixes[, one-pass fixes])
+        # (b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed, seqlens, fixes)
         (2, 24, 24, 2, 1, 32, False, torch.bfloat16, 4.0, False, 6, [13, 24], R.FIXES),
-        (2, 29, 29, 1, 1, 32, True, torch.bfloat16, 4.0, False, 7, [16, 1], None, R.FIXES),  # all four fixes
+        (2, 29, 29, 1, 1, 32, True, torch.bfloat16, 4.0, False, 7, [16, 1], None),  # all four fixes
         (1, 21, 40, 2, 2, 32, True, torch.float16, 4.0, True, 8, [30], R.FIXES),
     ]
     res["padded_cases"] = [run_case(*c) for c in padded]
     # (b, nq, nk, h, hk, d, causal, seed)
     res["fp8_cases"] = [run_fp8_case(1, 40, 40, 2, 2, 32, False, 9),
-                        run_fp8_case(1, 37, 53, 2, 1, 32, True, 10, one_pass=(("none", "e5m2"), ("gproj", "e5m2")))]
-    res["one_pass_calls"] = ONE_PASS_CALLS[0]
+                        run_fp8_case(1, 37, 53, 2, 1, 32, True, 10)]
     consts = []
     for cval in (133120.0, 1000.0):
         for causal in (False, True):
@@ -315,23 +290,6 @@ def main() -> None:
         res["bad_fix_raises"] = False
     except ValueError:
         res["bad_fix_raises"] = True
-    try:
-        B.backward(*zargs, "gproj", schedule="three_pass")
-        res["bad_schedule_raises"] = False
-    except ValueError as exc:
-        res["bad_schedule_raises"] = "schedule" in str(exc)
-    # GPROJ_BWD_SCHEDULE picks the schedule when the caller passes none; a bad value raises naming it.
-    before = ONE_PASS_CALLS[0]
-    os.environ["GPROJ_BWD_SCHEDULE"] = "one_pass"
-    B.backward(*zargs, "gproj")
-    res["env_one_pass_calls"] = ONE_PASS_CALLS[0] - before
-    os.environ["GPROJ_BWD_SCHEDULE"] = "bogus"
-    try:
-        B.backward(*zargs, "gproj")
-        res["bad_env_schedule_raises"] = False
-    except ValueError as exc:
-        res["bad_env_schedule_raises"] = "GPROJ_BWD_SCHEDULE" in str(exc)
-    del os.environ["GPROJ_BWD_SCHEDULE"]
     sys.stdout.write(json.dumps(res) + "\n")
 
 

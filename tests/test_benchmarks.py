@@ -40,10 +40,10 @@ def test_attention_runs_every_shape_with_and_without_causal_mask():
 def test_attention_smoke_writes_speed_records(tmp_path):
     out = tmp_path / "speed.json"
     _run(["benchmarks/attention.py", "--smoke", "--out", str(tmp_path), "--json", str(out),
-          "--methods", "gproj,none_1p"], tmp_path, TRITON_INTERPRET="1")
+          "--methods", "gproj,none"], tmp_path, TRITON_INTERPRET="1")
     records = json.loads(out.read_text())
     assert isinstance(records, list) and len(records) == 4  # 2 shapes (full, causal) × 2 methods
-    assert {(r["method"], r["causal"]) for r in records} == {(m, c) for m in ("gproj", "none_1p") for c in (False, True)}
+    assert {(r["method"], r["causal"]) for r in records} == {(m, c) for m in ("gproj", "none") for c in (False, True)}
     for r in records:
         assert "error" not in r, r
         assert {"shape", "causal", "method", "fwd_tflops", "bwd_tflops", "fwdbwd_tflops", "peak_mib"} <= set(r)
@@ -53,6 +53,17 @@ def test_attention_smoke_writes_speed_records(tmp_path):
     full = json.loads((tmp_path / "attention.json").read_text())
     assert full["smoke"] is True and len(full["rows"]) == 4
     assert "| 1×1×24×16 causal |" in (tmp_path / "attention.md").read_text()
+
+
+def test_attention_varlen_smoke_writes_packed_and_padded_records(tmp_path):
+    _run(["benchmarks/attention.py", "--smoke", "--varlen", "--varlen-heads", "1,16", "--out", str(tmp_path)], tmp_path,
+         TRITON_INTERPRET="1")
+    res = json.loads((tmp_path / "attention_varlen.json").read_text())
+    assert res["smoke"] is True
+    assert {(r["layout"], r["causal"]) for r in res["rows"]} == {(l, c) for l in ("packed", "padded") for c in (False, True)}
+    for r in res["rows"]:
+        assert "error" not in r, r
+        assert r["lengths"] == [9, 0, 20, 1] and all(_positive(r[k]) for k in ("fwd_ms", "bwd_ms", "fwdbwd_tflops"))
 
 
 def test_train_step_smoke_writes_step_times(tmp_path):

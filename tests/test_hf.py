@@ -334,3 +334,63 @@ def test_gpt2_with_default_dropout_is_reported_as_never_served(tmp_path, op_spy)
     assert "GProj attention calls (fix='gproj'): 2 swapped modules, 2 served no call (the run used their original attention)" in lines
     assert "model.transformer.h.0.attn | 0      | 3" in lines
     assert op_spy.calls == []
+
+
+@pytest.mark.parametrize("source", ["position_ids", "cu_seq_lens"])
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_packed_sequences_are_served_through_the_varlen_op(name, source, op_spy, monkeypatch):
+    """Sequences of 4, 1 and 6 tokens packed into one row (position_ids restarting at 0, as
+    DataCollatorWithFlattening builds them; with the cache on, no mask is built; with its cu_seq_lens /
+    max_length kwargs and use_cache=False, the block-diagonal mask arrives and is checked): every
+    attention call is served by gproj_attn_varlen_func (no fallback), and in float64 the logits
+    and every parameter gradient equal those of the original model run on each sequence alone (the
+    gradients summed over the sequences) to 1e-10 relative."""
+    import lightning_gproj.ops as ops
+    from _attention_models import OpSpy
+
+    varlen_spy = OpSpy(ops.gproj_attn_varlen_func)
+    monkeypatch.setattr(ops, "gproj_attn_varlen_func", varlen_spy)
+    model, swapped = _build(name)
+    model, swapped = model.double(), swapped.double()
+    swap_attention(swapped)
+    lens = [4, 1, 6]
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (1, sum(lens)), generator=g)
+    position_ids = torch.cat([torch.arange(n) for n in lens])[None]
+    weight = torch.cos(torch.arange(sum(lens) * VOCAB, dtype=torch.float64)).view(1, sum(lens), VOCAB)
+    kwargs = dict(input_ids=ids, position_ids=position_ids)
+    if source == "cu_seq_lens":
+        cu = torch.tensor([0, 4, 5, 11], dtype=torch.int32)
+        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6, max_length_k=6, use_cache=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        packed = swapped(**kwargs).logits
+    (packed * weight).sum().backward()
+
+    start, alone = 0, []
+    for n in lens:  # the original model, one sequence at a time
+        logits = model(input_ids=ids[:, start:start + n], position_ids=torch.arange(n)[None]).logits
+        (logits * weight[:, start:start + n]).sum().backward()
+        alone.append(logits.detach())
+        start += n
+    assert rel_err(packed.detach(), torch.cat(alone, dim=1)) <= 1e-10
+    for (pname, p), (_, p_ref) in zip(swapped.named_parameters(), model.named_parameters()):
+        assert rel_err(p.grad, p_ref.grad) <= 1e-10, pname
+    assert op_spy.calls == [] and len(varlen_spy.calls) == 2  # two layers, both packed
+    assert all(c["cu_seqlens_q"].tolist() == [0, 4, 5, 11] and c["causal"] and c["max_seqlen_q"] == 6
+               for c in varlen_spy.calls)
+
+
+def test_packed_mask_that_is_not_block_diagonal_falls_back(op_spy, monkeypatch):
+    """cu_seq_lens kwargs that disagree with the mask built from position_ids (no cache): not served
+    (warns), the result is sdpa_attention_forward's."""
+    model, swapped = _build("llama")
+    swap_attention(swapped)
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(3))
+    position_ids = torch.cat([torch.arange(4), torch.arange(6)])[None]
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+    kwargs = dict(input_ids=ids, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5,
+                  max_length_k=5, use_cache=False)
+    with pytest.warns(GProjFallbackWarning, match="not their block-diagonal mask"):
+        out = swapped(**kwargs).logits
+    assert torch.equal(out, model(**kwargs).logits) and op_spy.calls == []

@@ -49,6 +49,40 @@ def _fa4(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=Fa
     return reference_attn(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
 
 
+def _varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size=(-1, -1), softcap=0.0):
+    """The written-out attention of each packed sequence on its own (zeros where nothing is seen)."""
+    out = torch.zeros_like(q)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        if cq[b + 1] > cq[b] and ck[b + 1] > ck[b]:
+            out[cq[b]:cq[b + 1]] = reference_attn(q[None, cq[b]:cq[b + 1]], k[None, ck[b]:ck[b + 1]],
+                                                  v[None, ck[b]:ck[b + 1]], softmax_scale=softmax_scale, causal=causal,
+                                                  window_size=window_size, softcap=softcap)[0]
+    return out
+
+
+def _fa2_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                return_attn_probs=False, block_table=None):
+    if dropout_p or block_table is not None:
+        return torch.zeros_like(q) + 7.0
+    return _varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size, softcap)
+
+
+def _fa3_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None, seqused_k=None,
+                softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None, v_descale=None,
+                window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
+                deterministic=False, sm_margin=0, return_attn_probs=False):
+    return _varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size, softcap)
+
+
+def _fa4_varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
+                seqused_k=None, page_table=None, softmax_scale=None, causal=False, window_size=(None, None),
+                learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, score_mod=None,
+                aux_tensors=None, return_lse=False):
+    return _varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size, softcap)
+
+
 def _fa3_old(q, k, v, softmax_scale=None, causal=False, deterministic=False):  # returns (out, lse)
     lse = q.new_zeros(q.shape[0], q.shape[2], q.shape[1])  # its value does not matter here
     return reference_attn(q, k, v, softmax_scale=softmax_scale, causal=causal), lse
@@ -85,25 +119,52 @@ class Block(nn.Module):
         return x + self.attn(self.norm(x))
 '''
 
+VARLEN_MODEL_SOURCE = '''
+import torch
+from torch import nn
+from {source} import flash_attn_varlen_func as {alias}
+
+
+class PackedAttention(nn.Module):
+    """Packed tokens x (total, dim) with cu_seqlens, as a padding-free training loop feeds them."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=2, **kwargs):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim)
+        self.proj = nn.Linear(dim, dim)
+        self.kwargs = kwargs
+
+    def forward(self, x, cu_seqlens, max_seqlen):
+        q, k, v = self.qkv(x).view(x.shape[0], -1, self.head_dim).split([self.heads, self.kv_heads, self.kv_heads], dim=1)
+        if {with_max}:
+            o = {alias}(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **self.kwargs)
+        else:
+            o = {alias}(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, **self.kwargs)
+        return self.proj(o.reshape(x.shape[0], -1))
+'''
+
 
 @pytest.fixture
 def fake_flash(monkeypatch):
     """Fake flash-attn packages and a factory of model modules importing from them."""
     fa2 = types.ModuleType("flash_attn")
-    fa2.flash_attn_func = _fa2
+    fa2.flash_attn_func, fa2.flash_attn_varlen_func = _fa2, _fa2_varlen
     cute = types.ModuleType("flash_attn.cute")
-    cute.flash_attn_func = _fa4
+    cute.flash_attn_func, cute.flash_attn_varlen_func = _fa4, _fa4_varlen
     fa2.cute = cute
     fa3 = types.ModuleType("flash_attn_interface")
-    fa3.flash_attn_func = _fa3
+    fa3.flash_attn_func, fa3.flash_attn_varlen_func = _fa3, _fa3_varlen
     for name, mod in [("flash_attn", fa2), ("flash_attn.cute", cute), ("flash_attn_interface", fa3)]:
         monkeypatch.setitem(sys.modules, name, mod)
 
-    def model_module(source="flash_attn", alias="flash_attn_func", tag="m", take=""):
+    def model_module(source="flash_attn", alias="flash_attn_func", tag="m", take="", varlen=False, with_max=True):
         name = f"_fake_flash_model_{tag}"
         module = types.ModuleType(name)
         monkeypatch.setitem(sys.modules, name, module)
-        exec(compile(MODEL_SOURCE.format(source=source, alias=alias, take=take), name, "exec"), module.__dict__)
+        text = (VARLEN_MODEL_SOURCE.format(source=source, alias=alias, with_max=with_max) if varlen
+                else MODEL_SOURCE.format(source=source, alias=alias, take=take))
+        exec(compile(text, name, "exec"), module.__dict__)
         return module
 
     return model_module
@@ -269,3 +330,117 @@ def test_window_and_softcap_are_served(source, kwargs, fake_flash, op_spy):
     calls = [(c.get("window_size", (-1, -1)), c.get("softcap", 0.0)) for c in op_spy.calls]
     assert calls == [(window, kwargs.get("softcap", 0.0))]
     assert swapped.attn.forward.site.served == 1 and not swapped.attn.forward.site.fallbacks
+
+
+VARLEN_SOURCES = {
+    "flash_attn": ("flash_attn", _fa2_varlen, True),
+    "flash_attn_interface": ("flash_attn_interface", _fa3_varlen, True),
+    "flash_attn.cute": ("flash_attn.cute", _fa4_varlen, False),  # FA4: max_seqlen left to default (None)
+}
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("source", list(VARLEN_SOURCES))
+def test_varlen_served_matches_flash_reference_and_restores(source, causal, fake_flash, op_spy, monkeypatch):
+    """flash_attn_varlen_func of each source is rebound and served by gproj_attn_varlen_func (ragged
+    lengths with an empty sequence), gradients matching the written-out per-sequence attention."""
+    import lightning_gproj.ops as ops
+    from _attention_models import OpSpy
+
+    varlen_spy = OpSpy(ops.gproj_attn_varlen_func)
+    monkeypatch.setattr(ops, "gproj_attn_varlen_func", varlen_spy)
+    pkg, original, with_max = VARLEN_SOURCES[source]
+    mod = fake_flash(pkg, "flash_attn_varlen_func", tag="vl_" + source.replace(".", "_"), varlen=True, with_max=with_max)
+    torch.manual_seed(0)
+    model = mod.PackedAttention(causal=causal, softmax_scale=0.4)
+    swapped = copy.deepcopy(model)
+    report = swap_attention(swapped)
+    assert report.rows[0].original == f"PackedAttention: {source}.flash_attn_varlen_func as flash_attn_varlen_func"
+    assert isinstance(mod.flash_attn_varlen_func, FlashAttnFunc) and mod.flash_attn_varlen_func.original is original
+    cu = torch.tensor([0, 3, 3, 10, 11], dtype=torch.int32)
+    x = torch.randn(11, 32)
+
+    def run(m):
+        xx = x.clone().requires_grad_(True)
+        for p in m.parameters():
+            p.grad = None
+        out = m(xx, cu, 7)
+        out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out))
+        return out.detach(), {**{n: p.grad.clone() for n, p in m.named_parameters()}, "x": xx.grad.clone()}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        out, grads = run(swapped)
+    out_ref, grads_ref = run(model)
+    assert rel_err(out, out_ref) <= TOL
+    for name in grads_ref:
+        assert rel_err(grads[name], grads_ref[name]) <= TOL, name
+    assert [(c["causal"], c["softmax_scale"], c["k_shape"], c["max_seqlen_q"], c["cu_seqlens_k"].tolist())
+            for c in varlen_spy.calls] == [(causal, 0.4, (11, 2, 8), 7, cu.tolist())]
+    assert op_spy.calls == []  # the dense op was not used
+    assert unswap_attention(swapped) == 1 and mod.flash_attn_varlen_func is original
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(dropout_p=0.1), "dropout_p=0.1"),
+    (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), "block_table=a tensor of shape (2, 1)"),
+])
+def test_varlen_unserved_arguments_fall_back_once(kwargs, reason, fake_flash, op_spy):
+    mod = fake_flash("flash_attn", "flash_attn_varlen_func", tag="vl_fb" + reason[:5], varlen=True)
+    torch.manual_seed(0)
+    model = mod.PackedAttention(causal=True, **kwargs)
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    x = torch.randn(9, 32)
+    with pytest.warns(GProjFallbackWarning, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        assert torch.equal(swapped(x, cu, 5), model(x, cu, 5))
+    assert swapped.forward.site.fallbacks == {f"flash_attn.flash_attn_varlen_func with {reason}": 1}
+
+
+# (source, kwargs) of packed calls: a causal Mistral-style window, FA4's None for "unbounded" with softcap,
+# a two-sided window with softcap.
+VARLEN_WINDOWS = [
+    ("flash_attn", dict(causal=True, window_size=(2, 0))),
+    ("flash_attn.cute", dict(causal=True, window_size=(3, None), softcap=2.0)),
+    ("flash_attn_interface", dict(window_size=(1, 2), softcap=1.5)),
+]
+
+
+@pytest.mark.parametrize("source,kwargs", VARLEN_WINDOWS)
+def test_varlen_window_and_softcap_are_served(source, kwargs, fake_flash, monkeypatch):
+    """flash_attn_varlen_func with window_size / softcap reaches gproj_attn_varlen_func (no fallback),
+    the window within each sequence, and gives the per-sequence written-out attention's result and
+    gradients."""
+    import lightning_gproj.ops as ops
+    from _attention_models import OpSpy
+
+    varlen_spy = OpSpy(ops.gproj_attn_varlen_func)
+    monkeypatch.setattr(ops, "gproj_attn_varlen_func", varlen_spy)
+    pkg, _, with_max = VARLEN_SOURCES[source]
+    mod = fake_flash(pkg, "flash_attn_varlen_func", tag=f"vlw_{abs(hash(str(kwargs)))}", varlen=True,
+                     with_max=with_max)
+    torch.manual_seed(0)
+    model = mod.PackedAttention(softmax_scale=0.4, **kwargs)
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    cu = torch.tensor([0, 3, 3, 10, 11], dtype=torch.int32)
+    x = torch.randn(11, 32)
+
+    def run(m):
+        xx = x.clone().requires_grad_(True)
+        for p in m.parameters():
+            p.grad = None
+        out = m(xx, cu, 7)
+        out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out))
+        return out.detach(), {**{n: p.grad.clone() for n, p in m.named_parameters()}, "x": xx.grad.clone()}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        out, grads = run(swapped)
+    out_ref, grads_ref = run(model)
+    assert rel_err(out, out_ref) <= TOL
+    for name in grads_ref:
+        assert rel_err(grads[name], grads_ref[name]) <= TOL, name
+    window = tuple(-1 if w is None else w for w in kwargs.get("window_size", (-1, -1)))
+    assert [(c["window_size"], c["softcap"]) for c in varlen_spy.calls] == [(window, kwargs.get("softcap", 0.0))]

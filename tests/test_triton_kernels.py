@@ -17,12 +17,6 @@ length inside a block, causal Nq == Nk with lengths 16 (a block edge) and 1, cau
 strided — against the same reference (which masks per batch row) and a float64 autograd reference
 with an explicit boolean key mask; padded keys must get exactly zero dk and dv. Two of them skip the
 fold variant to keep the interpreter time down (~15 s added).
-
-The one-pass schedule (``schedule="one_pass"``: dQ, r and Σ_j P̃_ij by fp32 atomic adds, the P-weighted
-corrections in a second pass) runs through the same checks on a subset, under the variant name plus
-"_1p": every fix on the causal GQA Nq < Nk case and on the causal key-padding case with lengths 16 and
-1, gproj on the 130-row case (many blocks), none and gproj_uniform on the fp16 strided case, none and
-gproj with e5m2 dS. The same bounds hold: its rounding points are the reference's.
 """
 
 from __future__ import annotations
@@ -53,24 +47,12 @@ def measured() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _two_pass(bwd):
-    return {name for name in bwd if not name.endswith("_1p")}
-
-
 def _cases(measured):
     assert len(measured["cases"]) == 5 and len(measured["padded_cases"]) == 3
-    assert all(_two_pass(c["bwd"]) == set(VARIANTS) for c in measured["cases"])
-    assert all({"none", "gproj", "gproj_uniform"} <= _two_pass(c["bwd"]) for c in measured["padded_cases"])
-    assert any(_two_pass(c["bwd"]) == set(VARIANTS) for c in measured["padded_cases"])
+    assert all(set(c["bwd"]) == set(VARIANTS) for c in measured["cases"])
+    assert all({"none", "gproj", "gproj_uniform"} <= set(c["bwd"]) for c in measured["padded_cases"])
+    assert any(set(c["bwd"]) == set(VARIANTS) for c in measured["padded_cases"])
     return measured["cases"] + measured["padded_cases"]
-
-
-def test_one_pass_schedule_ran(measured):
-    """The one-pass variants really ran the one-pass kernels (no silent fall back to two-pass): each
-    calls them twice (bf16 with stats, fp32 gradients), and every fix ran one-pass on some case."""
-    names = [n for c in _cases(measured) + measured["fp8_cases"] for n in c["bwd"] if n.endswith("_1p")]
-    assert {n for n in names} >= {"none_1p", "gproj_1p", "gproj_uniform_1p", "gproj_e5m2_1p", "none_e5m2_1p"}
-    assert measured["one_pass_calls"] == 2 * len(names)
 
 
 def test_forward_matches_reference(measured):
@@ -130,7 +112,7 @@ def test_backward_against_float64_autograd(measured):
         # rounding level; every fix removes it.
         none_dq = c["bwd"]["none"]["dq_rel_vs_f64"]
         for fix, b in c["bwd"].items():
-            if fix.startswith("none"):
+            if fix == "none":
                 assert b["dq_rel_vs_f64"] <= (3e-2 if bf16 else 4e-3), (c["shape"], fix, b)
                 continue
             dq = b["dq_rel_vs_f64"]
@@ -149,16 +131,16 @@ def test_conservation_of_key_gradient(measured):
     element the dK pass rounds one ulp away from the dQ pass that summed r (gproj_uniform, fp16 case:
     1.0e-5 when the interpreter's GEMMs summed in the FMA-kernel order of OpenBLAS, ~1e-7 in another
     order: the bound then passed or failed by CPU). The uncorrected kernel leaves the 16-bit rounding
-    of dS in it (≥ 3e-4 here). The same holds for both schedules (two_pass and one_pass).
+    of dS in it (≥ 3e-4 here).
     """
     u = 2.0**-24
     for c in _cases(measured):
         bw = c["bwd"]
         assert "gproj" in bw and "gproj_uniform" in bw
         for fix, b in bw.items():
-            if fix.startswith("none"):
+            if fix == "none":
                 assert b["c2_residual_fp32"] >= 1e-4, (c["shape"], fix)
-            else:  # gproj, gproj_fold, gproj_uniform, in either schedule
+            else:  # gproj, gproj_fold, gproj_uniform
                 assert b["c2_residual_fp32"] <= 4 * u, (c["shape"], fix)
 
 
@@ -211,21 +193,18 @@ def test_fp8_ds_formats_match_reference(measured):
     cases = measured["fp8_cases"]
     assert len(cases) == 2
     for c in cases:
-        assert _two_pass(c["bwd"]) == {"none_e4m3", "gproj_e4m3", "none_e5m2", "gproj_e5m2"}
+        assert set(c["bwd"]) == {"none_e4m3", "gproj_e4m3", "none_e5m2", "gproj_e5m2"}
         for name, b in c["bwd"].items():
             assert not b["nan"], (c["shape"], name)
             for g in GRADS:
                 assert b[f"{g}_rel_vs_ref"] <= 0.15 * b[f"ref_{g}_rel_vs_f64"], (c["shape"], name, g, b)
             assert b["r_rel_vs_ref"] <= 0.1, (c["shape"], name, b)
         for fmt in ("e4m3", "e5m2"):
-            for sfx in ("", "_1p"):
-                if f"gproj_{fmt}{sfx}" not in c["bwd"]:  # one-pass: e5m2 on one case
-                    continue
-                gp, no = c["bwd"][f"gproj_{fmt}{sfx}"], c["bwd"][f"none_{fmt}{sfx}"]
-                assert gp["c2_residual_fp32"] <= 4 * 2.0**-24, (c["shape"], fmt, sfx)
-                assert no["c2_residual_fp32"] >= 1e-3, (c["shape"], fmt, sfx)
-                # the leak: 4 significant bits leave dq of fix="none" far worse than gproj's
-                assert gp["dq_rel_vs_f64"] <= 0.5 * no["dq_rel_vs_f64"], (c["shape"], fmt, sfx)
+            gp, no = c["bwd"][f"gproj_{fmt}"], c["bwd"][f"none_{fmt}"]
+            assert gp["c2_residual_fp32"] <= 4 * 2.0**-24, (c["shape"], fmt)
+            assert no["c2_residual_fp32"] >= 1e-3, (c["shape"], fmt)
+            # the leak: 4 significant bits leave dq of fix="none" far worse than gproj's
+            assert gp["dq_rel_vs_f64"] <= 0.5 * no["dq_rel_vs_f64"], (c["shape"], fmt)
 
 
 def test_fma_safe_constants(measured):
@@ -245,11 +224,6 @@ def test_supports_and_errors(measured):
     assert isinstance(s["bad_heads"], str) and "nheads" in s["bad_heads"]
     assert isinstance(s["head_dim_300"], str) and "head dim" in s["head_dim_300"]
     assert measured["bad_fix_raises"] is True
-    assert measured["bad_schedule_raises"] is True
-    # GPROJ_BWD_SCHEDULE=one_pass routes a call without ``schedule`` to the one-pass kernels; a bad
-    # value raises a ValueError naming the variable.
-    assert measured["env_one_pass_calls"] == 1
-    assert measured["bad_env_schedule_raises"] is True
 
 
 def test_window_softcap_kernels(measured):
@@ -257,7 +231,7 @@ def test_window_softcap_kernels(measured):
     reference to fp32 rounding (softcap: its exp2-built tanh against torch.tanh) and both are at bf16
     level against an explicit float64 attention; gproj beats none on dq; rows that see no key get
     exactly 0; C2 holds to fp32 rounding with a window and is NOT imposed under softcap (the fp32 dk
-    keeps the float64 gradient's own nonzero key sum); the one-pass request falls back to two-pass."""
+    keeps the float64 gradient's own nonzero key sum)."""
     cases = measured["window_cases"]
     assert len(cases) == 7 and any(c["n_empty"] > 0 for c in cases)
     for c in cases:
@@ -266,7 +240,7 @@ def test_window_softcap_kernels(measured):
         assert c["o_rel_vs_ref"] <= 3.9e-3 and c["o_rel_vs_f64"] <= 4e-3, c
         assert set(c["bwd"]) == {"none", "gproj", "gproj_uniform"}
         for fix, b in c["bwd"].items():
-            assert not b["nan"] and b["empty_rows_zero"] and b.get("one_pass_equal", fix != "gproj"), (c["case"], fix, b)
+            assert not b["nan"] and b["empty_rows_zero"], (c["case"], fix, b)
             for g in GRADS:
                 assert b[f"{g}_rel_vs_ref"] <= (2e-4 if softcap else 1e-6), (c["case"], fix, g, b)
                 assert b[f"{g}_rel_vs_f64"] <= 5e-3 or g == "dq" and fix == "none", (c["case"], fix, g, b)

@@ -158,3 +158,58 @@ def test_hf_sliding_window_and_softcap_are_served(build, eager, op_spy):
         assert calls == [((3, 0), 0.0, True)] * 2
     sites = [m._gproj_site for m in swapped.modules() if "_gproj_site" in vars(m)]
     assert len(sites) == 2 and all(s.served == 1 and not s.fallbacks for s in sites)
+
+
+@pytest.mark.parametrize("source", ["position_ids", "cu_seq_lens"])
+@pytest.mark.parametrize("build,eager", [(_mistral, False), (_gemma2, True)])
+def test_hf_packed_sequences_with_window_and_softcap_are_served(build, eager, source, monkeypatch):
+    """Sequences of 5, 1 and 7 tokens packed into one row (position_ids restarting at 0, with or without
+    the cu_seq_lens / max_length kwargs; use_cache=False, so the block-diagonal band mask arrives and is
+    checked) through Mistral (sliding_window=4) and Gemma 2 (sliding and global layers, softcap):
+    every call is served by gproj_attn_varlen_func with the window and softcap (no fallback), and in
+    float64 the logits and parameter gradients equal the original model's run on each sequence alone
+    (gradients summed over the sequences) to 1e-10 relative (Gemma 2: 1e-5, its fp32 norms): the window
+    acts within each sequence."""
+    import lightning_gproj.ops as ops
+    from _attention_models import OpSpy
+    from lightning_gproj.swap import GProjFallbackWarning, swap_attention
+
+    varlen_spy = OpSpy(ops.gproj_attn_varlen_func)
+    monkeypatch.setattr(ops, "gproj_attn_varlen_func", varlen_spy)
+    torch.manual_seed(0)
+    model = build().train().double()
+    if eager:
+        model.set_attn_implementation("eager")  # SDPA refuses softcap; the reference model runs eager
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    lens = [5, 1, 7]
+    ids = torch.randint(0, 50, (1, sum(lens)), generator=torch.Generator().manual_seed(2))
+    weight = torch.cos(torch.arange(sum(lens) * 50, dtype=torch.float64)).view(1, sum(lens), 50)
+    # use_cache=False: transformers then builds the block-diagonal band from position_ids (with a cache
+    # it builds one band over the whole row, which lets the sequences see each other: not served).
+    kwargs = dict(input_ids=ids, position_ids=torch.cat([torch.arange(n) for n in lens])[None], use_cache=False)
+    if source == "cu_seq_lens":
+        cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        packed = swapped(**kwargs).logits
+    (packed * weight).sum().backward()
+    start, alone = 0, []
+    for n in lens:
+        logits = model(input_ids=ids[:, start:start + n], position_ids=torch.arange(n)[None]).logits
+        (logits * weight[:, start:start + n]).sum().backward()
+        alone.append(logits.detach())
+        start += n
+    # Gemma 2 computes its RMSNorm and its eager softmax in float32 even in a float64 model (fp32 rounding).
+    tol = 1e-5 if eager else 1e-10
+    assert _rel(packed.detach(), torch.cat(alone, dim=1)) <= tol
+    for (name, p), (_, p_ref) in zip(swapped.named_parameters(), model.named_parameters()):
+        if p_ref.grad is not None:
+            assert _rel(p.grad, p_ref.grad) <= tol, name
+    calls = [(c["window_size"], c["softcap"], c["causal"], c["cu_seqlens_q"].tolist()) for c in varlen_spy.calls]
+    cu_list = [0, 5, 6, 13]
+    if eager:
+        assert calls == [((3, 0), 2.0, True, cu_list), ((-1, -1), 2.0, True, cu_list)]
+    else:
+        assert calls == [((3, 0), 0.0, True, cu_list)] * 2

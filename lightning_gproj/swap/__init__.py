@@ -1,7 +1,8 @@
 """Swap a model's attention for :func:`lightning_gproj.ops.gproj_attn_func`, in place.
 
 One file per target: :mod:`.sdpa` (modules calling ``F.scaled_dot_product_attention``), :mod:`.mha`
-(``nn.MultiheadAttention``), :mod:`.flash_attn` (modules calling an imported ``flash_attn_func``) and
+(``nn.MultiheadAttention``), :mod:`.flash_attn` (modules calling an imported ``flash_attn_func`` or
+``flash_attn_varlen_func``) and
 :mod:`.hf` (Hugging Face ``transformers`` models, through their attention registry).
 :func:`swap_attention` walks the model once, swaps what it can serve exactly, and returns a
 :class:`SwapReport` of what it did and what it left alone and why.
@@ -141,9 +142,11 @@ def swap_attention(
     :class:`~lightning_gproj.swap.mha.GProjMultiheadAttention`, same parameters); every module
     whose class code names ``scaled_dot_product_attention`` (its ``forward`` wrapped in a
     ``TorchFunctionMode``; see :mod:`.sdpa`); every module whose class code names a
-    ``flash_attn_func`` imported from ``flash_attn``, ``flash_attn_interface`` or ``flash_attn.cute``
-    (the name rebound in its module; see :mod:`.flash_attn`); every ``transformers`` model (attention
-    implementation set to ``"gproj"``; its attention modules get a site; see :mod:`.hf`). Calls the
+    ``flash_attn_func`` or ``flash_attn_varlen_func`` imported from ``flash_attn``,
+    ``flash_attn_interface`` or ``flash_attn.cute`` (the name rebound in its module, packed sequences
+    served by ``gproj_attn_varlen_func``; see :mod:`.flash_attn`); every ``transformers`` model
+    (attention implementation set to ``"gproj"``, packed sequences included; its attention modules get
+    a site; see :mod:`.hf`). Calls the
     op cannot reproduce exactly run the original code with one :class:`GProjFallbackWarning` per
     module.
 
@@ -216,12 +219,15 @@ def swap_attention(
                 continue
             report.sites[path] = hf.swap_module(module, path, fix, site=old)
             dropout = hf.dropout_note(module)
-            notes = again + ([dropout] if dropout else []) + ["left padding and other non-causal masks, dropout run sdpa_attention_forward (warns once); sliding windows and softcap are served"]
+            notes = again + ([dropout] if dropout else []) + [
+                "packed sequences (position_ids restarting at 0, cu_seq_lens kwargs) served through the varlen op; "
+                "sliding windows and softcap are served; left padding and other non-causal masks, dropout run "
+                "sdpa_attention_forward (warns once)"]
             if implementation != "sdpa":
                 notes.append(f"its masks are now built as for 'sdpa', not {implementation!r}")
             report.rows.append(SwapRow(path, original, f"{replacement} via AttentionInterface 'gproj'", "; ".join(notes)))
         elif bindings:
-            names = ", ".join(f"{source}.flash_attn_func as {name}" for name, source in bindings)
+            names = ", ".join(f"{source} as {name}" for name, source in bindings)
             original = f"{type(module).__name__}: {names}"
             if reason is not None:
                 flash_attn.swap_module(module, path, fix, bindings, keep=True)
@@ -229,7 +235,8 @@ def swap_attention(
                 continue
             report.sites[path] = flash_attn.swap_module(module, path, fix, bindings, site=old)
             where = type(module).__module__
-            notes = again + ["dropout, ALiBi, return_attn_probs run the original (warns once); windows and softcap are served"]
+            notes = again + ["flash_attn_varlen_func calls served with their cu_seqlens; windows and softcap are served; "
+                             "dropout, ALiBi, return_attn_probs, seqused/paged KV run the original (warns once)"]
             report.rows.append(SwapRow(path, original, f"{replacement} via rebinding in {where}", "; ".join(notes)))
         elif isinstance(module, nn.MultiheadAttention):
             original = "nn.MultiheadAttention"

@@ -148,6 +148,11 @@ def gproj_attn_func():
     return ops.gproj_attn_func
 
 
+def gproj_attn_varlen_func():
+    """The op :func:`lightning_gproj.ops.gproj_attn_varlen_func`, looked up at call time."""
+    return ops.gproj_attn_varlen_func
+
+
 class Site:
     """State of one swapped module: its name (also the op's ``stats_name``), ``fix`` and fallbacks.
 
@@ -251,6 +256,41 @@ class Site:
         with torch.autocast(q.device.type, enabled=False):
             o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=softmax_scale)
         return o.transpose(1, 2).to(q.dtype)
+
+    def attention_varlen(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        softmax_scale=None,
+        causal: bool = False,
+        window_size: tuple = (-1, -1),
+        softcap: float = 0.0,
+    ) -> torch.Tensor:
+        """Serve one packed-sequence call, q (total_q, nheads, headdim), k, v (total_k, nheads_k,
+        headdim): :func:`gproj_attn_varlen_func` with this site's ``fix`` and name, or, with
+        ``compute_dtype`` set, :meth:`attention` one sequence at a time (bottom-right causal and window
+        within each), cast back to q's dtype. ``window_size``, ``softcap``: as the op takes them."""
+        if self.compute_dtype is None or q.dtype == self.compute_dtype:
+            return gproj_attn_varlen_func()(
+                q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, fix=self.fix,
+                stats_name=self.name or "attention", ds_format=self.ds_format, window_size=tuple(window_size),
+                softcap=softcap,
+            )
+        out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        for b in range(len(cq) - 1):
+            if cq[b + 1] > cq[b] and ck[b + 1] > ck[b]:
+                part = slice(cq[b], cq[b + 1])
+                out[part] = self.attention(q[None, part], k[None, ck[b]:ck[b + 1]], v[None, ck[b]:ck[b + 1]],
+                                           softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                           softcap=softcap)[0]
+        return out
 
     def __repr__(self) -> str:
         return (f"Site({self.name!r}, fix={self.fix!r}, served={self.served}, fallbacks={self.fallbacks}, "

@@ -1,4 +1,5 @@
-"""Route ``flash_attn_func`` calls made inside chosen modules to ``gproj_attn_func``.
+"""Route ``flash_attn_func`` and ``flash_attn_varlen_func`` calls made inside chosen modules to
+``gproj_attn_func`` and ``gproj_attn_varlen_func``.
 
 Models import flash-attn's function into their own module namespace (``from flash_attn import
 flash_attn_func``), so the swap rebinds that *name* in the namespace of the model class's module
@@ -20,11 +21,18 @@ Sources (the functions they export):
     flash_attn.cute       FA4: flash_attn_func(q, k, v, ..., softmax_scale=None, causal=False,
                           window_size=(None, None), learnable_sink=None, softcap=0.0, ..., return_lse=False)
 
+Each also exports ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+max_seqlen_k, ...)`` (packed (total, nheads, headdim) tensors; FA3 adds ``seqused_q/k``, FA4 makes the
+cu_seqlens optional and adds ``page_table``), rebound the same way and served by
+``gproj_attn_varlen_func`` when cu_seqlens_q and cu_seqlens_k are given (FA4's max_seqlen, when left
+None, is read off them) and every other extra keeps its default (no seqused, block/page table).
+
 Arguments are read through the original's own signature, so positional calls bind as the original
 would. All take the op's layout (batch, seqlen, nheads, headdim), GQA by fewer k/v heads, and the
-bottom-right causal mask, so a served call is a direct op call. Served: no dropout, any sliding window
-(``window_size``, ints >= −1 or None for unbounded as FA4 spells it), any ``softcap`` >= 0, no ALiBi / sink / score or mask mods / descales / qv, ``return_attn_probs``/``return_lse``
-False, head dims the op takes. Performance knobs (``deterministic``, ``num_splits``, ``pack_gqa``,
+bottom-right causal mask, so a served call is a direct op call. Served (``flash_attn_func`` and
+``flash_attn_varlen_func`` alike): no dropout, any sliding window (``window_size``, ints >= −1 or None
+for unbounded as FA4 spells it), any ``softcap`` >= 0, no ALiBi / sink / score or mask mods / descales /
+qv, ``return_attn_probs``/``return_lse`` False, head dims the op takes. Performance knobs (``deterministic``, ``num_splits``, ``pack_gqa``,
 ``sm_margin``) do not change the result and are ignored. A function whose signature has neither
 ``return_attn_probs`` nor ``return_lse`` (FA3/FA4 versions that always return ``(out, lse)``) is
 never served: the op returns no lse.
@@ -44,8 +52,12 @@ from torch import nn
 from . import sdpa
 from ._common import Guard, Site, op_reason
 
-#: Modules whose ``flash_attn_func`` is rebound, with the name shown in reports.
+#: Modules whose functions are rebound, with the name shown in reports.
 SOURCES = ("flash_attn", "flash_attn_interface", "flash_attn.cute")
+#: The functions rebound in each source: dense, then packed sequences.
+FUNCTIONS = ("flash_attn_func", "flash_attn_varlen_func")
+#: The packed-sequence arguments of ``flash_attn_varlen_func`` the op serves.
+_VARLEN_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 #: Parameters that change speed or memory only.
 _IGNORED = ("deterministic", "num_splits", "pack_gqa", "sm_margin")
 
@@ -57,15 +69,17 @@ _BINDINGS: dict[tuple[str, str], tuple["FlashAttnFunc", "weakref.WeakSet[nn.Modu
 
 
 def originals() -> dict[int, tuple[str, Callable]]:
-    """``{id(function): (source, function)}`` for the flash-attn functions importable now (only
-    modules already imported are looked at: a model that imported them has imported them)."""
+    """``{id(function): (qualified name, function)}`` for the flash-attn functions importable now, e.g.
+    ``"flash_attn.flash_attn_varlen_func"`` (only modules already imported are looked at: a model that
+    imported them has imported them)."""
     found = {}
     for source in SOURCES:
-        fn = getattr(sys.modules.get(source), "flash_attn_func", None)
-        if isinstance(fn, FlashAttnFunc):
-            fn = fn.original
-        if callable(fn):
-            found.setdefault(id(fn), (source, fn))
+        for name in FUNCTIONS:
+            fn = getattr(sys.modules.get(source), name, None)
+            if isinstance(fn, FlashAttnFunc):
+                fn = fn.original
+            if callable(fn):
+                found.setdefault(id(fn), (f"{source}.{name}", fn))
     return found
 
 
@@ -74,8 +88,8 @@ def _namespace(module: nn.Module) -> Optional[types.ModuleType]:
 
 
 def call_sites(module: nn.Module, known: Optional[dict] = None) -> list[tuple[str, str]]:
-    """``[(name, source)]``: names in the namespace of ``module``'s class module bound to a flash-attn
-    function (original or already rebound) that a function of the class names."""
+    """``[(name, qualified name)]``: names in the namespace of ``module``'s class module bound to a
+    flash-attn function (original or already rebound) that a function of the class names."""
     known = originals() if known is None else known
     if not known:
         return []
@@ -100,12 +114,14 @@ def call_sites(module: nn.Module, known: Optional[dict] = None) -> list[tuple[st
 
 
 class FlashAttnFunc:
-    """The rebound ``flash_attn_func``: serves calls made while a swapped module is active, else runs
-    the original. Same signature as the original (``__signature__``, ``__wrapped__``)."""
+    """The rebound ``flash_attn_func`` / ``flash_attn_varlen_func``: serves calls made while a swapped
+    module is active, else runs the original. Same signature as the original (``__signature__``,
+    ``__wrapped__``). ``source``: the qualified name, e.g. ``"flash_attn.flash_attn_func"``."""
 
     def __init__(self, original: Callable, source: str) -> None:
         self.original = original
         self.source = source
+        self.varlen = source.endswith("varlen_func")
         self.__wrapped__ = original
         self.__signature__ = inspect.signature(original)
         self.__name__ = getattr(original, "__name__", "flash_attn_func")
@@ -117,17 +133,20 @@ class FlashAttnFunc:
             return self.original(*args, **kwargs)
         reason, call = self.plan(args, kwargs)
         if reason is not None:
-            site.fallback(f"{self.source}.flash_attn_func with {reason}")
+            site.fallback(f"{self.source} with {reason}")
             with Guard():
                 return self.original(*args, **kwargs)
         site.served += 1
-        q, k, v, scale, causal, window, softcap = call
+        q, k, v, scale, causal, window, softcap, *packed = call
         with Guard():  # an enclosing SDPAMode must not take the SDPA call of an fp32 remediation
+            if self.varlen:
+                return site.attention_varlen(q, k, v, *packed, softmax_scale=scale, causal=causal, window_size=window,
+                                             softcap=softcap)
             return site.attention(q, k, v, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap)
 
     def plan(self, args: tuple, kwargs: dict) -> tuple[Optional[str], Any]:
-        """``(reason, (q, k, v, softmax_scale, causal, window_size, softcap))``; reason None when the op
-        serves the call."""
+        """``(reason, (q, k, v, softmax_scale, causal, window_size, softcap))`` (varlen: followed by
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k); reason None when the op serves the call."""
         try:
             bound = self.__signature__.bind(*args, **kwargs)
         except TypeError as err:
@@ -138,20 +157,33 @@ class FlashAttnFunc:
         given = bound.arguments
         names = list(params)
         q, k, v = (given.get(n) for n in names[:3])
+        served = (*names[:3], "softmax_scale", "causal", "window_size", "softcap",
+                  *(_VARLEN_ARGS if self.varlen else ()))
         for name, value in given.items():
             # every other parameter (dropout_p, window_size, softcap, alibi_slopes, qv, descales, sinks,
-            # score/mask mods, return flags, or one a later version adds) must keep its default
-            if name in names[:3] or name in _IGNORED or name in ("softmax_scale", "causal", "window_size", "softcap"):
+            # score/mask mods, return flags, seqused / block / page tables, or one a later version adds)
+            # must keep its default
+            if name in served or name in _IGNORED:
                 continue
             if not _is_default(value, params[name].default):
                 return f"{name}={_short(value)}", None
         if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
             return "q/k/v that are not all tensors", None
-        if not (q.dim() == k.dim() == v.dim() == 4):
-            return f"inputs that are not 4-D (q {tuple(q.shape)}, k {tuple(k.shape)})", None
+        packed = ()
+        if self.varlen:
+            packed = tuple(given.get(n) for n in _VARLEN_ARGS)
+            if not all(isinstance(t, torch.Tensor) for t in packed[:2]):
+                return "cu_seqlens_q/cu_seqlens_k not given as tensors", None
+            if packed[2] is None or packed[3] is None:  # FA4 lets them default: read them off cu_seqlens
+                longest = [int(cu.diff().max()) if cu.numel() > 1 else 0 for cu in packed[:2]]
+                packed = packed[:2] + tuple(longest[i] if packed[2 + i] is None else packed[2 + i] for i in (0, 1))
+        rank = 3 if self.varlen else 4
+        if not (q.dim() == k.dim() == v.dim() == rank):
+            return f"inputs that are not {rank}-D (q {tuple(q.shape)}, k {tuple(k.shape)})", None
         if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
             return "q/k/v of different dtypes or devices", None
-        (b, _, h, d), (bk, _, h_k, dk) = q.shape, k.shape
+        b, bk = (0, 0) if self.varlen else (q.shape[0], k.shape[0])
+        h, d, h_k, dk = q.shape[-2], q.shape[-1], k.shape[-2], k.shape[-1]
         if bk != b or k.shape != v.shape or dk != d or h_k == 0 or h % h_k != 0:
             return f"shapes the op does not take (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})", None
         scale = given.get("softmax_scale")
@@ -170,7 +202,7 @@ class FlashAttnFunc:
         softcap = given.get("softcap", 0.0)
         if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0:
             return f"softcap={_short(softcap)}", None
-        return None, (q, k, v, scale, causal, window, float(softcap))
+        return None, (q, k, v, scale, causal, window, float(softcap), *packed)
 
 
 def _is_default(value: Any, default: Any) -> bool:

@@ -23,7 +23,16 @@ j > i − W, with the causal mask, i.e. the op's ``window_size=(W − 1, 0)``; t
 logit ``softcap``. Falls back to ``sdpa_attention_forward`` (``eager`` when softcap is set, since SDPA
 refuses it) with one :class:`GProjFallbackWarning` per module for left padding and
 other mask patterns, float masks, dropout > 0 (training with ``attention_dropout``), ``position_bias``,
-attention sinks (``s_aux``), and head dims the op does not take.
+attention sinks (``s_aux``), and head dims the op does not take. Packed sequences (batch 1, several
+sequences flattened into one row, as ``DataCollatorWithFlattening`` builds them) are served through
+``gproj_attn_varlen_func``, as transformers' flash-attention integration computes them (not as
+``sdpa_attention_forward``, which lets packed sequences see each other when no mask was built): from
+the ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword arguments when all four are given, else from
+``position_ids`` that are not one increasing run (a new sequence at each position equal to their
+minimum, the rule of ``prepare_fa_kwargs_from_position_ids``); with ``sliding_window`` and ``softcap``
+too, the window within each sequence. The mask that arrives must then be None (as with a cache) or
+exactly the block-diagonal mask of those sequences (causal within each, or full; with a window the
+causal band within each), checked value by value.
 """
 
 from __future__ import annotations
@@ -113,13 +122,83 @@ def _eager_forward(module, query, key, value, attention_mask, dropout=0.0, scali
     return out
 
 
+def _packed_cu_seqlens(query, key, kwargs) -> Optional[tuple]:
+    """``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` when the call carries packed
+    sequences (batch 1): the ``cu_seq_lens_*`` / ``max_length_*`` keyword arguments, or ``position_ids``
+    that are not one increasing run (a sequence starts at each position equal to their minimum); else
+    None."""
+    if query.shape[0] != 1:
+        return None
+    given = [kwargs.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")]
+    if all(x is not None for x in given):
+        return tuple(given)
+    position_ids = kwargs.get("position_ids")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.numel() != query.shape[2] or key.shape[2] != query.shape[2]:
+        return None
+    pos = position_ids.reshape(-1)
+    n = pos.numel()
+    if n == 1 or torch.equal(pos, torch.arange(n, device=pos.device) + pos.min()):
+        return None
+    starts = (pos == pos.min()).nonzero().view(-1)
+    cu = torch.cat([starts, starts.new_full((1,), n)]).to(torch.int32)
+    longest = int(cu.diff().max())
+    return cu, cu, longest, longest
+
+
+def _block_diagonal(cu_seqlens_q, cu_seqlens_k, causal: bool, device, window: Optional[int] = None) -> torch.Tensor:
+    """(total_q, total_k) boolean: packed query i sees key j iff both are in sequence b and (causal) the
+    bottom-right rule holds within it (with ``window`` W, causal: also j > i − W in local positions)."""
+    lens_q, lens_k = cu_seqlens_q.diff().long().to(device), cu_seqlens_k.diff().long().to(device)
+    seq_q = torch.repeat_interleave(torch.arange(lens_q.numel(), device=device), lens_q)
+    seq_k = torch.repeat_interleave(torch.arange(lens_k.numel(), device=device), lens_k)
+    same = seq_q[:, None] == seq_k[None, :]
+    if not causal:
+        return same
+    local_q = torch.arange(seq_q.numel(), device=device) - cu_seqlens_q.long().to(device)[seq_q]
+    local_k = torch.arange(seq_k.numel(), device=device) - cu_seqlens_k.long().to(device)[seq_k]
+    diag = (local_q + lens_k[seq_q] - lens_q[seq_q])[:, None]
+    seen = same & (local_k[None, :] <= diag)
+    return seen if window is None else seen & (local_k[None, :] > diag - window)
+
+
+def _plan_packed(module, query, key, value, attention_mask, scaling, is_causal, packed, window, softcap):
+    """``(reason, call)`` for a packed call: ``call`` = (q, k, v, scale, causal, None, window_size, softcap,
+    packed) with q (total_q, heads, dim), k, v (total_k, kv_heads, dim); ``window``: None or the
+    ``sliding_window`` W (causal only, the op's ``window_size=(W − 1, 0)`` within each sequence)."""
+    cu_q, cu_k, max_q, max_k = packed
+    if not all(isinstance(t, torch.Tensor) for t in (cu_q, cu_k)):
+        return "cu_seq_lens_q/cu_seq_lens_k that are not tensors", None
+    if (cu_q.numel() < 2 or cu_k.numel() < 2 or int(cu_q[0]) != 0 or int(cu_k[0]) != 0
+            or int(cu_q[-1]) != query.shape[2] or int(cu_k[-1]) != key.shape[2]):
+        return "packed sequences whose cu_seq_lens (or position_ids) do not cover the tokens from 0", None
+    if attention_mask is None:
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    else:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
+            return "packed sequences with an attention_mask that is not boolean 4-D", None
+        seen = attention_mask[0]
+        causal = None
+        for candidate in (True, False) if window is None else (True,):
+            if bool((seen == _block_diagonal(cu_q, cu_k, candidate, seen.device, window)).all()):
+                causal = candidate
+                break
+        if causal is None:
+            return "packed sequences with an attention_mask that is not their block-diagonal mask", None
+    if window is not None and not causal:
+        return "sliding_window without a causal mask", None
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    return None, (q, k, v, scaling, causal, None, (-1, -1) if window is None else (window - 1, 0), softcap, packed)
+
+
 def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
-    """``(reason, (q, k, v, scale, causal, seqlens_k))`` in the op layout; reason None when the op
-    serves the call as ``sdpa_attention_forward`` would compute it. query, key, value: (batch, heads,
-    seqlen, dim). A boolean 4-D mask is served when its values equal what the op applies: all True,
-    the causal mask, right key padding, or (Nq == Nk) causal & right key padding — the mask
+    """``(reason, (q, k, v, scale, causal, seqlens_k, window_size, softcap, packed))`` in the op layout; reason None when the
+    op serves the call as ``sdpa_attention_forward`` would compute it. query, key, value: (batch,
+    heads, seqlen, dim). A boolean 4-D mask is served when its values equal what the op applies: all
+    True, the causal mask, right key padding, or (Nq == Nk) causal & right key padding — the mask
     ``sdpa_mask`` builds for a right-padded ``attention_mask`` — with ``seqlens_k`` the per-row count
-    of valid keys (:func:`lightning_gproj.swap.sdpa.plan` checks the values)."""
+    of valid keys (:func:`lightning_gproj.swap.sdpa.plan` checks the values). ``packed``: None, or
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for packed sequences (module docstring),
+    q then (total_q, heads, dim) and k, v (total_k, kv_heads, dim)."""
     for name in _REFUSED:
         if kwargs.get(name) is not None:
             return f"{name} is set", None
@@ -133,6 +212,10 @@ def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling,
         return f"dropout={dropout} (the op has no dropout)", None
     if not all(isinstance(t, torch.Tensor) for t in (query, key, value)) or query.dim() != 4:
         return "query/key/value are not 4-D tensors", None
+    packed = _packed_cu_seqlens(query, key, kwargs)
+    if packed is not None:
+        return _plan_packed(module, query, key, value, attention_mask, scaling, is_causal, packed, window,
+                            float(softcap))
     n_q = query.shape[2]
     causal = False
     if attention_mask is None:
@@ -155,7 +238,7 @@ def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling,
         elif not causal:
             return "sliding_window without a causal mask", None
         return None, (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling, True, None,
-                      (window - 1, 0), float(softcap))
+                      (window - 1, 0), float(softcap), None)
     reason, causal_mask, seqlens_k = sdpa.plan(
         (query, key, value),
         dict(attn_mask=attention_mask, dropout_p=0.0, is_causal=causal, scale=scaling, enable_gqa=True),
@@ -166,7 +249,7 @@ def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling,
         return reason, None
     return None, (
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling, causal or causal_mask, seqlens_k,
-        (-1, -1), float(softcap),
+        (-1, -1), float(softcap), None,
     )
 
 
@@ -192,8 +275,11 @@ def gproj_attention_forward(
         with Guard():
             return _sdpa_forward(kwargs)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     site.served += 1
-    q, k, v, scale, causal, seqlens_k, window, softcap = call
+    q, k, v, scale, causal, seqlens_k, window, softcap, packed = call
     with Guard():  # an enclosing SDPAMode must not take the SDPA call of an fp32 remediation
+        if packed is not None:
+            return site.attention_varlen(q, k, v, *packed, softmax_scale=scale, causal=causal, window_size=window,
+                                         softcap=softcap)[None], None
         return site.attention(q, k, v, softmax_scale=scale, causal=causal, seqlens_k=seqlens_k, window_size=window,
                               softcap=softcap), None
 

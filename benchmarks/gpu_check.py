@@ -1,6 +1,7 @@
 """GPU smoke check of the Triton kernels against kernels/reference.py (run on the device machine).
 
 Usage: python benchmarks/gpu_check.py [--quick-speed] [--skip-cases] [--ds-formats bf16,e4m3,e5m2]
+       [--cases base,features,varlen]
 (the cases include sliding windows and softcap, every fix, and their constant checks)
 
 Prints relative Frobenius differences Triton vs reference (same rounding points: expect <~1e-3,
@@ -80,7 +81,15 @@ def main():
     ap.add_argument("--quick-speed", action="store_true")
     ap.add_argument("--skip-cases", action="store_true", help="skip the Triton-vs-reference cases")
     ap.add_argument("--ds-formats", default="bf16", help="ds_format values to check (FP8 ones with none/gproj only)")
+    ap.add_argument("--cases", default="base,features,varlen",
+                    help="which Triton-vs-reference groups to run: base (8 shapes, every fix), features (windows, "
+                         "softcap), varlen (packed sequences)")
     args = ap.parse_args()
+    groups = set(args.cases.split(","))
+    if not groups <= {"base", "features", "varlen"}:
+        ap.error(f"--cases takes base, features, varlen; got {args.cases!r}")
+    if args.skip_cases:
+        groups = set()
     import triton
     print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())
     torch.manual_seed(0)
@@ -92,7 +101,7 @@ def main():
         (1, 200, 200, 2, 2, 32, True, torch.float16), (1, 200, 333, 2, 2, 96, False, torch.bfloat16),
         (1, 130, 130, 2, 1, 256, True, torch.bfloat16), (2, 1024, 1024, 8, 2, 128, True, torch.bfloat16),
     ]
-    for (b, nq, nk, h, hk, d, causal, dt) in ([] if args.skip_cases else cases):
+    for (b, nq, nk, h, hk, d, causal, dt) in (cases if "base" in groups else []):
         q = torch.randn(b, nq, h, d, device=dev, dtype=dt)
         k = (torch.randn(b, nk, hk, d, device=dev) + 2.0).to(dt)
         v = torch.randn(b, nk, hk, d, device=dev, dtype=dt)
@@ -124,7 +133,7 @@ def main():
     feats = [dict(causal=True, window_size=(255, 0)), dict(causal=False, window_size=(100, 37)),
              dict(causal=False, window_size=(-1, 3)), dict(causal=True, window_size=(5000, 0)),
              dict(causal=False, softcap=30.0), dict(causal=True, window_size=(511, 0), softcap=50.0)]
-    for feat in ([] if args.skip_cases else feats):
+    for feat in (feats if "features" in groups else []):
         causal = feat.pop("causal")
         for (b, nq, nk, h, hk, d) in [(2, 1000, 1000, 4, 2, 128), (1, 700, 1200, 4, 1, 64)]:
             q = torch.randn(b, nq, h, d, device=dev, dtype=torch.bfloat16)
@@ -148,7 +157,7 @@ def main():
             o, _, _ = F.forward(x, x, x, 128 ** -0.5, causal, **feat)
             print(f"constant {cval} {feat}: nan={torch.isnan(o).any().item()} exact={(o.float() == cval).all().item()}")
     print("worst grad rel diff vs reference:", worst)
-    if not args.skip_cases:
+    if "varlen" in groups:
         varlen_check(dev)
     for cval in (133120.0, 1000.0):
         for causal in (False, True):

@@ -8,7 +8,8 @@
 #           --softcap 30 side by side (autotuned); then --varlen (packed vs padded) if attention.py has it
 # registry: benchmarks/registry_check.py (GProj in torch's flash-attention registry)
 # check:    benchmarks/gpu_check.py (Triton vs kernels/reference.py, GPROJ_TRITON_AUTOTUNE=0), last, with
-#           whatever time is left; GPU_CHECK_ARGS (default empty) passes extra flags to it
+#           whatever time is left; GPU_CHECK_ARGS (default "--cases features,varlen": the base cases ran
+#           in runs 5–10) passes its flags
 # Each phase runs under its own `timeout` (at most its cap and never past ISSUE16_BUDGET_S = 540 s from
 # the start), so "all" ends inside the device tool's 600 s; every script writes its results as it goes,
 # so a phase cut by its limit still returns what it measured. Everything lands in $OUT: one log per
@@ -69,7 +70,7 @@ if [[ $what == all || $what == registry ]]; then
 fi
 if [[ $what == all || $what == check ]]; then
   # shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of flags
-  phase gpu_check 600 gpu_check.log env GPROJ_TRITON_AUTOTUNE=0 python3 benchmarks/gpu_check.py ${GPU_CHECK_ARGS:-}
+  phase gpu_check 600 gpu_check.log env GPROJ_TRITON_AUTOTUNE=0 python3 benchmarks/gpu_check.py ${GPU_CHECK_ARGS:---cases features,varlen}
 fi
 
 echo

@@ -284,6 +284,14 @@ def tanh_f32(x):
 
 
 @triton.jit
+def tanh_grad_f32(x):
+    """1 − tanh(x)² in fp32 as 4e / (1 + e)², e = 2^(−2|x|·log2e): no cancellation where tanh(x) → ±1
+    (1 − t² keeps no correct bit once |x| > ~8.7; kernels/reference.py uses the same form)."""
+    e = tl.math.exp2(tl.abs(x) * -2.8853900817779268)
+    return 4.0 * e / ((1.0 + e) * (1.0 + e))
+
+
+@triton.jit
 def in_window(offs_m, cols, CAUSAL_OFF, WL, WR):
     """(rows, cols) mask of the sliding window: row + off − WL <= col <= row + off + WR."""
     diag = offs_m[:, None] + CAUSAL_OFF

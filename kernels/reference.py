@@ -129,17 +129,21 @@ def _scores(
     window: tuple[int, int] = (-1, -1), softcap: float = 0.0, softmax_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Logits of query rows i0 <= i < i1 (heads-first qh, kh), −inf where key j is not seen, the mask
-    (None: every key seen) and, with ``softcap``, t = tanh(τ s / cap) (else None).
+    (None: every key seen) and, with ``softcap``, g = 1 − tanh(τ s / cap)², the tanh derivative (else None).
 
     Without softcap the logits are the raw scores s = q_i·k_j (τ applied in the exponent); with it,
     the capped logits z = cap · t (τ inside the tanh)."""
     s = qh[:, :, i0:i1] @ kh.transpose(-1, -2)
-    t = None
+    g = None
     if softcap > 0:
-        t = torch.tanh(s * (softmax_scale / softcap))
-        s = softcap * t
+        x = s * (softmax_scale / softcap)
+        # g = 1 − tanh(x)² as 4e / (1 + e)², e = exp(−2|x|): no cancellation where tanh(x) → ±1
+        # (1 − t² in fp32 keeps no correct bit once |x| > ~8.7; the kernels use the same form).
+        e = torch.exp(-2 * x.abs())
+        g = 4 * e / ((1 + e) * (1 + e))
+        s = softcap * torch.tanh(x)
     valid = _valid(i0, i1, qh.shape[2], kh.shape[2], causal, qh.device, seqlens_k, window)
-    return (s if valid is None else s.masked_fill(~valid, float("-inf"))), valid, t
+    return (s if valid is None else s.masked_fill(~valid, float("-inf"))), valid, g
 
 
 def _valid(
@@ -384,7 +388,7 @@ def backward(
 
     for i0 in range(0, nq, block_m):
         i1 = min(i0 + block_m, nq)
-        s, valid, t = _scores(qh, kh, i0, i1, causal, seqlens_k, window_size, softcap, softmax_scale)
+        s, valid, g = _scores(qh, kh, i0, i1, causal, seqlens_k, window_size, softcap, softmax_scale)
         p = torch.exp2((s - m[:, :, i0:i1, None]) * c - log2l[:, :, i0:i1, None])
         p16 = rnd(p)
         dv += p16.transpose(-1, -2) @ doh[:, :, i0:i1]
@@ -392,7 +396,7 @@ def backward(
         ds = p * (dp - delta[:, :, i0:i1, None])  # w.r.t. the logits (capped ones with softcap)
         # Correction direction W̃ (P̃, or the visible-key mask for the in-loop uniform projection).
         w16 = p16 if not in_loop_uniform else (torch.ones_like(p16) if valid is None else valid.to(cdt).expand_as(p16))
-        if t is None:
+        if g is None:
             # The rounding that breaks the zero-sum law (C1): r is taken from the very values the GEMMs use.
             ds16 = rnd_ds(ds)
             r_blk = ds16.sum(dim=-1)
@@ -401,10 +405,10 @@ def backward(
         else:
             # Softcap: the GEMM operand is X = dZ ∘ g (g = 1 − t², the tanh derivative), rounded; the
             # zero-sum law holds for X / g, so r and Σ_j W̃_ij / g_ij are taken in the capped domain.
-            g = 1 - t * t
             ds16 = rnd_ds(ds * g)
-            inv_g = torch.where(g > 0, 1 / g, 0.0)
-            dz16 = torch.where(g > 0, ds16 * inv_g, ds)  # g = 0: X̃ = 0, no rounding error; keep dZ
+            live = g >= torch.finfo(torch.float32).tiny  # 1/g finite; below, X̃ ≈ 0: no rounding error, keep dZ
+            inv_g = torch.where(live, 1 / g, 0.0)
+            dz16 = torch.where(live, ds16 * inv_g, ds)
             w16 = rnd(w16 * g)
             r_blk = dz16.sum(dim=-1)
             ws = (w16 * inv_g).sum(dim=-1)
@@ -416,7 +420,7 @@ def backward(
         if need_pk:
             pk[:, :, i0:i1] = rho_blk[..., None] * (w16 @ kh)
         if fix == "gproj" and dk_fold:
-            ds_dk = rnd_ds(p * (dp - delta[:, :, i0:i1, None] - r_blk[..., None]) * (1 if t is None else g))
+            ds_dk = rnd_ds(p * (dp - delta[:, :, i0:i1, None] - r_blk[..., None]) * (1 if g is None else g))
             dk += ds_dk.transpose(-1, -2) @ qh[:, :, i0:i1]
         else:
             dk += ds16.transpose(-1, -2) @ qh[:, :, i0:i1]

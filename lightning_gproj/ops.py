@@ -10,7 +10,9 @@ reference (:mod:`lightning_gproj.kernels.reference`), which follows the same rou
 
 from __future__ import annotations
 
+import contextlib
 import math
+import numbers
 import os
 import warnings
 from typing import Optional
@@ -400,6 +402,15 @@ def _check_softcap(softcap: object) -> float:
     return float(softcap)
 
 
+def _autocast_off(device_type: str):
+    """Autocast disabled for ``device_type``; nothing for device types autocast does not know (the meta
+    device: shape-only calls such as Lightning's ``measure_flops`` run the op's fake kernel)."""
+    try:
+        return torch.autocast(device_type, enabled=False)
+    except RuntimeError:
+        return contextlib.nullcontext()
+
+
 def _autocast_dtype(q: Tensor, k: Tensor, v: Tensor) -> Optional[torch.dtype]:
     """The dtype the op computes in under autocast (None: as given), as autocast casts SDPA's inputs:
     every fp16 / bf16 / fp32 input to the autocast dtype, fp64 kept.
@@ -431,9 +442,11 @@ def _check_options(
     reference.check_ds_format(ds_format)
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p must be 0.0 (gproj_attn_func has no attention dropout), got {dropout_p!r}")
+    if isinstance(softmax_scale, Tensor) and softmax_scale.numel() == 1 and softmax_scale.dtype.is_floating_point:
+        softmax_scale = softmax_scale.item()  # a one-element float tensor (e.g. a buffer holding τ)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) or not (
         math.isfinite(softmax_scale) and 0 < softmax_scale <= _MAX_SOFTMAX_SCALE
     ):
         raise ValueError(
@@ -470,7 +483,8 @@ def gproj_attn_func(
         k, v: (batch, seqlen_k, nheads_k, headdim) (``"bhsd"``: (batch, nheads_k, seqlen_k, headdim)),
             same dtype and device; ``nheads % nheads_k == 0`` (GQA/MQA). headdim a multiple of 8, at
             most 256.
-        softmax_scale: τ, multiplies q·kᵀ; default ``1 / sqrt(headdim)``.
+        softmax_scale: τ, multiplies q·kᵀ (a Python or NumPy number, or a one-element float tensor);
+            default ``1 / sqrt(headdim)``.
         causal: bottom-right aligned causal mask as in flash-attn ≥ 2.1: query i sees key j iff
             ``j <= i + seqlen_k - seqlen_q`` (for seqlen_q == seqlen_k the usual lower triangle).
             A query row that sees no key outputs 0.
@@ -573,7 +587,7 @@ def gproj_attn_func(
         seqlens_k = _check_seqlens_k(seqlens_k, q, k)
     window_left, window_right = _check_window(window_size)
     softcap = _check_softcap(softcap)
-    with torch.autocast(device_type, enabled=False):
+    with _autocast_off(device_type):
         o, _, _ = _attn_fwd(
             q, k, v, float(softmax_scale), causal, fix, stats_name or "attention", seqlens_k, compute_dtype,
             ds_format, window_left, window_right, softcap,
@@ -863,7 +877,7 @@ def gproj_attn_varlen_func(
     max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     window_left, window_right = _check_window(window_size)
     softcap = _check_softcap(softcap)
-    with torch.autocast(q.device.type, enabled=False):
+    with _autocast_off(q.device.type):
         o, _, _ = _attn_varlen_fwd(
             q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, fix, stats_name or "attention", compute_dtype, ds_format, window_left,

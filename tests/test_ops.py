@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -241,12 +242,37 @@ def test_bad_input_names_the_argument(make, exc, words):
         ({"softmax_scale": -1.0}, "softmax_scale"),
         ({"softmax_scale": float("nan")}, "softmax_scale"),
         ({"softmax_scale": 3e38}, "softmax_scale"),  # τ·log2e would overflow fp32: NaN, not an error, before
+        ({"softmax_scale": torch.tensor([0.1, 0.2])}, "softmax_scale"),
+        ({"softmax_scale": "0.1"}, "softmax_scale"),
     ],
 )
 def test_bad_options_name_the_argument(kwargs, words):
     q, k, v = _qkv(1, 8, 2, 16)
     with pytest.raises(ValueError, match=words):
         gproj_attn_func(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.3), np.float64(0.3), torch.tensor(0.3, dtype=torch.float64)])
+def test_softmax_scale_takes_numpy_numbers_and_one_element_tensors(scale):
+    """A NumPy scalar or a one-element float tensor holding τ means float(τ): the fp64 reference with
+    τ = float(scale) (0.3 rounded as the scale's own dtype rounds it)."""
+    q, k, v = _qkv(1, 8, 2, 16)
+    o = gproj_attn_func(q, k, v, softmax_scale=scale)
+    tau = float(scale)
+    s64 = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * tau
+    o64 = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s64, dim=-1), v.double())
+    assert ((o.double() - o64).norm() / o64.norm()).item() < 1e-6
+
+
+def test_meta_tensors_give_shapes_without_computing():
+    """Shape-only calls (Lightning's measure_flops runs the model on the meta device) get the output
+    and gradients as meta tensors of the right shapes, no error."""
+    q = torch.empty(2, 8, 4, 16, device="meta", requires_grad=True)
+    k = torch.empty(2, 5, 2, 16, device="meta", requires_grad=True)
+    o = gproj_attn_func(q, k, k, causal=True)
+    assert o.device.type == "meta" and o.shape == (2, 8, 4, 16)
+    o.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and q.grad.device.type == "meta"
 
 
 def test_stats_name_must_be_a_string():

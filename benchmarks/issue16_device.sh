@@ -20,6 +20,7 @@ what=${1:-all}
 budget=${ISSUE16_BUDGET_S:-540}
 summary=()
 
+rm -rf /tmp/site  # a warm machine keeps the previous call's install; pip --target does not replace it
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 mkdir -p "$OUT/results"

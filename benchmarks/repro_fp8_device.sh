@@ -7,6 +7,7 @@
 #       run9: the main setting's held-out seed 2. Arms share the GPU; logs land in $OUT/RUN.tgz (no checkpoints).
 set -u
 run=${1:?usage: repro_fp8_device.sh run7|run8|run9}
+rm -rf /tmp/site  # a warm machine keeps the previous call's install; pip --target does not replace it
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 GPROJ_TRITON_AUTOTUNE=0 PYTHON=python3

@@ -11,6 +11,7 @@
 # Everything lands in $OUT: logs, results/speed_latest.json, results/train_step_latest.json, profiles.
 set -u
 what=${1:-all}
+rm -rf /tmp/site  # a warm machine keeps the previous call's install; pip --target does not replace it
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 mkdir -p "$OUT/results"

@@ -390,7 +390,12 @@ def _prefer_flash() -> Optional[list[int]]:
 
 class _Handle:
     """What ``activate_flash_attention_impl("GProj")`` keeps: the ``torch.library`` registration of the two
-    kernels for the CUDA key and the priority order to restore. ``remove`` undoes both."""
+    kernels for the CUDA key, the priority order and the cuDNN-SDPA switch to restore. ``remove`` undoes
+    all three.
+
+    The cuDNN backend is switched off while GProj is active: on the H200 with torch 2.11, SDPA picked
+    cuDNN for bf16 causal calls even with FLASH_ATTENTION first in the priority order
+    (``torch._fused_sdp_choice`` returned 3; benchmarks/NOTES.md, run 11), so no call reached GProj."""
 
     def __init__(self, dispatch_key: str = "CUDA") -> None:
         self._library: Optional[torch.library.Library] = torch.library.Library("aten", "IMPL", dispatch_key)
@@ -400,6 +405,8 @@ class _Handle:
             self._library.impl(FORWARD_OP, flash_forward, dispatch_key)
             self._library.impl(BACKWARD_OP, flash_backward, dispatch_key)
         self._priority = _prefer_flash()
+        self._cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
     def remove(self) -> None:
         if self._library is not None:
@@ -408,6 +415,7 @@ class _Handle:
             api = _priority_api()
             if self._priority is not None and api is not None:
                 api[1](self._priority)
+            torch.backends.cuda.enable_cudnn_sdp(self._cudnn)
 
 
 def _register() -> _Handle:

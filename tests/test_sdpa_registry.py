@@ -143,10 +143,13 @@ def test_registered_activated_and_restored_through_torch():
     lightning_gproj.activate_sdpa_registry(fix="none", ds_format="e4m3")
     assert attention.current_flash_attention_impl() == "GProj" and R.active()
     assert torch._C._get_sdp_priority_order() == [FLASH, 3, 2, 0, 4]
+    # cuDNN off while active: torch 2.11 on an H200 picked it over a first-listed flash (NOTES.md run 11)
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
     assert R._SETTINGS == R._Settings("none", "e4m3", False)
     lightning_gproj.restore_sdpa_registry()
     assert attention.current_flash_attention_impl() is None and not R.active()
     assert torch._C._get_sdp_priority_order() == [3, 2, 1, 0, 4]
+    assert torch.backends.cuda.cudnn_sdp_enabled()
     # torch's own switch activates the same registration (with the settings last chosen)
     attention.activate_flash_attention_impl("GProj")
     assert attention.current_flash_attention_impl() == "GProj" and torch._C._get_sdp_priority_order()[0] == FLASH

@@ -160,12 +160,13 @@ def test_hf_sliding_window_and_softcap_are_served(build, eager, op_spy):
     assert len(sites) == 2 and all(s.served == 1 and not s.fallbacks for s in sites)
 
 
+@pytest.mark.parametrize("use_cache", [False, True])
 @pytest.mark.parametrize("source", ["position_ids", "cu_seq_lens"])
 @pytest.mark.parametrize("build,eager", [(_mistral, False), (_gemma2, True)])
-def test_hf_packed_sequences_with_window_and_softcap_are_served(build, eager, source, monkeypatch):
+def test_hf_packed_sequences_with_window_and_softcap_are_served(build, eager, source, use_cache, monkeypatch):
     """Sequences of 5, 1 and 7 tokens packed into one row (position_ids restarting at 0, with or without
-    the cu_seq_lens / max_length kwargs; use_cache=False, so the block-diagonal band mask arrives and is
-    checked) through Mistral (sliding_window=4) and Gemma 2 (sliding and global layers, softcap):
+    the cu_seq_lens / max_length kwargs; use_cache False: the block-diagonal band mask arrives and is
+    checked; True: the whole-row band or no mask arrives) through Mistral (sliding_window=4) and Gemma 2 (sliding and global layers, softcap):
     every call is served by gproj_attn_varlen_func with the window and softcap (no fallback), and in
     float64 the logits and parameter gradients equal the original model's run on each sequence alone
     (gradients summed over the sequences) to 1e-10 relative (Gemma 2: 1e-5, its fp32 norms): the window
@@ -185,9 +186,10 @@ def test_hf_packed_sequences_with_window_and_softcap_are_served(build, eager, so
     lens = [5, 1, 7]
     ids = torch.randint(0, 50, (1, sum(lens)), generator=torch.Generator().manual_seed(2))
     weight = torch.cos(torch.arange(sum(lens) * 50, dtype=torch.float64)).view(1, sum(lens), 50)
-    # use_cache=False: transformers then builds the block-diagonal band from position_ids (with a cache
-    # it builds one band over the whole row, which lets the sequences see each other: not served).
-    kwargs = dict(input_ids=ids, position_ids=torch.cat([torch.arange(n) for n in lens])[None], use_cache=False)
+    # use_cache=False: transformers builds the block-diagonal band from position_ids; with a cache (the
+    # default, a new user's first try) one band over the whole row and no mask for global layers: every
+    # layer must still treat the row as the same packed sequences.
+    kwargs = dict(input_ids=ids, position_ids=torch.cat([torch.arange(n) for n in lens])[None], use_cache=use_cache)
     if source == "cu_seq_lens":
         cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
         kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)

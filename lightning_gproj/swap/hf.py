@@ -30,9 +30,11 @@ sequences flattened into one row, as ``DataCollatorWithFlattening`` builds them)
 the ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword arguments when all four are given, else from
 ``position_ids`` that are not one increasing run (a new sequence at each position equal to their
 minimum, the rule of ``prepare_fa_kwargs_from_position_ids``); with ``sliding_window`` and ``softcap``
-too, the window within each sequence. The mask that arrives must then be None (as with a cache) or
+too, the window within each sequence. The mask that arrives must then be None (as with a cache),
 exactly the block-diagonal mask of those sequences (causal within each, or full; with a window the
-causal band within each), checked value by value.
+causal band within each), or the causal (band) mask over the whole row that transformers builds for
+packed inputs when a cache is in use (``use_cache`` defaults to True, in training too), checked value by
+value; every layer then treats the row as the same packed sequences.
 """
 
 from __future__ import annotations
@@ -182,6 +184,12 @@ def _plan_packed(module, query, key, value, attention_mask, scaling, is_causal, 
             if bool((seen == _block_diagonal(cu_q, cu_k, candidate, seen.device, window)).all()):
                 causal = candidate
                 break
+        # With a cache, transformers builds one causal band over the whole row for packed inputs (the
+        # sequences would see each other) and passes no mask to layers without a window. Reading that
+        # band as packed too keeps every layer of the model on one meaning, flash-attention's.
+        whole_row = torch.tensor([0, query.shape[2]]), torch.tensor([0, key.shape[2]])
+        if causal is None and bool((seen == _block_diagonal(*whole_row, True, seen.device, window)).all()):
+            causal = True
         if causal is None:
             return "packed sequences with an attention_mask that is not their block-diagonal mask", None
     if window is not None and not causal:

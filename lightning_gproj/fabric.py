@@ -365,6 +365,9 @@ class GProjFabricPlugin(fabric_precision.Precision):
         if dtype is not None:  # every swapped site runs in that dtype (Site.compute_dtype)
             for site in self.report.sites.values():
                 site.compute_dtype = dtype
+            how = "as fp32 SDPA (fix unused)" if self.attention_dtype == "fp32" else "through the op on bf16 q, k, v"
+            self.report.mode_note = (f"attention_dtype={self.attention_dtype!r}: swapped attention runs {how}; "
+                                     f"the rest of the model at precision {self.precision!r}")
         if self.mode == "sdpa_registry":
             self.report.mode_note = (
                 "mode='sdpa_registry' asked for, but torch's flash-attention registry is missing; "

@@ -395,9 +395,17 @@ def _check_window(window_size: object) -> tuple[int, int]:
     return int(window_size[0]), int(window_size[1])
 
 
+def _scalar(x: object) -> object:
+    """A one-element float tensor as a Python float (e.g. a buffer holding τ or a cap); anything else as is."""
+    if isinstance(x, Tensor) and x.numel() == 1 and x.dtype.is_floating_point:
+        return x.item()
+    return x
+
+
 def _check_softcap(softcap: object) -> float:
     """``softcap`` as a float >= 0 (0: off), or ValueError naming it."""
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+    softcap = _scalar(softcap)
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite float >= 0 (0: no capping), got {softcap!r}")
     return float(softcap)
 
@@ -442,8 +450,7 @@ def _check_options(
     reference.check_ds_format(ds_format)
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p must be 0.0 (gproj_attn_func has no attention dropout), got {dropout_p!r}")
-    if isinstance(softmax_scale, Tensor) and softmax_scale.numel() == 1 and softmax_scale.dtype.is_floating_point:
-        softmax_scale = softmax_scale.item()  # a one-element float tensor (e.g. a buffer holding τ)
+    softmax_scale = _scalar(softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
     elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) or not (

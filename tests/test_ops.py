@@ -264,6 +264,15 @@ def test_softmax_scale_takes_numpy_numbers_and_one_element_tensors(scale):
     assert ((o.double() - o64).norm() / o64.norm()).item() < 1e-6
 
 
+def test_softcap_takes_numpy_numbers_and_one_element_tensors():
+    q, k, v = _qkv(1, 8, 2, 16)
+    ref = gproj_attn_func(q, k, v, softcap=5.0)
+    for cap in (np.float32(5.0), torch.tensor(5.0)):
+        assert torch.equal(gproj_attn_func(q, k, v, softcap=cap), ref)
+    with pytest.raises(ValueError, match="softcap"):
+        gproj_attn_func(q, k, v, softcap=torch.tensor([5.0, 6.0]))
+
+
 def test_meta_tensors_give_shapes_without_computing():
     """Shape-only calls (Lightning's measure_flops runs the model on the meta device) get the output
     and gradients as meta tensors of the right shapes, no error."""

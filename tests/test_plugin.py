@@ -255,6 +255,8 @@ def test_attention_dtype_bf16_runs_the_op_on_bf16_inputs_in_an_fp32_model(op_spy
     assert {c["fix"] for c in op_spy.calls} == {"gproj"}
     assert next(swapped.parameters()).dtype == torch.float32
     assert all(p.grad is None or p.grad.dtype == torch.float32 for p in swapped.parameters())
+    assert ("attention_dtype='bf16': swapped attention runs through the op on bf16 q, k, v; the rest of the "
+            "model at precision '32-true'") in " ".join(plugin.report.table().split())
     assert swapped.losses[-1] < swapped.losses[0]
 
 

@@ -276,19 +276,21 @@ def window_args(causal: bool, window_size, softcap: float, nq: int, nk: int) -> 
 @triton.jit
 def tanh_f32(x):
     """tanh in fp32 from exp2 (the same code on the GPU and under the interpreter, so the forward and
-    the backward rebuild bit-identical capped logits): sign(x) (1 − e) / (1 + e), e = 2^(−2|x|·log2e).
-    Absolute error ~2⁻²⁴ (cancellation near 0), i.e. cap·2⁻²⁴ in a capped logit."""
-    e = tl.math.exp2(tl.abs(x) * -2.8853900817779268)
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
+    the backward rebuild bit-identical capped logits): :func:`tanh_and_grad_f32`'s first value."""
+    t, _ = tanh_and_grad_f32(x)
+    return t
 
 
 @triton.jit
-def tanh_grad_f32(x):
-    """1 − tanh(x)² in fp32 as 4e / (1 + e)², e = 2^(−2|x|·log2e): no cancellation where tanh(x) → ±1
-    (1 − t² keeps no correct bit once |x| > ~8.7; kernels/reference.py uses the same form)."""
+def tanh_and_grad_f32(x):
+    """(tanh x, 1 − tanh² x) in fp32 from one exp2 and one reciprocal: e = 2^(−2|x|·log2e), r = 1/(1 + e),
+    tanh = sign(x) (1 − e) r, 1 − tanh² = 4 e r². The second form has no cancellation where tanh → ±1
+    (1 − t² keeps no correct bit once |x| > ~8.7; kernels/reference.py computes 4e/(1+e)²). Absolute error
+    of tanh ~2⁻²⁴ (cancellation near 0), i.e. cap·2⁻²⁴ in a capped logit."""
     e = tl.math.exp2(tl.abs(x) * -2.8853900817779268)
-    return 4.0 * e / ((1.0 + e) * (1.0 + e))
+    r = 1.0 / (1.0 + e)
+    t = (1.0 - e) * r
+    return tl.where(x < 0, -t, t), 4.0 * e * r * r
 
 
 @triton.jit

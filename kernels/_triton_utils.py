@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from lightning_gproj.kernels.reference import normalize_window
+
 LOG2E = math.log2(math.e)
 
 #: Head dimensions the kernels are built and tested for (DESIGN / issue 3). Others in (16, 256] that
@@ -261,9 +263,7 @@ def window_args(causal: bool, window_size, softcap: float, nq: int, nk: int) -> 
     right = 0) and ``softcap``: CAUSAL (the plain causal mask, no window), WINDOW with WL, WR >= 0 (an
     unbounded side becomes nq + nk, wider than any sequence), SOFTCAP with cap. No window and no
     softcap give the constexpr variants WINDOW = SOFTCAP = False: the kernels' code without them."""
-    left, right = (left_right := tuple(window_size))[0], left_right[1]
-    if causal:
-        right = 0
+    left, right = normalize_window(causal, tuple(window_size))
     big = nq + nk
     window = not (left == -1 and right in (-1, 0))
     return dict(

@@ -114,21 +114,37 @@ def _attn_fwd(
         _check_seqlens_values(seqlens_k, k.shape[1])
     if RECORDER.enabled:
         record_forward_stats(stats_name, q, k, seqlens_k)
-    if _use_triton(q, k, v):
+    o, m, log2l = _kernel_forward(q, k, v, softmax_scale, causal, seqlens_k=seqlens_k,
+                                  window_size=(window_left, window_right), softcap=softcap)
+    _record_max_logit(stats_name, m, log2l, softmax_scale, softcap)
+    return o.contiguous(), m, log2l
+
+
+def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, **options) -> tuple:
+    """The Triton forward where it serves (:func:`_triton_reason`), else kernels/reference.py; q, k, v in
+    the op layout, or packed (3-D, with ``cu_seqlens_*`` in ``options``)."""
+    if _use_triton(*(x if x.dim() == 4 else x[None] for x in (q, k, v))):
         from lightning_gproj.kernels import attention_fwd
 
-        o, m, log2l = attention_fwd.forward(q, k, v, softmax_scale, causal, seqlens_k=seqlens_k,
-                                            window_size=(window_left, window_right), softcap=softcap)
-    else:
-        o, m, log2l = reference.forward(q, k, v, softmax_scale, causal, seqlens_k=seqlens_k,
-                                        window_size=(window_left, window_right), softcap=softcap)
+        return attention_fwd.forward(q, k, v, softmax_scale, causal, **options)
+    return reference.forward(q, k, v, softmax_scale, causal, **options)
+
+
+def _kernel_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, *args, **options) -> tuple:
+    """The Triton backward where it serves, else kernels/reference.py (arguments as theirs)."""
+    if _use_triton(*(x if x.dim() == 4 else x[None] for x in (q, k, v))):
+        from lightning_gproj.kernels import attention_bwd
+
+        return attention_bwd.backward(do, q, k, v, *args, **options)
+    return reference.backward(do, q, k, v, *args, **options)
+
+
+def _record_max_logit(stats_name: str, m: Tensor, log2l: Tensor, softmax_scale: float, softcap: float) -> None:
+    """With the recorder on: max_ij s_ij·τ from the kernel's row max m (unscaled scores; with softcap m is
+    already the capped logit; rows seeing no key have log2l = +inf and are left out), one reduction."""
     if RECORDER.enabled:
-        # max_ij s_ij·τ from the kernel's row max m (unscaled scores; with softcap m is already the capped
-        # logit; rows seeing no key have m = 0 and log2l = +inf and are left out): one reduction of a
-        # (batch, nheads, seqlen_q) tensor.
         scale = 1.0 if softcap > 0 else softmax_scale
         RECORDER.record(stats_name, max_logit=torch.where(torch.isinf(log2l), -math.inf, m).amax() * scale)
-    return o.contiguous(), m, log2l
 
 
 def record_forward_stats(
@@ -212,18 +228,10 @@ def _attn_bwd(
     q, k, v = _cast(compute_dtype, q, k, v)
     grad_dtype = None if compute_dtype is None else torch.float32
     want_stats = RECORDER.enabled
-    if _use_triton(q, k, v):
-        from lightning_gproj.kernels import attention_bwd
-
-        dq, dk, dv, extras = attention_bwd.backward(
-            do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, grad_dtype=grad_dtype,
-            seqlens_k=seqlens_k, ds_format=ds_format, window_size=(window_left, window_right), softcap=softcap,
-        )
-    else:
-        dq, dk, dv, extras = reference.backward(
-            do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, seqlens_k=seqlens_k,
-            grad_dtype=grad_dtype, ds_format=ds_format, window_size=(window_left, window_right), softcap=softcap,
-        )
+    dq, dk, dv, extras = _kernel_backward(
+        do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, grad_dtype=grad_dtype,
+        seqlens_k=seqlens_k, ds_format=ds_format, window_size=(window_left, window_right), softcap=softcap,
+    )
     if want_stats:
         _record_backward_stats(stats_name, fix, causal, k.shape[1], dq, extras, seqlens_k,
                                (window_left, window_right))
@@ -654,15 +662,8 @@ def _attn_varlen_fwd(
         record_forward_stats(stats_name, q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                   max_seqlen_k=max_seqlen_k, window_size=(window_left, window_right), softcap=softcap)
-    if _use_triton(q[None], k[None], v[None]):
-        from lightning_gproj.kernels import attention_fwd
-
-        o, m, log2l = attention_fwd.forward(q, k, v, softmax_scale, causal, **varlen)
-    else:
-        o, m, log2l = reference.forward(q, k, v, softmax_scale, causal, **varlen)
-    if RECORDER.enabled:
-        scale = 1.0 if softcap > 0 else softmax_scale  # as in _attn_fwd
-        RECORDER.record(stats_name, max_logit=torch.where(torch.isinf(log2l), -math.inf, m).amax() * scale)
+    o, m, log2l = _kernel_forward(q, k, v, softmax_scale, causal, **varlen)
+    _record_max_logit(stats_name, m, log2l, softmax_scale, softcap)
     return o.contiguous(), m, log2l
 
 
@@ -715,18 +716,10 @@ def _attn_varlen_bwd(
     want_stats = RECORDER.enabled
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                   max_seqlen_k=max_seqlen_k, window_size=(window_left, window_right), softcap=softcap)
-    if _use_triton(q[None], k[None], v[None]):
-        from lightning_gproj.kernels import attention_bwd
-
-        dq, dk, dv, extras = attention_bwd.backward(
-            do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, grad_dtype=grad_dtype,
-            ds_format=ds_format, **varlen,
-        )
-    else:
-        dq, dk, dv, extras = reference.backward(
-            do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, grad_dtype=grad_dtype,
-            ds_format=ds_format, **varlen,
-        )
+    dq, dk, dv, extras = _kernel_backward(
+        do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, grad_dtype=grad_dtype,
+        ds_format=ds_format, **varlen,
+    )
     if want_stats:
         n_keys = _varlen_n_keys(cu_seqlens_q, cu_seqlens_k, causal, q.shape[0], (window_left, window_right))
         _record_backward_stats(stats_name, fix, causal, k.shape[0], dq[None], extras, n_keys=n_keys)

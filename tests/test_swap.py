@@ -665,10 +665,8 @@ def test_first_conversion_prints_the_full_table():
     assert not again.reconverted and "1 swapped, 1 left alone" in again.table() and "already swapped" in again.table()
 
 
-def test_fp32_compute_site_records_the_mean_key_norm():
-    """A site running fp32 SDPA (compute_dtype, the plugin's attention_dtype="fp32") still records the
-    forward statistics a monitor compares across arms: ‖mean_j k_j‖ averaged over (batch, head)."""
-    from lightning_gproj import RECORDER
+def _causal_sdpa_site(compute_dtype):
+    """A model whose module "attn" calls causal SDPA, swapped, its site set to ``compute_dtype``."""
 
     class Attend(nn.Module):
         def forward(self, q, k, v):
@@ -677,7 +675,16 @@ def test_fp32_compute_site_records_the_mean_key_norm():
     model = nn.Module()
     model.add_module("attn", Attend())
     report = swap_attention(model)
-    report.sites["attn"].compute_dtype = torch.float32
+    report.sites["attn"].compute_dtype = compute_dtype
+    return model, report
+
+
+def test_fp32_compute_site_records_the_mean_key_norm():
+    """A site running fp32 SDPA (compute_dtype, the plugin's attention_dtype="fp32") still records the
+    forward statistics a monitor compares across arms: ‖mean_j k_j‖ averaged over (batch, head)."""
+    from lightning_gproj import RECORDER
+
+    model, report = _causal_sdpa_site(torch.float32)
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 2, 4, 6, 8, dtype=torch.float64).unbind(0)  # (batch, nheads, seqlen, d)
     k = k + 5.0
@@ -692,16 +699,9 @@ def test_fp32_compute_site_records_the_mean_key_norm():
 def test_bf16_compute_site_runs_the_op_on_rounded_inputs_and_returns_fp32(op_spy):
     """compute_dtype=bf16 (the plugin's attention_dtype="bf16") on fp32 inputs: the output and the
     gradients are those of attention on the bf16-rounded q, k, v (float64 reference of those rounded
-    values, to bf16 accuracy), returned in fp32; without the cast the same fp32 call is exact to fp32."""
+    values, to bf16 accuracy), returned in fp32, and the op saw bf16 tensors."""
 
-    class Attend(nn.Module):
-        def forward(self, q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    model = nn.Module()
-    model.add_module("attn", Attend())
-    report = swap_attention(model)
-    report.sites["attn"].compute_dtype = torch.bfloat16
+    model, report = _causal_sdpa_site(torch.bfloat16)
     torch.manual_seed(0)
     q, k, v, do = torch.randn(4, 2, 3, 40, 16).unbind(0)  # (batch, nheads, seqlen, d), fp32
     k = k + 4.0

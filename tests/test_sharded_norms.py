@@ -144,6 +144,10 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
                 "key_bias_grad_ratio": {k.split("/")[1]: float(v) for k, v in key.items() if k.endswith("_ratio")},
             }
         Path(out, f"rank{rank}.json").write_text(json.dumps({"got": results, "expected": expected}))
+        # Both ranks done with every collective before teardown: a rank that destroyed the group while
+        # the other still had gloo work in flight aborted once ("terminate called without an active
+        # exception", SIGABRT) in a fresh-clone CI run.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

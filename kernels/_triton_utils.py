@@ -326,19 +326,16 @@ def tanh_and_grad_f32(x):
     (1 − t² keeps no correct bit once |x| > ~8.7; kernels/reference.py computes 4e/(1+e)²). Absolute error
     of tanh ~2⁻²⁴ (cancellation near 0), i.e. cap·2⁻²⁴ in a capped logit."""
     if TANH_APPROX:
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
                                       pack=1)
-        g = 1.0 - t * t
+        return t, 1.0 - t * t
+    if TANH_EXP2_POLY:
+        e = exp2_fma(tl.abs(x) * -2.8853900817779268)
     else:
-        if TANH_EXP2_POLY:
-            e = exp2_fma(tl.abs(x) * -2.8853900817779268)
-        else:
-            e = tl.math.exp2(tl.abs(x) * -2.8853900817779268)
-        r = 1.0 / (1.0 + e)
-        t = (1.0 - e) * r
-        t = tl.where(x < 0, -t, t)
-        g = 4.0 * e * r * r
-    return t, g
+        e = tl.math.exp2(tl.abs(x) * -2.8853900817779268)
+    r = 1.0 / (1.0 + e)
+    t = (1.0 - e) * r
+    return tl.where(x < 0, -t, t), 4.0 * e * r * r
 
 
 @triton.jit

@@ -273,44 +273,6 @@ def window_args(causal: bool, window_size, softcap: float, nq: int, nk: int) -> 
     )
 
 
-#: Experiment switches (issue 16 softcap speed): which unit forms 2^y for the softcap's tanh and for the
-#: softmax exponent — "mufu" (``tl.math.exp2``, the special-function unit) or "poly" (:func:`exp2_fma`).
-TANH_EXP2_POLY = tl.constexpr(os.environ.get("GPROJ_TANH_EXP2", "mufu") == "poly")
-SOFTMAX_EXP2_POLY = tl.constexpr(os.environ.get("GPROJ_SOFTMAX_EXP2", "mufu") == "poly")
-#: Experiment: GPROJ_TANH=approx takes tanh from ``tanh.approx.f32`` (one special-function op, relative
-#: error ~2⁻¹¹) and 1 − tanh² as 1 − t·t, on the GPU only (the interpreter keeps the exp2 form).
-TANH_APPROX = tl.constexpr(os.environ.get("GPROJ_TANH", "exp2") == "approx" and not interpreting())
-
-
-@triton.jit
-def exp2_fma(y):
-    """2^y in fp32 on the FMA units instead of the special-function unit (the technique of FA4's
-    softmax): y = n + f with n = round(y) (added to 1.5·2²³, so n lands in the low mantissa bits),
-    |f| <= 1/2; 2^f from a degree-5 polynomial with p(0) = 1 (relative error <= 1.8e-7, about that of
-    ``ex2.approx.f32``; exactly 1 at y = 0), then n added to the exponent field. y < −126 gives 0
-    (−inf included); y is clamped at 127."""
-    yc = tl.minimum(tl.maximum(y, -127.0), 127.0)
-    t = yc + 12582912.0
-    n = t - 12582912.0
-    f = yc - n
-    p = 0.0013219078537076712 * f + 0.009671698324382305
-    p = p * f + 0.05550891533493996
-    p = p * f + 0.24022237956523895
-    p = p * f + 0.6931468844413757
-    p = p * f + 1.0
-    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
-    return tl.where(y < -126.0, 0.0, bits.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def softmax_exp2(y):
-    """The softmax's 2^y on score tiles (see SOFTMAX_EXP2_POLY)."""
-    if SOFTMAX_EXP2_POLY:
-        return exp2_fma(y)
-    else:
-        return tl.math.exp2(y)
-
-
 @triton.jit
 def tanh_f32(x):
     """tanh in fp32 from exp2 (the same code on the GPU and under the interpreter, so the forward and
@@ -325,14 +287,7 @@ def tanh_and_grad_f32(x):
     tanh = sign(x) (1 − e) r, 1 − tanh² = 4 e r². The second form has no cancellation where tanh → ±1
     (1 − t² keeps no correct bit once |x| > ~8.7; kernels/reference.py computes 4e/(1+e)²). Absolute error
     of tanh ~2⁻²⁴ (cancellation near 0), i.e. cap·2⁻²⁴ in a capped logit."""
-    if TANH_APPROX:
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-        return t, 1.0 - t * t
-    if TANH_EXP2_POLY:
-        e = exp2_fma(tl.abs(x) * -2.8853900817779268)
-    else:
-        e = tl.math.exp2(tl.abs(x) * -2.8853900817779268)
+    e = tl.math.exp2(tl.abs(x) * -2.8853900817779268)
     r = 1.0 / (1.0 + e)
     t = (1.0 - e) * r
     return tl.where(x < 0, -t, t), 4.0 * e * r * r

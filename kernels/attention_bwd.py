@@ -44,7 +44,7 @@ import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
     INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, in_window, interpreting,
-    load_pair, mma, padded_head_dim, round_ds, seq_bounds, softmax_exp2, supports, tanh_and_grad_f32, to16, visible,
+    load_pair, mma, padded_head_dim, round_ds, seq_bounds, supports, tanh_and_grad_f32, to16, visible,
     window_args, window_key_blocks, window_query_blocks,
 )
 from lightning_gproj.kernels.reference import FIXES, check_ds_format, project_key_sum_, sequences
@@ -124,7 +124,7 @@ def _dq_inner(
             t, g = tanh_and_grad_f32(s * sc)  # g = 1 − t², the tanh derivative
             s = cap * t  # the forward's capped logits, bit for bit
         # The forward's exponent: (s − m) exact 0 at the row max, then scale, then normalize.
-        p = softmax_exp2((s - m[:, None]) * c - l2[:, None])
+        p = tl.math.exp2((s - m[:, None]) * c - l2[:, None])
         if MASKED:
             valid = visible(offs_m, cols, N_K, CAUSAL_OFF, CAUSAL)
             if WINDOW:
@@ -314,7 +314,7 @@ def _dkdv_inner(
         if SOFTCAP:
             tT, gT = tanh_and_grad_f32(sT * sc)
             sT = cap * tT
-        pT = softmax_exp2((sT - m[None, :]) * c - l2[None, :])
+        pT = tl.math.exp2((sT - m[None, :]) * c - l2[None, :])
         if MASKED:
             if CAUSAL:
                 pT = tl.where(cols[:, None] <= rows[None, :] + CAUSAL_OFF, pT, 0.0)

@@ -274,21 +274,45 @@ def window_args(causal: bool, window_size, softcap: float, nq: int, nk: int) -> 
 
 
 @triton.jit
-def tanh_f32(x):
-    """tanh in fp32 from exp2 (the same code on the GPU and under the interpreter, so the forward and
-    the backward rebuild bit-identical capped logits): :func:`tanh_and_grad_f32`'s first value."""
-    t, _ = tanh_and_grad_f32(x)
+def exp2_ftz(y, INTERP: tl.constexpr):
+    """2^y in fp32 as one special-function op, ``ex2.approx.ftz.f32`` (results below 2⁻¹²⁶ flushed to 0,
+    −inf → 0, exactly 1 at y = 0); ``tl.math.exp2`` under the interpreter. Used for the softcap's tanh
+    only: with it and :func:`rcp_ftz` the softcap kernels ran faster, while on the softmax exponent it
+    made the backward slower (benchmarks/NOTES.md, run 12)."""
+    if INTERP:
+        return tl.math.exp2(y)
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [y], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def rcp_ftz(x, INTERP: tl.constexpr):
+    """1/x in fp32 as one special-function op, ``rcp.approx.ftz.f32`` (relative error ~2⁻²³); exact
+    division under the interpreter. For x in normal range only (denormal x is flushed to 0 → inf)."""
+    if INTERP:
+        return 1.0 / x
+    else:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def tanh_f32(x, INTERP: tl.constexpr):
+    """tanh in fp32 from exp2 (the same code in the forward and the backward, so both rebuild
+    bit-identical capped logits): :func:`tanh_and_grad_f32`'s first value."""
+    t, _ = tanh_and_grad_f32(x, INTERP)
     return t
 
 
 @triton.jit
-def tanh_and_grad_f32(x):
+def tanh_and_grad_f32(x, INTERP: tl.constexpr):
     """(tanh x, 1 − tanh² x) in fp32 from one exp2 and one reciprocal: e = 2^(−2|x|·log2e), r = 1/(1 + e),
     tanh = sign(x) (1 − e) r, 1 − tanh² = 4 e r². The second form has no cancellation where tanh → ±1
     (1 − t² keeps no correct bit once |x| > ~8.7; kernels/reference.py computes 4e/(1+e)²). Absolute error
     of tanh ~2⁻²⁴ (cancellation near 0), i.e. cap·2⁻²⁴ in a capped logit."""
-    e = tl.math.exp2(tl.abs(x) * -2.8853900817779268)
-    r = 1.0 / (1.0 + e)
+    e = exp2_ftz(tl.abs(x) * -2.8853900817779268, INTERP)
+    r = rcp_ftz(1.0 + e, INTERP)
     t = (1.0 - e) * r
     return tl.where(x < 0, -t, t), 4.0 * e * r * r
 

@@ -43,9 +43,9 @@ import triton
 import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, in_window, interpreting,
-    load_pair, mma, padded_head_dim, round_ds, seq_bounds, supports, tanh_and_grad_f32, to16, visible,
-    window_args, window_key_blocks, window_query_blocks,
+    INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, in_window,
+    interpreting, load_pair, mma, padded_head_dim, rcp_ftz, round_ds, seq_bounds, supports, tanh_and_grad_f32,
+    to16, visible, window_args, window_key_blocks, window_query_blocks,
 )
 from lightning_gproj.kernels.reference import FIXES, check_ds_format, project_key_sum_, sequences
 
@@ -121,7 +121,7 @@ def _dq_inner(
         k, v = load_pair(K, V, cols, stride_kn, stride_vn, offs_d, offs_dk, offs_dv, N_K, HEAD_DIM, MASKED, EVEN_D)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
         if SOFTCAP:
-            t, g = tanh_and_grad_f32(s * sc)  # g = 1 − t², the tanh derivative
+            t, g = tanh_and_grad_f32(s * sc, INTERP)  # g = 1 − t², the tanh derivative
             s = cap * t  # the forward's capped logits, bit for bit
         # The forward's exponent: (s − m) exact 0 at the row max, then scale, then normalize.
         p = tl.math.exp2((s - m[:, None]) * c - l2[:, None])
@@ -136,7 +136,7 @@ def _dq_inner(
             # The operand is X = dZ∘g, g = 1 − t² (kernels/reference.py); its invariant is Σ_j X_ij/g_ij = 0.
             ds16 = round_ds(ds * g, k.dtype, DS_BITS, INTERP)
             live = g >= 1.1754943508222875e-38  # 1/g finite (fp32 tiny); below, X̃ ≈ 0: keep dZ
-            inv_g = tl.where(live, 1.0 / g, 0.0)
+            inv_g = tl.where(live, rcp_ftz(g, INTERP), 0.0)
             dz = tl.where(live, ds16.to(tl.float32) * inv_g, ds)
         else:
             # Rounding point (DESIGN.md §3): dS becomes a 16-bit GEMM operand; r must come from these values.
@@ -312,7 +312,7 @@ def _dkdv_inner(
                 r = tl.load(Rh + rows)
         sT = mma(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), INTERP)
         if SOFTCAP:
-            tT, gT = tanh_and_grad_f32(sT * sc)
+            tT, gT = tanh_and_grad_f32(sT * sc, INTERP)
             sT = cap * tT
         pT = tl.math.exp2((sT - m[None, :]) * c - l2[None, :])
         if MASKED:

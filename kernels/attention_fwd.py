@@ -30,8 +30,9 @@ import triton
 import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, in_window, interpreting,
-    load_pair, mma, padded_head_dim, seq_bounds, supports, tanh_f32, to16, visible, window_args, window_key_blocks,
+    INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, in_window,
+    interpreting, load_pair, mma, padded_head_dim, seq_bounds, supports, tanh_f32, to16, visible, window_args,
+    window_key_blocks,
 )
 
 __all__ = ["forward", "supports"]
@@ -76,7 +77,7 @@ def _fwd_inner(
         s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), INTERP)  # raw fp32, unscaled
         if SOFTCAP:
             # The capped logits are the fp32 numbers both the max and the exponent use (FMA-safe as below).
-            s = cap * tanh_f32(s * sc)
+            s = cap * tanh_f32(s * sc, INTERP)
         if MASKED:
             valid = visible(offs_m, cols, N_K, CAUSAL_OFF, CAUSAL)
             if WINDOW:

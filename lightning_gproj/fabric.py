@@ -384,6 +384,15 @@ class GProjFabricPlugin(fabric_precision.Precision):
         if not self.__dict__.get("_gproj_registry_on"):
             sdpa_registry.activate_sdpa_registry(fix=self.fix, ds_format=self.ds_format, strict=self.strict)
             self._gproj_registry_on = True
+            if self.precision in ("32-true", "64-true") and not self.__dict__.get("_gproj_precision_warned"):
+                self._gproj_precision_warned = True  # said at setup: the first step does not repeat it
+                rank_zero_warn(
+                    f"GProj (mode='sdpa_registry') with precision={self.precision!r}: SDPA calls get fp32/fp64 "
+                    f"tensors (unless the model casts them to bf16/fp16 itself), and those never reach the flash "
+                    f"backend GProj serves. Use a 16-bit precision ('bf16-mixed', '16-mixed', 'bf16-true', "
+                    f"'16-true'), or mode='swap' with attention_dtype='bf16'.",
+                    category=GProjFallbackWarning,
+                )
         ref = self.__dict__.get("_gproj_module")
         if self.report is None or ref is None or ref() is not module:
             self.report = sdpa_registry.RegistryReport(self.fix, self.ds_format)
@@ -434,7 +443,7 @@ class GProjFabricPlugin(fabric_precision.Precision):
         if isinstance(self.report, sdpa_registry.RegistryReport):
             forward0, _, fell0 = self.__dict__.get("_gproj_registry_counts") or self.report.start
             forward, _, fell = sdpa_registry.CALLS.snapshot()
-            if forward == forward0:
+            if forward == forward0 and not self.__dict__.get("_gproj_precision_warned"):
                 rank_zero_warn(
                     f"GProj (mode='sdpa_registry'): no F.scaled_dot_product_attention call of the first training step "
                     f"was served by GProj ({fell - fell0} flash-backend calls with dropout ran PyTorch's flash kernel; "

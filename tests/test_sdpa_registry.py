@@ -442,12 +442,23 @@ def test_trainer_registry_mode_activates_for_fit_and_reports(tmp_path, caplog):
     assert "gproj_calls/sdpa_registry/served" in logged.splitlines()[0]
 
 
-def test_registry_mode_warns_when_nothing_reached_gproj(tmp_path, caplog):
-    """Without the CPU adapters no CPU SDPA call reaches GProj: the first step says so, the summary too."""
-    plugin = GProjPlugin("32-true", mode="sdpa_registry")
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_registry_mode_warns_once_when_nothing_reached_gproj(precision, tmp_path, caplog):
+    """Without the CPU adapters no CPU SDPA call reaches GProj. bf16-mixed: the first step says so;
+    32-true: the setup already says why (fp32 tensors), and the first step does not repeat it. The
+    summary says it in both."""
+    plugin = GProjPlugin(precision, mode="sdpa_registry")
     caplog.set_level("INFO")
-    with pytest.warns(GProjFallbackWarning, match=r"mode='sdpa_registry'\): no F.scaled_dot_product_attention call"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         _trainer(plugin, tmp_path).fit(LitSDPA())
+    said = [str(w.message) for w in caught if issubclass(w.category, GProjFallbackWarning)]
+    assert len(said) == 1, said
+    if precision == "32-true":
+        assert said[0].startswith("GProj (mode='sdpa_registry') with precision='32-true': SDPA calls get fp32/fp64")
+        assert "'bf16-mixed'" in said[0] and "attention_dtype='bf16'" in said[0]
+    else:
+        assert "mode='sdpa_registry'): no F.scaled_dot_product_attention call" in said[0]
     calls = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("GProj attention calls"))
     assert calls.splitlines()[0].endswith(": 0 forward and 0 backward flash-backend calls served, 0 ran PyTorch's flash kernel")
     assert "no SDPA call reached the flash backend" in calls

@@ -32,6 +32,12 @@ Key padding (``seqlens_k``, right padding, a constexpr variant HAS_SEQLENS so th
 are unchanged): the dQ pass stops at the batch row's key length (the straddling block masked); the
 dK/dV pass skips key blocks wholly past it and zeroes the rows of padded keys before storing.
 
+Attention dropout (``dropout_p`` > 0, a constexpr variant DROPOUT; without it the kernels are the code
+above): both passes regenerate the forward's Philox keep mask M per tile (kernels/_triton_utils.dropout_keep,
+the counters of kernels/reference.dropout_keep_mask), dP' = M ∘ dP/(1 − p) replaces dP, dV += (P̃ ∘ M)ᵀ·dO
+is scaled by 1/(1 − p) before its store, and everything else — D, dS = P ∘ (dP' − D) with the undropped P,
+r, the GProj direction P̃ — is unchanged: dS's rows still sum to zero (kernels/reference.py).
+
 Extra memory: D and r (B·H·Nq fp32 each); with want_stats also abs_dS (B·H·Nq) and the leak
 (B·H·Nq·d fp32). Never N×N.
 """

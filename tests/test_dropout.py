@@ -235,6 +235,30 @@ def test_activation_checkpointing_recomputes_the_same_mask():
     assert all(torch.equal(x, y) for x, y in zip((qc.grad, kc.grad, vc.grad), plain[1:]))
 
 
+def test_compiles_in_one_graph_and_draws_a_seed_per_call():
+    """torch.compile(fullgraph=True) traces the seed draw and the op with no graph break; the compiled
+    call draws a fresh seed per call (two seeds, two masks) and equals the eager call after the same
+    torch.manual_seed (aot_eager: the same op on the same seed)."""
+    import torch._dynamo
+
+    def f(q, k, v):
+        return gproj_attn_func(q, k, v, causal=True, dropout_p=0.3)
+
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 8, 2, 16, requires_grad=True) for _ in range(3))
+    explanation = torch._dynamo.explain(f)(q, k, v)
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(1)
+    a = compiled(q, k, v)
+    a.sum().backward()
+    torch.manual_seed(2)
+    b = compiled(q, k, v)
+    torch.manual_seed(1)
+    assert torch.equal(a, f(q, k, v)) and not torch.equal(a, b)
+    torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------------- Triton, under the interpreter
 
 

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from lightning_gproj.kernels.reference import normalize_window
+from lightning_gproj.kernels.reference import dropout_threshold, normalize_window
 
 LOG2E = math.log2(math.e)
 
@@ -350,3 +350,35 @@ def window_query_blocks(start_n, N_Q, CAUSAL_OFF, WL, WR, BLOCK_M: tl.constexpr,
     a = tl.minimum(tl.maximum(full_lo, lo), hi)
     b = tl.maximum(a, tl.minimum(full_hi, hi))
     return lo, a, b, hi
+
+
+def _i32(x: int) -> int:
+    """A uint32 value as the int32 with the same bits (kernel scalars are then always typed i32)."""
+    return x - (1 << 32) if x >= (1 << 31) else x
+
+
+def dropout_args(dropout_p: float, seed: int, offset: int) -> dict:
+    """Kernel arguments of attention dropout: DROPOUT (constexpr; False is the kernels' code without
+    dropout), the 64-bit Philox key as two 32-bit halves, the counter offset, the keep threshold
+    (kernels/reference.dropout_threshold) and the scale 1/(1 − p). The integers go in as int32 bit
+    patterns (the kernels reinterpret them as uint32), so every seed gives the same argument types."""
+    if not dropout_p:
+        return dict(DROPOUT=False, seed_lo=0, seed_hi=0, drop_off=0, drop_thr=0, drop_scale=1.0)
+    seed = int(seed) & ((1 << 64) - 1)
+    return dict(DROPOUT=True, seed_lo=_i32(seed & 0xFFFFFFFF), seed_hi=_i32(seed >> 32),
+                drop_off=_i32(int(offset) & 0xFFFFFFFF), drop_thr=_i32(dropout_threshold(dropout_p)),
+                drop_scale=1.0 / (1.0 - float(dropout_p)))
+
+
+@triton.jit
+def dropout_keep(lin, bh, seed_lo, seed_hi, drop_off, drop_thr):
+    """Keep mask of attention dropout for a tile of linear indices ``lin`` = i·n_k + j (int64; the
+    counter scheme of kernels/reference.dropout_keep_mask): Philox4x32-10 with counters
+    (lin mod 2³², bh, offset, lin div 2³²) and key seed_hi·2³² + seed_lo; kept iff its first output
+    >= the threshold (unsigned compare)."""
+    c0 = lin.to(tl.uint32)
+    c3 = (lin >> 32).to(tl.uint32)
+    zero = c0 * 0
+    seed = (seed_hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
+    x, _, _, _ = tl.philox(seed, c0, zero + bh.to(tl.uint32), zero + drop_off.to(tl.uint32, bitcast=True), c3)
+    return x >= drop_thr.to(tl.uint32, bitcast=True)

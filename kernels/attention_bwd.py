@@ -32,6 +32,12 @@ Key padding (``seqlens_k``, right padding, a constexpr variant HAS_SEQLENS so th
 are unchanged): the dQ pass stops at the batch row's key length (the straddling block masked); the
 dK/dV pass skips key blocks wholly past it and zeroes the rows of padded keys before storing.
 
+Attention dropout (``dropout_p`` > 0, a constexpr variant DROPOUT; without it the kernels are the code
+above): both passes regenerate the forward's Philox keep mask M per tile (kernels/_triton_utils.dropout_keep,
+the counters of kernels/reference.dropout_keep_mask), dP' = M ∘ dP/(1 − p) replaces dP, dV += (P̃ ∘ M)ᵀ·dO
+is scaled by 1/(1 − p) before its store, and everything else — D, dS = P ∘ (dP' − D) with the undropped P,
+r, the GProj direction P̃ — is unchanged: dS's rows still sum to zero (kernels/reference.py).
+
 Extra memory: D and r (B·H·Nq fp32 each); with want_stats also abs_dS (B·H·Nq) and the leak
 (B·H·Nq·d fp32). Never N×N.
 """
@@ -43,9 +49,9 @@ import triton
 import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, in_window,
-    interpreting, load_pair, mma, padded_head_dim, rcp_ftz, round_ds, seq_bounds, supports, tanh_and_grad_f32,
-    to16, visible, window_args, window_key_blocks, window_query_blocks,
+    INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_keep,
+    in_window, interpreting, load_pair, mma, padded_head_dim, rcp_ftz, round_ds, seq_bounds, supports,
+    tanh_and_grad_f32, to16, visible, window_args, window_key_blocks, window_query_blocks,
 )
 from lightning_gproj.kernels.reference import FIXES, check_ds_format, project_key_sum_, sequences
 
@@ -109,11 +115,11 @@ def _preprocess_kernel(
 @triton.jit
 def _dq_inner(
     dq, pk, r, a, ps, q, do, m, l2, Di, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
-    lo, hi, c, N_K, CAUSAL_OFF, WL, WR, sc, cap,
+    lo, hi, c, N_K, CAUSAL_OFF, WL, WR, sc, cap, lin_rows, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, NEED_R: tl.constexpr, NEED_PK: tl.constexpr, STATS: tl.constexpr,
     DS_BITS: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    UNIFORM: tl.constexpr,
+    UNIFORM: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = q.shape[0]
     for start_n in range(lo, hi, BLOCK_N):
@@ -131,6 +137,10 @@ def _dq_inner(
                 valid = valid & in_window(offs_m, cols, CAUSAL_OFF, WL, WR)
             p = tl.where(valid, p, 0.0)
         dp = mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
+        if DROPOUT:
+            # dP' = M ∘ dP / (1 − p); dS = P ∘ (dP' − D) with the undropped P still sums to zero per row.
+            keep = dropout_keep(lin_rows[:, None] + cols[None, :], bh, seed_lo, seed_hi, drop_off, drop_thr)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - Di[:, None])
         if SOFTCAP:
             # The operand is X = dZ∘g, g = 1 − t² (kernels/reference.py); its invariant is Σ_j X_ij/g_ij = 0.
@@ -164,9 +174,10 @@ def _dq_inner(
 
 
 @triton.autotune(configs=_DQ_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "GPROJ", "NEED_R", "STATS",
-                                           "HAS_SEQLENS", "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN"],
+                                           "HAS_SEQLENS", "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN",
+                                           "DROPOUT"],
                  prune_configs_by={"early_config_prune": _prune})
-@triton.jit
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr"])
 def _dq_kernel(
     Q, K, V, DO, M, LOG2L, DELTA, DQ, R, RHO, ABS, LEAK, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
@@ -174,11 +185,12 @@ def _dq_kernel(
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_dob, stride_don, stride_doh, stride_dod,
     stride_dqb, stride_dqn, stride_dqh, stride_dqd,
-    c, tau, H, N_Q, N_K, WL, WR, sc, cap,
+    c, tau, H, N_Q, N_K, WL, WR, sc, cap, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     GPROJ: tl.constexpr, NEED_R: tl.constexpr, STATS: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     DS_BITS: tl.constexpr, IS_VARLEN: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     NEED_PK: tl.constexpr = GPROJ or STATS
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -191,11 +203,16 @@ def _dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    # Dropout counters, as in attention_fwd._fwd_kernel.
+    lin_rows = offs_m.to(tl.int64) * N_K
+    bh = pid_bh
     if IS_VARLEN:
         # Packed sequences, as in attention_fwd._fwd_kernel: batch strides are 0, N_Q and N_K arrive as
         # total_q, total_k (row statistics are (H, total_q)) and become this sequence's lengths.
         q_start, k_start, n_q, n_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b)
         row0 = h.to(tl.int64) * N_Q + q_start
+        lin_rows = (q_start + offs_m).to(tl.int64) * N_K + k_start
+        bh = h
         N_Q = n_q
         N_K = n_k
         if start_m >= N_Q:
@@ -246,8 +263,9 @@ def _dq_kernel(
         lo, lo_full, hi_full, hi = window_key_blocks(start_m, K_LEN, CAUSAL_OFF, WL, WR, BLOCK_M, BLOCK_N)
         dq, pk, r, a, ps = _dq_inner(
             dq, pk, r, a, ps, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
-            lo, lo_full, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap,
+            lo, lo_full, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap, lin_rows, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
             BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM,
+            DROPOUT,
         )
     elif CAUSAL:
         hi = tl.minimum(K_LEN, tl.maximum(start_m + BLOCK_M + CAUSAL_OFF, 0))
@@ -258,13 +276,15 @@ def _dq_kernel(
         hi_full = (K_LEN // BLOCK_N) * BLOCK_N
     dq, pk, r, a, ps = _dq_inner(
         dq, pk, r, a, ps, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
-        lo_full, hi_full, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap,
+        lo_full, hi_full, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap, lin_rows, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
         BLOCK_N, False, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM,
+        DROPOUT,
     )
     dq, pk, r, a, ps = _dq_inner(
         dq, pk, r, a, ps, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
-        hi_full, hi, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap,
+        hi_full, hi, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap, lin_rows, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
         BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM,
+        DROPOUT,
     )
     if NEED_PK:
         # ρ_i = r_i / Σ_j P̃_ij (kernels/reference.py); rows with no visible key have r = 0 and get ρ = 0.
@@ -288,10 +308,11 @@ def _dq_kernel(
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, Qh, DOh, Mh, L2h, DELh, Rh, stride_qn, stride_don, offs_m, cols, offs_d, offs_dq, offs_ddo,
-    lo, hi, c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
+    lo, hi, c, N_Q, CAUSAL_OFF, WL, WR, sc, cap, lin_cols, drow0, NKC, bh, seed_lo, seed_hi, drop_off, drop_thr,
+    drop_scale,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, DK_MODE: tl.constexpr, DS_BITS: tl.constexpr, INTERP: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     BLOCK_N: tl.constexpr = k.shape[0]
     for start_m in range(lo, hi, BLOCK_M):
@@ -322,8 +343,16 @@ def _dkdv_inner(
                 winT = tl.trans(in_window(rows, cols, CAUSAL_OFF, WL, WR))
                 pT = tl.where(winT, pT, 0.0)
         p16 = to16(pT, k.dtype, INTERP)  # rounding point: P̃, the operand of P̃ᵀ·dO (and of the dK term)
-        dv = mma(p16, do, dv, INTERP)
         dpT = mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), INTERP)
+        if DROPOUT:
+            # The forward's mask, transposed: dV += (P̃ ∘ M)ᵀ dO (scaled by 1/(1 − p) at the store),
+            # dP' = M ∘ dP / (1 − p); the dK term's direction stays the undropped P̃.
+            keepT = dropout_keep(lin_cols[:, None] + (drow0 + rows).to(tl.int64)[None, :] * NKC, bh, seed_lo,
+                                 seed_hi, drop_off, drop_thr)
+            dv = mma(tl.where(keepT, p16, 0.0).to(k.dtype), do, dv, INTERP)
+            dpT = tl.where(keepT, dpT * drop_scale, 0.0)
+        else:
+            dv = mma(p16, do, dv, INTERP)
         if DK_MODE == 1:
             # Fold: dS' = P∘(dP − (D + r)) rounded once; its row sums vanish up to that rounding.
             Di = Di + r
@@ -353,9 +382,9 @@ def _dkdv_inner(
 
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "DK_MODE", "HAS_SEQLENS",
-                                             "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN"],
+                                             "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN", "DROPOUT"],
                  prune_configs_by={"early_config_prune": _prune})
-@triton.jit
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr"])
 def _dkdv_kernel(
     Q, K, V, DO, M, LOG2L, DELTA, R, DK, DV, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
@@ -364,11 +393,11 @@ def _dkdv_kernel(
     stride_dob, stride_don, stride_doh, stride_dod,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-    c, tau, H, HK, N_Q, N_K, WL, WR, sc, cap,
+    c, tau, H, HK, N_Q, N_K, WL, WR, sc, cap, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DK_MODE: tl.constexpr, HAS_SEQLENS: tl.constexpr, DS_BITS: tl.constexpr, IS_VARLEN: tl.constexpr,
     INTERP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_n = tl.program_id(0)
@@ -380,9 +409,15 @@ def _dkdv_kernel(
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    # Dropout counters, as in attention_fwd._fwd_kernel: linear index (drow0 + i)·NKC + lin_cols.
+    NKC = N_K
+    lin_cols = cols.to(tl.int64)
+    drow0 = 0
     if IS_VARLEN:
         # Packed sequences, as in _dq_kernel; key blocks past the sequence's keys exit at once.
         q_start, k_start, n_q, n_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b)
+        lin_cols = (k_start + cols).to(tl.int64)
+        drow0 = q_start
         ROWS = N_Q
         N_Q = n_q
         N_K = n_k
@@ -442,24 +477,31 @@ def _dkdv_kernel(
         DOh = DO + b64 * stride_dob + h * stride_doh
         if IS_VARLEN:
             row0 = h.to(tl.int64) * ROWS + q_start
+            bh = h
         else:
             row0 = (b64 * H + h) * N_Q
+            bh = b64 * H + h
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
             offs_m, cols, offs_d, offs_dq, offs_ddo, lo, tl.minimum(lo_full, q_end), c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
-            BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM,
+            lin_cols, drow0, NKC, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
+            BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM, DROPOUT,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
             offs_m, cols, offs_d, offs_dq, offs_ddo, lo_full, tl.minimum(nq_full, q_end), c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
-            BLOCK_M, False, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM,
+            lin_cols, drow0, NKC, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
+            BLOCK_M, False, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM, DROPOUT,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
             offs_m, cols, offs_d, offs_dq, offs_ddo, tl.maximum(lo_full, nq_full), q_end, c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
-            BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM,
+            lin_cols, drow0, NKC, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
+            BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM, DROPOUT,
         )
     dk = dk * tau
+    if DROPOUT:
+        dv = dv * drop_scale
     if HAS_SEQLENS:
         dk = tl.where(key_ok[:, None], dk, 0.0)
         dv = tl.where(key_ok[:, None], dv, 0.0)
@@ -547,6 +589,9 @@ def backward(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+    dropout_offset: int = 0,
 ):
     """Attention backward with FA3-class rounding points and the GProj corrections.
 
@@ -579,6 +624,10 @@ def backward(
             r is per query row, and the fp32 dk projection and
             gproj_uniform's dK correction act per sequence (Σ over each sequence's keys). A window
             and softcap apply within each sequence (bottom-right aligned per sequence).
+        dropout_p, dropout_seed, dropout_offset: as the forward ran with: both passes regenerate its
+            keep mask M (constexpr DROPOUT), dV = ((P̃ ∘ M)/(1 − p))ᵀ dO, dP' = M ∘ dP/(1 − p),
+            dS = P ∘ (dP' − D) with the undropped P, whose rows still sum to zero
+            (kernels/reference.py); r and the GProj direction P̃ are unchanged.
 
     Returns:
         (dq, dk, dv, extras): dq like q, dk/dv like k/v (GQA: summed over each kv head's query heads),
@@ -625,6 +674,7 @@ def backward(
     dq, dk, dv, r, abs_ds, leak = _two_pass(
         do, q, k, v, m.contiguous(), log2l.contiguous(), delta, float(softmax_scale), win["CAUSAL"], fix,
         bool(want_stats), dk_fold, out32, gdt, seqlens_k, ds_bits, varlen, win,
+        dropout_args(dropout_p, dropout_seed, dropout_offset),
     )
     if fix == "gproj_uniform" and not in_kernel_uniform:
         if varlen:  # each sequence on its own: its rows see only its keys
@@ -656,11 +706,12 @@ def backward(
 
 
 def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fold, out32, gdt, seqlens_k, ds_bits,
-              varlen, win):
+              varlen, win, drop):
     """dQ pass then dK/dV pass (module docstring). Returns dq, dk (fp32 if out32), dv, r, abs_dS, leak
     (r None unless needed; abs_dS, leak None unless want_stats). ``varlen``: None, or (cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k) with the tensors as packed (1, total, ...) views. ``win``:
-    the window / softcap arguments of :func:`~lightning_gproj.kernels._triton_utils.window_args`."""
+    the window / softcap arguments of :func:`~lightning_gproj.kernels._triton_utils.window_args`; ``drop``:
+    those of :func:`~lightning_gproj.kernels._triton_utils.dropout_args`."""
     b, nq, h, d = q.shape
     nk, hk = k.shape[1], k.shape[2]
     dev = q.device
@@ -674,7 +725,8 @@ def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fol
         c = LOG2E  # τ sits inside the tanh
     sc = tau / win["cap"]
     wargs = (win["WL"], win["WR"], sc, win["cap"])
-    wconst = dict(WINDOW=win["WINDOW"], SOFTCAP=win["SOFTCAP"], UNIFORM=uniform)
+    wargs += (drop["seed_lo"], drop["seed_hi"], drop["drop_off"], drop["drop_thr"], drop["drop_scale"])
+    wconst = dict(WINDOW=win["WINDOW"], SOFTCAP=win["SOFTCAP"], UNIFORM=uniform, DROPOUT=drop["DROPOUT"])
     # Packed: one batch row per sequence, over the longest one (N_Q, N_K stay total_q, total_k).
     packed = varlen is not None
     nb, grid_q, grid_k = (varlen[0].numel() - 1, varlen[2], varlen[3]) if packed else (b, nq, nk)

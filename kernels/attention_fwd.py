@@ -20,7 +20,8 @@ per-batch key lengths ``seqlens_k`` (right padding) are a constexpr variant (HAS
 them the kernel is the same code as before. So are sliding windows (WINDOW: each query block visits
 only the key blocks its rows' windows touch, masking the two edge ranges) and logit softcapping
 (SOFTCAP: the capped logits z = cap·tanh(τ s/cap) replace s, and m is their row max, so the row's
-maximum still gets exactly exp2(0)).
+maximum still gets exactly exp2(0)), and attention dropout (DROPOUT: the P·V operand is P̃ ∘ M with
+the Philox keep mask of kernels/reference.dropout_keep_mask, and o is scaled by 1/(1 − p) at the end).
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ import triton
 import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, in_window,
-    interpreting, load_pair, mma, padded_head_dim, seq_bounds, supports, tanh_f32, to16, visible, window_args,
-    window_key_blocks,
+    INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_keep,
+    in_window, interpreting, load_pair, mma, padded_head_dim, seq_bounds, supports, tanh_f32, to16, visible,
+    window_args, window_key_blocks,
 )
 
 __all__ = ["forward", "supports"]
@@ -64,13 +65,15 @@ def _prune_fwd(configs, named_args, **kwargs):
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv, lo, hi, c, N_K,
-    CAUSAL_OFF, WL, WR, sc, cap,
+    CAUSAL_OFF, WL, WR, sc, cap, lin_rows, bh, seed_lo, seed_hi, drop_off, drop_thr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
     """Online-softmax steps over key blocks [lo, hi). MASKED: apply the causal mask, the window and the
     key-tail mask cols < N_K, where N_K is the batch row's valid key count (seqlen_k, or seqlens_k[b]).
-    SOFTCAP: the logits are z = cap·tanh(s·sc) (sc = τ/cap) and c = log2e."""
+    SOFTCAP: the logits are z = cap·tanh(s·sc) (sc = τ/cap) and c = log2e. DROPOUT: the P·V operand
+    is P̃ ∘ M (M = dropout_keep of the linear indices lin_rows + col); l and m stay the undropped P's."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k, v = load_pair(K, V, cols, stride_kn, stride_vn, offs_d, offs_dk, offs_dv, N_K, HEAD_DIM, MASKED, EVEN_D)
@@ -92,25 +95,28 @@ def _fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         # Rounding point: P becomes a 16-bit GEMM operand (DESIGN.md §3).
+        if DROPOUT:
+            keep = dropout_keep(lin_rows[:, None] + cols[None, :], bh, seed_lo, seed_hi, drop_off, drop_thr)
+            p = tl.where(keep, p, 0.0)
         acc = mma(to16(p, v.dtype, INTERP), v, acc, INTERP)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.autotune(configs=_fwd_configs(), key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "HAS_SEQLENS", "WINDOW",
-                                             "SOFTCAP", "IS_VARLEN"],
+                                             "SOFTCAP", "IS_VARLEN", "DROPOUT"],
                  prune_configs_by={"early_config_prune": _prune_fwd})
-@triton.jit
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr"])
 def _fwd_kernel(
     Q, K, V, O, M, LOG2L, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_on, stride_oh, stride_od,
-    c, H, N_Q, N_K, WL, WR, sc, cap,
+    c, H, N_Q, N_K, WL, WR, sc, cap, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, IS_VARLEN: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -119,12 +125,19 @@ def _fwd_kernel(
     hk = h // GROUP
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    # Dropout counters (kernels/reference.dropout_keep_mask): the linear index i·N_K + j of the dense
+    # call, or of the packed tokens (one batch row of total_q × total_k: bh = h) when packed.
+    lin_rows = offs_m.to(tl.int64) * N_K
+    bh = pid_bh
     if IS_VARLEN:
         # Packed sequences: batch row b is rows [cu_q[b], cu_q[b+1]) of q, o and keys [cu_k[b], cu_k[b+1])
         # of k, v (batch strides are 0); N_Q, N_K arrive as total_q, total_k (m, log2l are (H, total_q))
         # and become this sequence's lengths, so every bound and the causal offset below are per sequence.
         q_start, k_start, n_q, n_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b)
         row0 = h.to(tl.int64) * N_Q + q_start
+        lin_rows = (q_start + offs_m).to(tl.int64) * N_K + k_start
+        bh = h
         N_Q = n_q
         N_K = n_k
         if start_m >= N_Q:
@@ -135,7 +148,6 @@ def _fwd_kernel(
         V += k_start.to(tl.int64) * stride_vn
     else:
         row0 = pid_bh.to(tl.int64) * N_Q
-    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     CAUSAL_OFF = N_K - N_Q  # the causal alignment always uses the full seqlen_k
@@ -168,7 +180,8 @@ def _fwd_kernel(
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_d * stride_kd,
             offs_d * stride_vd, lo, lo_full, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap,
-            BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, INTERP, WINDOW, SOFTCAP,
+            lin_rows, bh, seed_lo, seed_hi, drop_off, drop_thr,
+            BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, INTERP, WINDOW, SOFTCAP, DROPOUT,
         )
     elif CAUSAL:
         hi = tl.minimum(K_LEN, tl.maximum(start_m + BLOCK_M + CAUSAL_OFF, 0))
@@ -181,16 +194,20 @@ def _fwd_kernel(
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_d * stride_kd, offs_d * stride_vd, lo_full, hi_full,
         c,
-        K_LEN, CAUSAL_OFF, WL, WR, sc, cap, BLOCK_N, False, CAUSAL, HEAD_DIM, EVEN_D, INTERP, WINDOW, SOFTCAP,
+        K_LEN, CAUSAL_OFF, WL, WR, sc, cap, lin_rows, bh, seed_lo, seed_hi, drop_off, drop_thr,
+        BLOCK_N, False, CAUSAL, HEAD_DIM, EVEN_D, INTERP, WINDOW, SOFTCAP, DROPOUT,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_d * stride_kd, offs_d * stride_vd, hi_full, hi,
         c,
-        K_LEN, CAUSAL_OFF, WL, WR, sc, cap, BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, INTERP, WINDOW, SOFTCAP,
+        K_LEN, CAUSAL_OFF, WL, WR, sc, cap, lin_rows, bh, seed_lo, seed_hi, drop_off, drop_thr,
+        BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, INTERP, WINDOW, SOFTCAP, DROPOUT,
     )
 
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if DROPOUT:
+        o = o * drop_scale  # 1/(1 − p) on the fp32 output, after the undropped normalizer l
     # Contract (kernels/reference.py): a row with no visible key has m = 0, log2l = +inf, o = 0.
     m_out = tl.where(empty, 0.0, m_i)
     log2l = tl.where(empty, float("inf"), tl.math.log2(tl.where(empty, 1.0, l_i)))
@@ -215,6 +232,9 @@ def forward(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+    dropout_offset: int = 0,
 ):
     """FMA-safe attention forward.
 
@@ -236,6 +256,9 @@ def forward(
             Sequence b is its own batch row (rows cu_seqlens_q[b]..cu_seqlens_q[b+1], keys likewise;
             causal and window bottom-right aligned within it). The grid is (cdiv(max_seqlen_q,
             BLOCK_M), batch·nheads); query blocks past a sequence's end exit at once.
+        dropout_p, dropout_seed, dropout_offset: attention dropout (0: off, the kernel without it), the
+            mask of :func:`lightning_gproj.kernels.reference.dropout_keep_mask` (packed: in packed
+            token coordinates): O = (P ∘ M) V / (1 − p); m and log2l are the undropped P's.
 
     Returns:
         o: (batch, seqlen_q, nheads, headdim) (packed: (total_q, nheads, headdim)), q's dtype, contiguous.
@@ -264,6 +287,7 @@ def forward(
     # With softcap τ sits inside the tanh and the exponent's factor is log2e alone.
     c = (1.0 if win["SOFTCAP"] else float(softmax_scale)) * LOG2E
     sc = float(softmax_scale) / win["cap"]
+    drop = dropout_args(dropout_p, dropout_seed, dropout_offset)
     # Packed: one batch row per sequence, over the longest one (N_Q, N_K stay total_q, total_k).
     packed = varlen is not None
     nb, grid_q = (varlen[0].numel() - 1, varlen[2]) if packed else (b, nq)
@@ -276,9 +300,10 @@ def forward(
         *(varlen[:2] if varlen else (m, m)),
         *batch_strides(q4, packed), *batch_strides(k4, packed), *batch_strides(v4, packed), *batch_strides(o, packed),
         c, h, nq, nk, win["WL"], win["WR"], sc, win["cap"],
+        drop["seed_lo"], drop["seed_hi"], drop["drop_off"], drop["drop_thr"], drop["drop_scale"],
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=padded_head_dim(d), CAUSAL=win["CAUSAL"],
         HAS_SEQLENS=seqlens_k is not None, IS_VARLEN=packed, INTERP=INTERPRET, WINDOW=win["WINDOW"],
-        SOFTCAP=win["SOFTCAP"],
+        SOFTCAP=win["SOFTCAP"], DROPOUT=drop["DROPOUT"],
     )
     if varlen:
         o, m, log2l = o[0], m[0], log2l[0]

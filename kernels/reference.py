@@ -32,6 +32,26 @@ Sliding windows and logit softcapping (flash-attn's ``window_size=(left, right)`
   visible-key mask instead of P̃ (W̃ = bf16(g); without softcap the uniform projection, with ρ_i = r_i/n_i
   and the dK operand bf16(ρ_i) — the O(N·d) prefix-mean form needs constant weights and a causal band).
 
+Attention dropout (flash-attn's ``dropout_p``, ``nn.MultiheadAttention(dropout=p)``, Hugging Face's
+``attn_pdrop``): with the keep mask M ∈ {0, 1} (:func:`dropout_keep_mask`, kept with probability 1 − p)
+
+    O = (P ∘ M) V / (1 − p),   P = softmax(S) undropped (the row max m and the sum l are P's).
+
+Its backward, with dP' = ∂L/∂P = (M / (1 − p)) ∘ (dO Vᵀ):
+
+    dV = ((P ∘ M) / (1 − p))ᵀ dO
+    D_i = Σ_j P_ij dP'_ij = Σ_j P_ij M_ij (dO_i·v_j) / (1 − p) = dO_i·O_i = rowsum(dO ∘ O)
+          (O the dropped output: the preprocess is unchanged)
+    dS = P ∘ (dP' − D)    (softmax's Jacobian acts on the undropped P)
+    Σ_j dS_ij = Σ_j P_ij dP'_ij − D_i Σ_j P_ij = D_i − D_i · 1 = 0.
+
+So the zero-sum law C1 (and with it C2) holds with dropout, for the *undropped* P: dropped entries have
+dS_ij = −P_ij D_i, not 0 (the same expression with P ∘ M in place of P does not sum to zero). GProj
+is unchanged: r_i = Σ_j dS̃_ij of the rounded dS, projected along P̃ (the rounded undropped P). Under
+softcap the same holds for dZ, the gradient w.r.t. the capped logits. Rounding points: the P·V operand
+is bf16(P) ∘ M (the mask commutes with the rounding), the 1/(1 − p) scale is applied in fp32 to the
+output (O = acc / l · 1/(1 − p)) and to the dV accumulator, and dP' = M ∘ (dP · 1/(1 − p)) in fp32.
+
 For fp32 and fp64 inputs nothing is rounded: the same steps run in the input dtype (the corrections
 are then at that dtype's rounding level).
 
@@ -43,11 +63,15 @@ so its memory is O(batch × heads × block_m × Nk), never N × N for long seque
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["forward", "backward", "FIXES", "DS_FORMATS", "round_significand", "normalize_window", "project_key_sum_"]
+__all__ = [
+    "forward", "backward", "FIXES", "DS_FORMATS", "round_significand", "normalize_window", "project_key_sum_",
+    "philox4x32", "dropout_threshold", "dropout_keep_mask",
+]
 
 #: Accepted values of ``fix``.
 FIXES = ("none", "gproj", "gproj_uniform")
@@ -57,6 +81,89 @@ FIXES = ("none", "gproj", "gproj_uniform")
 DS_FORMATS = {"bf16": 0, "e4m3": 4, "e5m2": 3}
 
 _LOG2E = math.log2(math.e)
+
+_M32 = 0xFFFFFFFF
+# Philox4x32-10 constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11), as in
+# triton.language.random.philox_impl.
+_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+
+
+def _mul32(a: int, x: Tensor) -> tuple[Tensor, Tensor]:
+    """(high, low) 32-bit halves of the 64-bit product a·x of a uint32 constant and uint32 values held
+    in int64 (the product itself would overflow int64: it is taken in 16-bit halves of x)."""
+    t = a * (x & 0xFFFF)  # < 2^48
+    u = a * (x >> 16) + (t >> 16)  # < 2^48 + 2^32
+    return u >> 16, ((u & 0xFFFF) << 16) | (t & 0xFFFF)
+
+
+def philox4x32(seed: int, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, rounds: int = 10) -> tuple[Tensor, ...]:
+    """Philox4x32-``rounds`` of the counters (c0, c1, c2, c3) under the 64-bit key ``seed``, in PyTorch.
+
+    Bit for bit Triton's ``tl.philox(seed, c0, c1, c2, c3)`` with 32-bit counters (key k0 = the low 32
+    bits of the seed, k1 = the high 32; checked against Triton in tests/test_dropout.py). Counters are
+    int64 tensors holding uint32 values (broadcast together); returns the four uint32 outputs as int64.
+    """
+    seed = int(seed) & ((1 << 64) - 1)
+    k0, k1 = seed & _M32, seed >> 32
+    c0, c1, c2, c3 = torch.broadcast_tensors(*(c.to(torch.int64) & _M32 for c in (c0, c1, c2, c3)))
+    for _ in range(rounds):
+        hi_b, lo_b = _mul32(_PHILOX_ROUND_B, c2)
+        hi_a, lo_a = _mul32(_PHILOX_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY_A) & _M32, (k1 + _PHILOX_KEY_B) & _M32
+    return c0, c1, c2, c3
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """The uint32 threshold of the keep test ``random >= threshold``: min(round(p · 2³²), 2³² − 1), so an
+    element is dropped with probability p to within 2⁻³² (an integer comparison: exactly reproducible)."""
+    return min(round(float(dropout_p) * 2.0**32), _M32)
+
+
+def dropout_keep_mask(
+    seed: int, offset: int, dropout_p: float, batch: int, nheads: int, n_k: int,
+    rows: tuple[int, int], cols: tuple[int, int], device=None,
+) -> Tensor:
+    """The attention-dropout keep mask the kernels use, (batch, nheads, rows[1] − rows[0], cols[1] − cols[0]) bool.
+
+    Element (b, h, i, j) — query row i, key column j of a call with ``n_k`` keys per row — is kept iff
+    the first output of Philox4x32-10 (:func:`philox4x32`) with key ``seed`` and counters
+
+        c0 = (i · n_k + j) mod 2³²,  c1 = b · nheads + h,  c2 = offset mod 2³²,  c3 = ⌊(i · n_k + j) / 2³²⌋
+
+    is >= :func:`dropout_threshold` (p). ``rows`` / ``cols``: the half-open ranges of i and j wanted.
+    Packed sequences (varlen) are one batch row: i, j index the packed tokens (0 <= i < total_q,
+    0 <= j < total_k), n_k = total_k and c1 = h, so a sequence's mask depends on where it is packed.
+    """
+    i = torch.arange(rows[0], rows[1], device=device, dtype=torch.int64)
+    j = torch.arange(cols[0], cols[1], device=device, dtype=torch.int64)
+    lin = (i[:, None] * n_k + j[None, :])[None, None]
+    bh = torch.arange(batch * nheads, device=device, dtype=torch.int64).view(batch, nheads, 1, 1)
+    x, _, _, _ = philox4x32(seed, lin & _M32, bh, torch.tensor(int(offset), device=device), lin >> 32)
+    return x >= dropout_threshold(dropout_p)
+
+
+class _Dropout(NamedTuple):
+    """Dropout of one (dense) reference call: p, the Philox seed and offset, and where the call's rows
+    and columns sit in the counter space (packed sequences: their first packed row / key, and total_k)."""
+
+    p: float
+    seed: int
+    offset: int
+    row0: int = 0
+    col0: int = 0
+    n_k: Optional[int] = None
+
+    def keep(self, batch: int, nheads: int, i0: int, i1: int, nk: int, dtype, device) -> Tensor:
+        """(batch, nheads, i1 − i0, nk) keep mask of query rows i0 <= i < i1 as 0/1 in ``dtype``."""
+        mask = dropout_keep_mask(self.seed, self.offset, self.p, batch, nheads, self.n_k or nk,
+                                 (self.row0 + i0, self.row0 + i1), (self.col0, self.col0 + nk), device)
+        return mask.to(dtype)
+
+
+def _dropout(dropout_p: float, seed: int, offset: int) -> Optional[_Dropout]:
+    return _Dropout(float(dropout_p), int(seed), int(offset)) if dropout_p > 0 else None
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -186,6 +293,10 @@ def forward(
     cu_seqlens_k: Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+    dropout_offset: int = 0,
+    _dropout_at: Optional[_Dropout] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Attention forward with FA3-class rounding points and an FMA-safe exponent.
 
@@ -216,6 +327,10 @@ def forward(
             bottom-right alignment i + Nk_seq − Nq_seq).
         max_seqlen_q, max_seqlen_k: the longest sequence lengths (launch sizes of the Triton kernels;
             accepted for the same signature, not needed here).
+        dropout_p: attention dropout probability in [0, 1) (0: off): O = (P ∘ M) V / (1 − p) with the
+            keep mask M = :func:`dropout_keep_mask` (``dropout_seed``, ``dropout_offset``); m and log2l
+            stay those of the undropped P (module docstring).
+        dropout_seed, dropout_offset: the Philox key (a 64-bit int) and counter offset (32-bit) of the mask.
 
     Returns:
         o: like q. m: (batch, nheads, seqlen_q) fp32 (fp64 for fp64 input), the row max of the unscaled
@@ -230,7 +345,8 @@ def forward(
     """
     if cu_seqlens_q is not None:
         return _forward_varlen(q, k, v, softmax_scale, causal, block_m, cu_seqlens_q, cu_seqlens_k, window_size,
-                               softcap)
+                               softcap, _dropout(dropout_p, dropout_seed, dropout_offset))
+    drop = _dropout_at or _dropout(dropout_p, dropout_seed, dropout_offset)
     dtype = q.dtype
     cdt = _compute_dtype(dtype)
     rnd = _rounder(dtype)
@@ -251,9 +367,15 @@ def forward(
         p = torch.exp2((s - m_blk[..., None]) * c)
         l_blk = p.sum(dim=-1)
         # P is a 16-bit GEMM operand of P·V; the normalizer l stays fp32 (sum of the fp32 p).
-        acc = rnd(p) @ vh
+        p16 = rnd(p)
+        if drop is not None:  # the dropped operand bf16(P) ∘ M; l above is the undropped P's
+            p16 = p16 * drop.keep(batch, nheads, i0, i1, kh.shape[2], cdt, q.device)
+        acc = p16 @ vh
         empty = l_blk == 0
-        o[:, :, i0:i1] = torch.where(empty[..., None], torch.zeros_like(acc), acc / l_blk[..., None])
+        o_blk = acc / l_blk[..., None]
+        if drop is not None:
+            o_blk = o_blk * torch.tensor(1.0 / (1.0 - drop.p), dtype=cdt)
+        o[:, :, i0:i1] = torch.where(empty[..., None], torch.zeros_like(acc), o_blk)
         m[:, :, i0:i1] = m_blk
         log2l[:, :, i0:i1] = torch.where(empty, torch.full_like(l_blk, float("inf")), torch.log2(l_blk))
     return o.transpose(1, 2).to(dtype), m, log2l
@@ -266,8 +388,10 @@ def sequences(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> list[tuple[int, int
     return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
 
 
-def _forward_varlen(q, k, v, softmax_scale, causal, block_m, cu_seqlens_q, cu_seqlens_k, window_size, softcap):
-    """:func:`forward` over packed sequences, one sequence at a time (each its own batch row of 1)."""
+def _forward_varlen(q, k, v, softmax_scale, causal, block_m, cu_seqlens_q, cu_seqlens_k, window_size, softcap,
+                    drop=None):
+    """:func:`forward` over packed sequences, one sequence at a time (each its own batch row of 1); the
+    dropout mask in packed coordinates (:func:`dropout_keep_mask`)."""
     nheads = q.shape[1]
     stat = torch.float64 if q.dtype == torch.float64 else torch.float32
     o = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
@@ -277,8 +401,9 @@ def _forward_varlen(q, k, v, softmax_scale, causal, block_m, cu_seqlens_q, cu_se
     for q0, q1, k0, k1 in sequences(cu_seqlens_q, cu_seqlens_k):
         if q1 == q0 or k1 == k0:
             continue
+        at = None if drop is None else drop._replace(row0=q0, col0=k0, n_k=k.shape[0])
         ob, mb, lb = forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, causal, block_m,
-                             window_size=window_size, softcap=softcap)
+                             window_size=window_size, softcap=softcap, _dropout_at=at)
         o[q0:q1], m[:, q0:q1], log2l[:, q0:q1] = ob[0], mb[0], lb[0]
     return o, m, log2l
 
@@ -306,6 +431,10 @@ def backward(
     cu_seqlens_k: Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+    dropout_offset: int = 0,
+    _dropout_at: Optional[_Dropout] = None,
 ) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
     """Attention backward with FA3-class rounding points and the GProj corrections.
 
@@ -339,6 +468,10 @@ def backward(
             its own batch row: r_i per query row, and the fp32 dk projection (C2) and
             ``gproj_uniform``'s dK correction per sequence — Σ over each sequence's keys, never across
             sequences (with a left window, over the keys some query of the sequence sees). A sequence with no keys gets dq = 0; one with no queries dk = dv = 0.
+        dropout_p, dropout_seed, dropout_offset: as the forward ran with: the backward regenerates its
+            keep mask M (:func:`dropout_keep_mask`) and computes dV = ((P ∘ M)/(1 − p))ᵀ dO,
+            dP' = M ∘ dP/(1 − p), dS = P ∘ (dP' − D) with the undropped P (module docstring: its rows
+            still sum to zero, and GProj projects along P̃ as without dropout).
 
     Returns:
         dq like q; dk, dv like k, v (GQA: summed over the query heads of each kv head); extras with,
@@ -358,7 +491,9 @@ def backward(
         return _backward_varlen(
             do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, dk_fold, grad_dtype, block_m,
             ds_format, cu_seqlens_q, cu_seqlens_k, window_size, softcap,
+            _dropout(dropout_p, dropout_seed, dropout_offset),
         )
+    drop = _dropout_at or _dropout(dropout_p, dropout_seed, dropout_offset)
     dtype = q.dtype
     cdt = _compute_dtype(dtype)
     rnd = _rounder(dtype)
@@ -391,8 +526,14 @@ def backward(
         s, valid, g = _scores(qh, kh, i0, i1, causal, seqlens_k, window_size, softcap, softmax_scale)
         p = torch.exp2((s - m[:, :, i0:i1, None]) * c - log2l[:, :, i0:i1, None])
         p16 = rnd(p)
-        dv += p16.transpose(-1, -2) @ doh[:, :, i0:i1]
         dp = doh[:, :, i0:i1] @ vh.transpose(-1, -2)
+        if drop is None:
+            dv += p16.transpose(-1, -2) @ doh[:, :, i0:i1]
+        else:
+            # dV = ((P̃ ∘ M) / (1 − p))ᵀ dO (the scale after the sum, as the kernel); dP' = M ∘ dP / (1 − p).
+            keep = drop.keep(batch, nheads, i0, i1, nk, cdt, q.device)
+            dv += (p16 * keep).transpose(-1, -2) @ doh[:, :, i0:i1]
+            dp = torch.where(keep > 0, dp * torch.tensor(1.0 / (1.0 - drop.p), dtype=cdt), 0.0)
         ds = p * (dp - delta[:, :, i0:i1, None])  # w.r.t. the logits (capped ones with softcap)
         # Correction direction W̃ (P̃, or the visible-key mask for the in-loop uniform projection).
         w16 = p16 if not in_loop_uniform else (torch.ones_like(p16) if valid is None else valid.to(cdt).expand_as(p16))
@@ -446,6 +587,8 @@ def backward(
                 dk[sl] -= dk_corr
     dq *= softmax_scale
     dk *= softmax_scale
+    if drop is not None:
+        dv *= torch.tensor(1.0 / (1.0 - drop.p), dtype=cdt)
 
     if nheads_k != nheads:
         group = nheads // nheads_k
@@ -510,7 +653,7 @@ def project_key_sum_(
 
 
 def _backward_varlen(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, dk_fold, grad_dtype,
-                     block_m, ds_format, cu_seqlens_q, cu_seqlens_k, window_size, softcap):
+                     block_m, ds_format, cu_seqlens_q, cu_seqlens_k, window_size, softcap, drop=None):
     """:func:`backward` over packed sequences, one sequence at a time: every correction (and the fp32
     dk projection) then acts within the sequence."""
     out = grad_dtype or q.dtype
@@ -527,6 +670,7 @@ def _backward_varlen(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_
             do[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], o[None, q0:q1], m[None, :, q0:q1],
             log2l[None, :, q0:q1], softmax_scale, causal, fix, want_stats, dk_fold, grad_dtype, block_m,
             ds_format=ds_format, window_size=window_size, softcap=softcap,
+            _dropout_at=None if drop is None else drop._replace(row0=q0, col0=k0, n_k=k.shape[0]),
         )
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
         for name, x in g[3].items():

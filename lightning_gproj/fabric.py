@@ -154,10 +154,10 @@ class GProjFabricPlugin(fabric_precision.Precision):
         ds_format: ``"bf16"`` (default), ``"e4m3"`` or ``"e5m2"``: how the op's backward rounds dS
             before the dQ/dK GEMMs (:func:`lightning_gproj.gproj_attn_func`); the FP8 significands are
             an accelerant for stress tests (docs/reproduction.md) and for FP8 research.
-        strict: a call a swapped module cannot serve exactly (attention dropout while training,
-            ``need_weights=True``, left padding, ...) raises
-            :class:`~lightning_gproj.swap.GProjFallbackError` instead of running the original
-            attention with one warning (``mode="sdpa_registry"``: a flash-backend call with dropout).
+        strict: a call a swapped module cannot serve exactly (``need_weights=True``, left padding, float
+            masks, ...) raises :class:`~lightning_gproj.swap.GProjFallbackError` instead of running the
+            original attention with one warning (``mode="sdpa_registry"``: a flash-backend call with
+            ``return_debug_mask``). Attention dropout is served (the op's ``dropout_p``).
         mode: ``"swap"`` (default): swap the model's attention modules (``include``, ``exclude``,
             ``catch_all`` and ``attention_dtype`` apply). ``"sdpa_registry"``: swap nothing; from
             ``convert_module`` to ``teardown`` GProj is torch's active flash-attention implementation
@@ -446,7 +446,7 @@ class GProjFabricPlugin(fabric_precision.Precision):
             if forward == forward0 and not self.__dict__.get("_gproj_precision_warned"):
                 rank_zero_warn(
                     f"GProj (mode='sdpa_registry'): no F.scaled_dot_product_attention call of the first training step "
-                    f"was served by GProj ({fell - fell0} flash-backend calls with dropout ran PyTorch's flash kernel; "
+                    f"was served by GProj ({fell - fell0} flash-backend calls ran PyTorch's flash kernel; "
                     f"calls with attention masks, fp32 or CPU tensors never reach the flash backend). "
                     f"See docs/sdpa_registry.md, or use mode='swap'.",
                     category=GProjFallbackWarning,
@@ -462,7 +462,7 @@ class GProjFabricPlugin(fabric_precision.Precision):
             rank_zero_warn(
                 f"GProj: {len(idle)} of {len(self.report.swapped)} swapped attention modules served none of their "
                 f"calls in the first training step, which ran their original attention: {', '.join(idle)}. "
-                f"Remove the cause (e.g. attention dropout 0, need_weights=False) to train with GProj, or pass "
+                f"Remove the cause (e.g. need_weights=False, right instead of left padding) to train with GProj, or pass "
                 f"strict=True to make any fallback an error.",
                 category=GProjFallbackWarning,
             )

@@ -107,6 +107,8 @@ def _attn_fwd(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    rng: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     # ``fix`` and ``ds_format`` do not change the forward; they are inputs so that the backward can read them.
     q, k, v = _cast(compute_dtype, q, k, v)
@@ -115,9 +117,31 @@ def _attn_fwd(
     if RECORDER.enabled:
         record_forward_stats(stats_name, q, k, seqlens_k)
     o, m, log2l = _kernel_forward(q, k, v, softmax_scale, causal, seqlens_k=seqlens_k,
-                                  window_size=(window_left, window_right), softcap=softcap)
+                                  window_size=(window_left, window_right), softcap=softcap,
+                                  **_dropout_options(dropout_p, rng))
     _record_max_logit(stats_name, m, log2l, softmax_scale, softcap)
     return o.contiguous(), m, log2l
+
+
+def _dropout_options(dropout_p: float, rng: Optional[Tensor]) -> dict:
+    """The kernels' dropout arguments from the op's ``rng`` = (seed, offset) int64 tensor (read on the
+    host: the op draws it on the CPU, so no device sync); {} without dropout."""
+    if not dropout_p:
+        return {}
+    seed, offset = (int(x) for x in rng.tolist())
+    return dict(dropout_p=dropout_p, dropout_seed=seed, dropout_offset=offset)
+
+
+def _draw_rng(dropout_p: float, generator: Optional[torch.Generator]) -> Optional[Tensor]:
+    """A fresh Philox (seed, offset) for one call with dropout, as a CPU int64 tensor (2,): the seed is
+    a 64-bit draw from ``generator`` (default: torch's default CPU generator, so ``torch.manual_seed``
+    makes calls reproducible and activation checkpointing, which restores the CPU RNG state, recomputes
+    the same mask), the offset 0. None without dropout (the generator is not advanced)."""
+    if not dropout_p:
+        return None
+    extra = {} if generator is None else {"generator": generator}
+    seed = torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64, **extra)
+    return torch.cat([seed, torch.zeros(1, dtype=torch.int64)])
 
 
 def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, **options) -> tuple:
@@ -189,7 +213,7 @@ def _sequence_means(x: Tensor, cu_seqlens: Tensor) -> Tensor:
 
 @_attn_fwd.register_fake
 def _(q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k=None, compute_dtype=None, ds_format="bf16",
-      window_left=-1, window_right=-1, softcap=0.0):
+      window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0, rng=None):
     batch, nq, nheads, _ = q.shape
     dtype = compute_dtype or q.dtype
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -221,6 +245,8 @@ def _attn_bwd(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    rng: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     # With compute_dtype set the forward cast the inputs (under autocast): cast them again, and return
     # the fp32 accumulators, so that a gradient headed for an fp32 input is not rounded to 16 bits on
@@ -231,6 +257,7 @@ def _attn_bwd(
     dq, dk, dv, extras = _kernel_backward(
         do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, grad_dtype=grad_dtype,
         seqlens_k=seqlens_k, ds_format=ds_format, window_size=(window_left, window_right), softcap=softcap,
+        **_dropout_options(dropout_p, rng),
     )
     if want_stats:
         _record_backward_stats(stats_name, fix, causal, k.shape[1], dq, extras, seqlens_k,
@@ -240,7 +267,7 @@ def _attn_bwd(
 
 @_attn_bwd.register_fake
 def _(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, stats_name, seqlens_k=None, compute_dtype=None,
-      ds_format="bf16", window_left=-1, window_right=-1, softcap=0.0):
+      ds_format="bf16", window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0, rng=None):
     dtype = None if compute_dtype is None else torch.float32
     return tuple(torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device) for x in (q, k, v))
 
@@ -299,23 +326,25 @@ def _visible_keys(i: Tensor, nq, nk, left: int, right: int) -> Tensor:
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k, compute_dtype, ds_format, wl, wr, softcap = inputs
+    (q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k, compute_dtype, ds_format, wl, wr, softcap, dropout_p,
+     rng) = inputs
     o, m, log2l = output
-    ctx.save_for_backward(q, k, v, o, m, log2l, seqlens_k)
+    # rng (the Philox seed and offset) rides to the backward, which regenerates the forward's mask from it.
+    ctx.save_for_backward(q, k, v, o, m, log2l, seqlens_k, rng)
     ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name = softmax_scale, causal, fix, stats_name
     ctx.compute_dtype, ctx.ds_format = compute_dtype, ds_format
-    ctx.window_left, ctx.window_right, ctx.softcap = wl, wr, softcap
+    ctx.window_left, ctx.window_right, ctx.softcap, ctx.dropout_p = wl, wr, softcap, dropout_p
 
 
 def _backward(ctx, do, _dm, _dlog2l):
     # m and log2l are row statistics for the backward; nothing differentiates through them.
-    q, k, v, o, m, log2l, seqlens_k = ctx.saved_tensors
+    q, k, v, o, m, log2l, seqlens_k, rng = ctx.saved_tensors
     dq, dk, dv = _attn_bwd(
         do.contiguous(), q, k, v, o, m, log2l, ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name, seqlens_k,
-        ctx.compute_dtype, ctx.ds_format, ctx.window_left, ctx.window_right, ctx.softcap,
+        ctx.compute_dtype, ctx.ds_format, ctx.window_left, ctx.window_right, ctx.softcap, ctx.dropout_p, rng,
     )
     # Each gradient in its input's dtype (fp32 for an fp32 input, unrounded; see _attn_bwd).
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None, None, None
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 12
 
 
 _attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -448,16 +477,29 @@ def _autocast_dtype(q: Tensor, k: Tensor, v: Tensor) -> Optional[torch.dtype]:
     return compute_dtype
 
 
+def _check_dropout(dropout_p: object, generator: object) -> float:
+    """``dropout_p`` as a float in [0, 1) (a Python or NumPy number, or a one-element float tensor), or
+    ValueError naming it; ``generator`` None or a CPU ``torch.Generator``, or TypeError / ValueError."""
+    dropout_p = _scalar(dropout_p)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1) (the probability of dropping an attention weight), "
+                         f"got {dropout_p!r}")
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be None or a torch.Generator, got {type(generator).__name__}")
+        if generator.device.type != "cpu":
+            raise ValueError(f"generator must be a CPU torch.Generator (the seed is read on the host), got one on "
+                             f"{generator.device}")
+    return float(dropout_p)
+
+
 def _check_options(
-    fix: object, ds_format: object, dropout_p: object, softmax_scale: object, stats_name: object, causal: object,
-    head_dim: int,
+    fix: object, ds_format: object, softmax_scale: object, stats_name: object, causal: object, head_dim: int,
 ) -> float:
     """Validate the options both ops take; return softmax_scale (default ``1 / sqrt(head_dim)``)."""
     if fix not in FIXES:
         raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
     reference.check_ds_format(ds_format)
-    if dropout_p != 0.0:
-        raise ValueError(f"dropout_p must be 0.0 (gproj_attn_func has no attention dropout), got {dropout_p!r}")
     softmax_scale = _scalar(softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
@@ -489,6 +531,7 @@ def gproj_attn_func(
     layout: Optional[str] = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    generator: Optional[torch.Generator] = None,
 ) -> Tensor:
     """Softmax attention whose backward restores the zero-sum law of dS (GProj, DESIGN.md §4).
 
@@ -511,7 +554,18 @@ def gproj_attn_func(
             fp32 dk (fp32 k under autocast) satisfies Σ_j dK_j = 0 (C2) to a few fp32 ulps of ‖dK‖_F
             (tests/test_gproj_numerics.py, tests/test_triton_kernels.py); a 16-bit dk carries its own
             storage rounding (~√seqlen_k · 2⁻⁹ ‖dK‖).
-        dropout_p: must be 0.0 (no attention dropout: it would change the law being restored).
+        dropout_p: attention dropout probability, a float in [0, 1) (flash-attn's ``dropout_p``; 0: off,
+            the kernels without any dropout code). O = (P ∘ M) V / (1 − p) with a Philox4x32-10 keep mask
+            M generated in the kernels (flash-attn's scheme; the counters are in
+            :func:`lightning_gproj.kernels.reference.dropout_keep_mask`) and regenerated by the backward
+            from the same seed. The zero-sum law still holds, for the undropped P (dS = P ∘ (dP' − D) with
+            dP' = M ∘ dP/(1 − p): Σ_j dS_ij = D_i − D_i Σ_j P_ij = 0, kernels/reference.py), so GProj
+            projects along P̃ as without dropout. Apply it in training only (``p if
+            self.training else 0.0``), as flash-attn's callers do.
+        generator: the CPU ``torch.Generator`` each call with dropout draws its 64-bit Philox seed from
+            (default: torch's default CPU generator, so ``torch.manual_seed`` makes runs reproducible,
+            and activation checkpointing, which restores the CPU RNG state, recomputes the same mask).
+            Not used without dropout.
         stats_name: label under which the health statistics are recorded while
             ``lightning_gproj.stats.RECORDER`` is enabled (default ``"attention"``).
         seqlens_k: None (every key valid), or an int32 / int64 tensor of shape (batch,) on q's device
@@ -579,7 +633,8 @@ def gproj_attn_func(
             after the cast above); ``seqlens_k``
             not None / a tensor, or not int32 / int64.
         ValueError: wrong rank, mismatched batch / seqlen_k / heads / head dim, unsupported head dim,
-            different devices, empty inputs, ``dropout_p != 0``, unknown ``fix`` or ``ds_format``, bad
+            different devices, empty inputs, ``dropout_p`` not a number in [0, 1), ``generator`` not a CPU
+            generator, unknown ``fix`` or ``ds_format``, bad
             ``softmax_scale``, ``window_size`` not a pair of ints >= −1, ``softcap`` not a finite float >= 0;
             ``seqlens_k`` not of shape (batch,), not on q's device, or with a value outside
             [1, seqlen_k]; ``layout`` not one of :data:`LAYOUTS` or None.
@@ -597,7 +652,8 @@ def gproj_attn_func(
     _check_inputs(q, k, v, compute_dtype, layout)
     if layout is None:
         _warn_if_sdpa_layout(q)
-    softmax_scale = _check_options(fix, ds_format, dropout_p, softmax_scale, stats_name, causal, q.shape[-1])
+    softmax_scale = _check_options(fix, ds_format, softmax_scale, stats_name, causal, q.shape[-1])
+    dropout_p = _check_dropout(dropout_p, generator)
     if seqlens_k is not None:
         seqlens_k = _check_seqlens_k(seqlens_k, q, k)
     window_left, window_right = _check_window(window_size)
@@ -605,7 +661,7 @@ def gproj_attn_func(
     with _autocast_off(device_type):
         o, _, _ = _attn_fwd(
             q, k, v, float(softmax_scale), causal, fix, stats_name or "attention", seqlens_k, compute_dtype,
-            ds_format, window_left, window_right, softcap,
+            ds_format, window_left, window_right, softcap, dropout_p, _draw_rng(dropout_p, generator),
         )
     return o.transpose(1, 2) if layout == "bhsd" else o
 
@@ -655,13 +711,16 @@ def _attn_varlen_fwd(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    rng: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     q, k, v = _cast(compute_dtype, q, k, v)
     _check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     if RECORDER.enabled:
         record_forward_stats(stats_name, q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                  max_seqlen_k=max_seqlen_k, window_size=(window_left, window_right), softcap=softcap)
+                  max_seqlen_k=max_seqlen_k, window_size=(window_left, window_right), softcap=softcap,
+                  **_dropout_options(dropout_p, rng))
     o, m, log2l = _kernel_forward(q, k, v, softmax_scale, causal, **varlen)
     _record_max_logit(stats_name, m, log2l, softmax_scale, softcap)
     return o.contiguous(), m, log2l
@@ -669,7 +728,7 @@ def _attn_varlen_fwd(
 
 @_attn_varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, fix, stats_name,
-      compute_dtype=None, ds_format="bf16", window_left=-1, window_right=-1, softcap=0.0):
+      compute_dtype=None, ds_format="bf16", window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0, rng=None):
     dtype = compute_dtype or q.dtype
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     row = q.new_empty((q.shape[1], q.shape[0]), dtype=stat_dtype)
@@ -709,13 +768,16 @@ def _attn_varlen_bwd(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    rng: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     # As _attn_bwd: under autocast cast again and return the fp32 accumulators.
     q, k, v = _cast(compute_dtype, q, k, v)
     grad_dtype = None if compute_dtype is None else torch.float32
     want_stats = RECORDER.enabled
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                  max_seqlen_k=max_seqlen_k, window_size=(window_left, window_right), softcap=softcap)
+                  max_seqlen_k=max_seqlen_k, window_size=(window_left, window_right), softcap=softcap,
+                  **_dropout_options(dropout_p, rng))
     dq, dk, dv, extras = _kernel_backward(
         do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, grad_dtype=grad_dtype,
         ds_format=ds_format, **varlen,
@@ -728,16 +790,18 @@ def _attn_varlen_bwd(
 
 @_attn_varlen_bwd.register_fake
 def _(do, q, k, v, o, m, log2l, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, fix,
-      stats_name, compute_dtype=None, ds_format="bf16", window_left=-1, window_right=-1, softcap=0.0):
+      stats_name, compute_dtype=None, ds_format="bf16", window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0,
+      rng=None):
     dtype = None if compute_dtype is None else torch.float32
     return tuple(torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device) for x in (q, k, v))
 
 
 def _setup_varlen_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, fix, stats_name,
-     compute_dtype, ds_format, wl, wr, softcap) = inputs
+     compute_dtype, ds_format, wl, wr, softcap, dropout_p, rng) = inputs
     o, m, log2l = output
-    ctx.save_for_backward(q, k, v, o, m, log2l, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, o, m, log2l, cu_seqlens_q, cu_seqlens_k, rng)
+    ctx.dropout_p = dropout_p
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name = softmax_scale, causal, fix, stats_name
     ctx.compute_dtype, ctx.ds_format = compute_dtype, ds_format
@@ -745,13 +809,13 @@ def _setup_varlen_context(ctx, inputs, output):
 
 
 def _varlen_backward(ctx, do, _dm, _dlog2l):
-    q, k, v, o, m, log2l, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, o, m, log2l, cu_seqlens_q, cu_seqlens_k, rng = ctx.saved_tensors
     dq, dk, dv = _attn_varlen_bwd(
         do.contiguous(), q, k, v, o, m, log2l, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
         ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name, ctx.compute_dtype, ctx.ds_format,
-        ctx.window_left, ctx.window_right, ctx.softcap,
+        ctx.window_left, ctx.window_right, ctx.softcap, ctx.dropout_p, rng,
     )
-    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 13
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 15
 
 
 _attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
@@ -822,6 +886,7 @@ def gproj_attn_varlen_func(
     ds_format: str = "bf16",
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    generator: Optional[torch.Generator] = None,
 ) -> Tensor:
     """:func:`gproj_attn_func` over packed sequences (flash-attn's ``flash_attn_varlen_func`` layout).
 
@@ -844,7 +909,9 @@ def gproj_attn_varlen_func(
         softmax_scale: τ, default ``1 / sqrt(headdim)``.
         causal: bottom-right aligned within each sequence, as flash-attn ≥ 2.1: query i of a sequence
             with n_q queries and n_k keys sees its key j iff ``j <= i + n_k - n_q`` (local positions).
-        fix, dropout_p, stats_name, ds_format: as :func:`gproj_attn_func`.
+        fix, dropout_p, stats_name, ds_format, generator: as :func:`gproj_attn_func`. The dropout mask is
+            drawn over the packed tokens as one batch row (query token i, key token j of the packed
+            tensors: :func:`lightning_gproj.kernels.reference.dropout_keep_mask`).
         window_size, softcap: as :func:`gproj_attn_func` (flash-attn's ``flash_attn_varlen_func`` takes
             them too), within each sequence: query i of a sequence sees its key j iff
             ``i + n_k - n_q - left <= j <= i + n_k - n_q + right`` (local positions). With softcap no
@@ -864,14 +931,15 @@ def gproj_attn_varlen_func(
             devices, empty q or k; ``cu_seqlens_q`` / ``cu_seqlens_k`` not int32, not of shape
             (batch + 1,), not on q's device, of different lengths, not starting at 0, decreasing, or
             not ending at total_q / total_k; ``max_seqlen_q`` / ``max_seqlen_k`` not a non-negative int
-            or smaller than the longest sequence; ``dropout_p != 0``; unknown ``fix`` or ``ds_format``;
+            or smaller than the longest sequence; ``dropout_p`` not in [0, 1); unknown ``fix`` or ``ds_format``;
             bad ``softmax_scale``; ``window_size`` not a pair of ints >= −1, ``softcap`` not a finite
             float >= 0. The value checks read cu_seqlens (one device sync per call).
     """
     _check_tensors(q, k, v)
     compute_dtype = _autocast_dtype(q, k, v)
     _check_varlen_inputs(q, k, v, compute_dtype)
-    softmax_scale = _check_options(fix, ds_format, dropout_p, softmax_scale, stats_name, causal, q.shape[-1])
+    softmax_scale = _check_options(fix, ds_format, softmax_scale, stats_name, causal, q.shape[-1])
+    dropout_p = _check_dropout(dropout_p, generator)
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.device)
     max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
@@ -881,6 +949,6 @@ def gproj_attn_varlen_func(
         o, _, _ = _attn_varlen_fwd(
             q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, fix, stats_name or "attention", compute_dtype, ds_format, window_left,
-            window_right, softcap,
+            window_right, softcap, dropout_p, _draw_rng(dropout_p, generator),
         )
     return o

@@ -21,11 +21,10 @@ would send them.
 Which calls run GProj (docs/sdpa_registry.md has the full list):
 
 * served: CUDA fp16 / bf16 SDPA calls that SDPA routes to its flash backend — no ``attn_mask``,
-  ``is_causal`` with seqlen_q == seqlen_k or not causal, ``dropout_p=0``, head dims up to 256, ``scale``,
-  GQA (``enable_gqa=True``);
+  ``is_causal`` with seqlen_q == seqlen_k or not causal, ``dropout_p`` in [0, 1) (e.g. training Hugging
+  Face GPT-2 with its default ``attn_pdrop=0.1``), head dims up to 256, ``scale``, GQA (``enable_gqa=True``);
 * run PyTorch's flash kernel (counted in :data:`CALLS` with the reason, one :class:`GProjFallbackWarning`
-  per reason): flash-backend calls with ``dropout_p > 0`` (e.g. training Hugging Face GPT-2 with its
-  default ``attn_pdrop=0.1``) or ``return_debug_mask``;
+  per reason): flash-backend calls with ``return_debug_mask``;
 * never reach this code: calls SDPA sends to another backend — float or boolean masks (padding), fp32 /
   fp64, CPU tensors, nested tensors, non-square ``is_causal`` — and direct callers of the
   lower-level ops (``torch.nn.attention.varlen``). These are invisible here, not counted.
@@ -41,6 +40,15 @@ stays right); the kernel's exact row statistics m and log2l (kernel contract, do
 in the same allocation behind it, which is how the backward recovers them bit for bit. A backward handed an
 lse that is not one of these (PyTorch's own, or a copy) rebuilds them from lse (m = lse/τ, log2l = 0),
 correct to fp32 rounding.
+
+Dropout: the forward draws GProj's Philox seed (:func:`lightning_gproj.gproj_attn_func`: from torch's
+CPU generator) and returns it where the schema has the Philox state — ``philox_seed`` = (seed, offset)
+as a (2,) uint64 tensor on the device, ``philox_offset`` a () uint64 zero, FA2's shapes — and the
+backward regenerates the mask from them (reading them is one device sync). A dropout backward whose lse
+is not GProj's (its forward ran PyTorch's FA2, e.g. GProj was activated in between) runs PyTorch's flash
+backward, which knows FA2's Philox state. The converse cannot be caught here: a forward GProj served
+whose backward runs after GProj was restored would hand GProj's seed to FA2's backward, so keep the
+backward of dropout calls inside the registry's scope (:func:`use_sdpa_registry`).
 
 Example::
 
@@ -176,8 +184,8 @@ def serve_reason(query: Tensor, key: Tensor, value: Tensor, dropout_p: float, re
     """None when GProj serves this flash-backend call, else why it runs PyTorch's flash kernel.
 
     Args are the aten op's, in SDPA's layout (batch, nheads, seqlen, headdim)."""
-    if dropout_p != 0.0:
-        return f"dropout_p={dropout_p:g} (GProj has no attention dropout)"
+    if not 0.0 <= dropout_p < 1.0:
+        return f"dropout_p={dropout_p:g} (GProj takes a probability in [0, 1))"
     if return_debug_mask:
         return "return_debug_mask=True"
     if query.dtype not in DTYPES or not (query.dtype == key.dtype == value.dtype):
@@ -238,7 +246,8 @@ def flash_forward(
     Args:
         query: (batch, nheads, seqlen_q, headdim); key, value: (batch, nheads_k, seqlen_k, headdim),
             fp16 / bf16, any strides.
-        dropout_p, return_debug_mask: served only at 0 / False (else PyTorch's flash kernel runs).
+        dropout_p: attention dropout in [0, 1), GProj's Philox mask (module docstring).
+        return_debug_mask: served only at False (else PyTorch's flash kernel runs).
         is_causal: bottom-right aligned causal mask (as FA2; SDPA sends only seqlen_q == seqlen_k here).
         scale: τ, default 1/sqrt(headdim).
 
@@ -246,9 +255,10 @@ def flash_forward(
         ``(output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_attn_mask)``:
         output like ``torch.empty_like(query)`` (query's dtype and strides); logsumexp (batch, nheads,
         seqlen_q) fp32, natural log, with the row statistics m and log2l stored behind it (module
-        docstring); cum_seq_q = cum_seq_k = None; max_q = seqlen_q, max_k = seqlen_k; rng_state
-        (2,) uint64 zeros and unused () uint64 zero (no dropout, no Philox state: the shapes torch's
-        meta kernel declares); debug_attn_mask an empty tensor of query's dtype.
+        docstring); cum_seq_q = cum_seq_k = None; max_q = seqlen_q, max_k = seqlen_k; philox_seed
+        (2,) uint64 on query's device: GProj's Philox (seed, offset) with dropout, zeros without, and
+        philox_offset () uint64 zero (the shapes torch's meta kernel declares); debug_attn_mask an
+        empty tensor of query's dtype.
 
     Raises:
         GProjFallbackError: a call it cannot serve while ``strict=True``.
@@ -260,7 +270,9 @@ def flash_forward(
     settings = _SETTINGS
     tau = _scale(query, scale)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-    o, m, log2l = ops._attn_fwd(q, k, v, tau, bool(is_causal), settings.fix, STATS_NAME, None, None, settings.ds_format)
+    rng = ops._draw_rng(float(dropout_p), None)
+    o, m, log2l = ops._attn_fwd(q, k, v, tau, bool(is_causal), settings.fix, STATS_NAME, None, None, settings.ds_format,
+                                -1, -1, 0.0, float(dropout_p), rng)
     # lse first, then m and log2l in the same allocation: autograd saves lse, and the backward finds the
     # exact row statistics behind it (see _row_stats).
     stats = torch.empty((3, *m.shape), dtype=torch.float32, device=m.device)
@@ -277,9 +289,19 @@ def flash_forward(
         None,
         query.shape[2],
         key.shape[2],
-        torch.zeros(2, dtype=torch.uint64, device=device),
+        torch.zeros(2, dtype=torch.uint64, device=device) if rng is None else rng.view(torch.uint64).to(device),
         torch.zeros((), dtype=torch.uint64, device=device),
         torch.empty(0, dtype=query.dtype, device=device),
+    )
+
+
+def _ours(logsumexp: Tensor) -> bool:
+    """Whether ``logsumexp`` is the one :func:`flash_forward` returned (its allocation holds m and log2l
+    behind it; FA2's lse has an allocation of its own size). Reads no values."""
+    n = logsumexp.numel()
+    return (
+        logsumexp.dtype == torch.float32 and logsumexp.is_contiguous() and logsumexp.storage_offset() == 0
+        and logsumexp.untyped_storage().nbytes() == 3 * n * logsumexp.element_size()
     )
 
 
@@ -288,12 +310,8 @@ def _row_stats(logsumexp: Tensor, softmax_scale: float) -> tuple[Tensor, Tensor]
     lse where they reproduce that lse bit for bit, else rebuilt from lse (m = lse/τ, log2l = 0: the same
     P up to fp32 rounding)."""
     n = logsumexp.numel()
-    ours = (
-        logsumexp.dtype == torch.float32 and logsumexp.is_contiguous() and logsumexp.storage_offset() == 0
-        and logsumexp.untyped_storage().nbytes() == 3 * n * logsumexp.element_size()
-    )
     rebuilt_m = logsumexp / softmax_scale
-    if not ours:
+    if not _ours(logsumexp):
         return rebuilt_m, torch.zeros_like(logsumexp)
     packed = logsumexp.as_strided((3, *logsumexp.shape), (n, *logsumexp.stride()), 0)
     m, log2l = packed[1], packed[2]
@@ -324,13 +342,15 @@ def flash_backward(
 
     Args: as the aten op; tensors in SDPA's layout (batch, nheads, seqlen, headdim); ``logsumexp`` as
     :func:`flash_forward` returned it (any other fp32 (batch, nheads, seqlen_q) lse works, to fp32
-    rounding). Calls :func:`serve_reason` refuses (dropout) run PyTorch's flash backward, as their forward
-    did.
+    rounding). Calls :func:`serve_reason` refuses run PyTorch's flash backward, as their forward did, and
+    so do dropout calls whose lse is not GProj's (their forward ran FA2: ``philox_seed`` is FA2's Philox
+    state). With dropout, ``philox_seed`` is GProj's (seed, offset) from :func:`flash_forward` (read: one
+    device sync), from which the mask is regenerated.
 
     Returns:
         ``(grad_query, grad_key, grad_value)``, each like ``torch.empty_like`` of its input (dtype, strides).
     """
-    if serve_reason(query, key, value, dropout_p) is not None:
+    if serve_reason(query, key, value, dropout_p) is not None or (dropout_p > 0 and not _ours(logsumexp)):
         return _native_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
                                 dropout_p, is_causal, philox_seed, philox_offset, scale)
     settings = _SETTINGS
@@ -338,9 +358,10 @@ def flash_backward(
     m, log2l = _row_stats(logsumexp, tau)
     q, k, v, o, do = (x.transpose(1, 2) for x in (query, key, value, out, grad_out))
     # the op's autograd saves a contiguous o and hands the kernel a contiguous dO (ops._backward)
+    rng = philox_seed.view(torch.int64).cpu() if dropout_p > 0 else None
     dq, dk, dv = ops._attn_bwd(
         do.contiguous(), q, k, v, o.contiguous(), m, log2l, tau, bool(is_causal), settings.fix, STATS_NAME, None, None,
-        settings.ds_format,
+        settings.ds_format, -1, -1, 0.0, float(dropout_p), rng,
     )
     with _lock:
         CALLS.backward += 1
@@ -450,7 +471,7 @@ def activate_sdpa_registry(fix: str = "gproj", ds_format: str = "bf16", strict: 
     Args:
         fix: ``"gproj"`` (default), ``"none"`` or ``"gproj_uniform"``, as :func:`lightning_gproj.gproj_attn_func`.
         ds_format: ``"bf16"`` (default), ``"e4m3"`` or ``"e5m2"``, as :func:`lightning_gproj.gproj_attn_func`.
-        strict: a flash-backend call GProj cannot serve (dropout) raises
+        strict: a flash-backend call GProj cannot serve (``return_debug_mask``) raises
             :class:`~lightning_gproj.swap.GProjFallbackError` instead of running PyTorch's flash kernel.
 
     Replaces any active implementation (FA3, FA4, GProj with other settings); :func:`restore_sdpa_registry`
@@ -540,7 +561,7 @@ class RegistryReport:
             f"GProj attention (mode='sdpa_registry', {self._settings()}): torch.nn.attention flash-attention impl "
             f"{IMPL!r} active; every F.scaled_dot_product_attention call that reaches SDPA's flash backend runs GProj, "
             f"no module swapped. Calls SDPA sends to other backends (attention masks, fp32, CPU) keep their kernels; "
-            f"flash-backend calls with dropout run PyTorch's flash kernel."
+            f"flash-backend calls with return_debug_mask run PyTorch's flash kernel."
         )
 
     def calls_table(self) -> str:

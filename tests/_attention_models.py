@@ -10,13 +10,14 @@ from torch import nn
 
 
 def reference_attn(q, k, v, softmax_scale=None, causal=False, fix="gproj", dropout_p=0.0, stats_name=None,
-                   window_size=(-1, -1), softcap=0.0):
+                   window_size=(-1, -1), softcap=0.0, keep=None):
     """Plain softmax attention, written out (no SDPA): (batch, seqlen, nheads, headdim) layout, GQA
     by repeating k/v heads, causal bottom-right aligned (j <= i + Nk - Nq), flash-attn's window
     i + Nk - Nq - left <= j <= i + Nk - Nq + right (-1 or None: unbounded), softcap
-    cap·tanh(s/cap) on the scaled scores, rows with no visible key give 0."""
-    if dropout_p > 0:
-        raise ValueError("dropout")
+    cap·tanh(s/cap) on the scaled scores, rows with no visible key give 0. ``dropout_p`` > 0 needs the
+    boolean keep mask ``keep`` (batch, nheads, Nq, Nk): P ∘ keep / (1 − p) multiplies v."""
+    if dropout_p > 0 and keep is None:
+        raise ValueError("dropout_p > 0 needs the keep mask")
     n_q, h, d = q.shape[1], q.shape[2], q.shape[3]
     n_k, h_k = k.shape[1], k.shape[2]
     k = k.repeat_interleave(h // h_k, dim=2)
@@ -35,7 +36,19 @@ def reference_attn(q, k, v, softmax_scale=None, causal=False, fix="gproj", dropo
     if right >= 0:
         s = s.masked_fill(j > i + right, float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if dropout_p > 0:
+        p = p * keep.to(p.dtype) / (1 - dropout_p)
     return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def op_keep_mask(seed: int, dropout_p: float, batch: int, nheads: int, n_q: int, n_k: int) -> torch.Tensor:
+    """The keep mask the op's next dense call draws after ``torch.manual_seed(seed)`` (ops._draw_rng: one
+    signed int64 from torch's CPU generator, offset 0): (batch, nheads, n_q, n_k) bool."""
+    from lightning_gproj.kernels.reference import dropout_keep_mask
+
+    torch.manual_seed(seed)
+    op_seed = int(torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64))
+    return dropout_keep_mask(op_seed, 0, dropout_p, batch, nheads, n_k, (0, n_q), (0, n_k))
 
 
 class OpSpy:

@@ -12,6 +12,7 @@ from torch import Tensor
 def attention_fp64(
     q: Tensor, k: Tensor, v: Tensor, do: Tensor, softmax_scale: float, causal: bool, key_mask: Tensor | None = None,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, visible: Tensor | None = None,
+    keep: Tensor | None = None, dropout_p: float = 0.0,
 ):
     """Return o, dq, dk, dv (float64) and dS = P ∘ (dP − D) (batch, nheads, Nq, Nk) in float64.
 
@@ -22,6 +23,9 @@ def attention_fp64(
     cap · tanh(τ s / cap) (Gemma 2); dS is then the gradient w.r.t. those capped logits. Rows with no
     visible key give 0 (not NaN), as flash-attn.
     ``visible``: optional boolean (Nq, Nk), True = query i sees key j (and-ed with the others).
+    ``keep``, ``dropout_p``: attention dropout with an explicit boolean keep mask (batch, nheads, Nq, Nk):
+    o = (P ∘ keep / (1 − p)) V. dS is still taken w.r.t. the undropped P (its gradient dP flows back
+    through the mask), i.e. dS = P ∘ (dP − Σ_j P dP).
     """
     q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
     group = q.shape[2] // k.shape[2]
@@ -46,7 +50,8 @@ def attention_fp64(
     empty = torch.isinf(s).all(dim=-1, keepdim=True)
     p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     p.retain_grad()
-    o = torch.einsum("bhij,bjhd->bihd", p, vv)
+    pv = p if keep is None else p * keep.double() / (1.0 - dropout_p)
+    o = torch.einsum("bhij,bjhd->bihd", pv, vv)
     o.backward(do.double())
     dp = p.grad
     ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))
@@ -78,12 +83,13 @@ def packed_visible(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, causal: bool,
 
 
 def packed_attention_fp64(q, k, v, do, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
-                          window_size=(-1, -1), softcap=0.0):
+                          window_size=(-1, -1), softcap=0.0, keep=None, dropout_p=0.0):
     """o, dq, dk, dv (float64) of packed (total, nheads, headdim) tensors: one float64 attention over
-    all packed tokens under :func:`packed_visible` (``softcap`` as :func:`attention_fp64`)."""
+    all packed tokens under :func:`packed_visible` (``softcap``, ``keep`` (1, nheads, total_q, total_k),
+    ``dropout_p`` as :func:`attention_fp64`)."""
     vis = packed_visible(cu_seqlens_q, cu_seqlens_k, causal, window_size)
     o, dq, dk, dv, _ = attention_fp64(q[None], k[None], v[None], do[None], softmax_scale, False, visible=vis,
-                                      softcap=softcap)
+                                      softcap=softcap, keep=keep, dropout_p=dropout_p)
     return o[0], dq[0], dk[0], dv[0]
 
 

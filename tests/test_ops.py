@@ -237,7 +237,11 @@ def test_bad_input_names_the_argument(make, exc, words):
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        ({"dropout_p": 0.1}, "dropout_p"),
+        ({"dropout_p": 1.0}, r"dropout_p must be a float in \[0, 1\)"),
+        ({"dropout_p": -0.1}, r"dropout_p must be a float in \[0, 1\)"),
+        ({"dropout_p": float("nan")}, r"dropout_p must be a float in \[0, 1\)"),
+        ({"dropout_p": "0.1"}, r"dropout_p must be a float in \[0, 1\)"),
+        ({"dropout_p": torch.tensor([0.1, 0.2])}, r"dropout_p must be a float in \[0, 1\)"),
         ({"fix": "fast"}, "fix must be one of"),
         ({"softmax_scale": -1.0}, "softmax_scale"),
         ({"softmax_scale": float("nan")}, "softmax_scale"),

@@ -296,6 +296,32 @@ def test_kernels_equal_gproj_attn_func_and_match_fp64(case, fix):
     assert (out[1].double() - lse64).abs().max().item() <= 1e-5 * lse64.abs().max().item()
 
 
+@pytest.mark.parametrize("fix", ["none", "gproj"])
+def test_dropout_is_served_with_gprojs_philox_state(fix, monkeypatch):
+    """dropout_p > 0: flash_forward draws the op's seed (after the same torch.manual_seed, o and the
+    gradients equal gproj_attn_func(dropout_p=...) bit for bit, which tests/test_dropout.py checks
+    against float64 with the same mask) and returns it as philox_seed = (seed, offset), (2,) uint64,
+    from which flash_backward regenerates the mask. A dropout backward with an lse that is not
+    flash_forward's (its forward ran FA2) runs PyTorch's flash backward."""
+    q, k, v, do = _inputs()
+    R._SETTINGS = R._Settings(fix=fix)
+    torch.manual_seed(11)
+    out = R.flash_forward(q, k, v, 0.2, True)
+    assert out[6].shape == (2,) and out[6].dtype == torch.uint64 and out[7].shape == () and out[7].dtype == torch.uint64
+    grads = R.flash_backward(do, q, k, v, out[0], out[1], None, None, 24, 24, 0.2, True, out[6], out[7])
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    torch.manual_seed(11)
+    o = lightning_gproj.gproj_attn_func(*leaves, causal=True, fix=fix, layout="bhsd", dropout_p=0.2)
+    o.backward(do)
+    for name, mine, theirs in zip(("o", "dq", "dk", "dv"), (out[0], *grads), (o, *(x.grad for x in leaves))):
+        assert torch.equal(mine, theirs), name
+    assert not torch.equal(out[0], R.flash_forward(q, k, v, 0.0, True)[0])  # the mask did drop
+    native = []
+    monkeypatch.setattr(R, "_native_backward", lambda *args: native.append(args) or "native")
+    assert R.flash_backward(do, q, k, v, out[0], out[1].clone(), None, None, 24, 24, 0.2, True, out[6], out[7]) == "native"
+    assert len(native) == 1
+
+
 def test_backward_rebuilds_row_stats_from_a_foreign_lse():
     """An lse that is not flash_forward's (PyTorch's own, a copy) still gives the right gradients."""
     q, k, v, do = _inputs()
@@ -352,7 +378,8 @@ def test_sdpa_call_on_cpu_dispatches_to_gproj(fix):
 
 def test_unserved_calls_run_pytorchs_kernel_or_raise_when_strict(monkeypatch):
     q, k, v, _ = _inputs()
-    assert R.serve_reason(q, k, v, 0.1) == "dropout_p=0.1 (GProj has no attention dropout)"
+    assert R.serve_reason(q, k, v, 1.0) == "dropout_p=1 (GProj takes a probability in [0, 1))"
+    assert R.serve_reason(q, k, v, 0.1) is None
     assert R.serve_reason(q, k, v, 0.0, return_debug_mask=True) == "return_debug_mask=True"
     assert R.serve_reason(q.float(), k.float(), v.float(), 0.0) == "dtype torch.float32 (GProj serves fp16 and bf16 here)"
     assert R.serve_reason(q[..., :12], k[..., :12], v[..., :12], 0.0) == "head dim 12 (GProj takes multiples of 8 up to 256)"
@@ -360,17 +387,17 @@ def test_unserved_calls_run_pytorchs_kernel_or_raise_when_strict(monkeypatch):
     native = []
     monkeypatch.setattr(R, "_native_forward", lambda *args: native.append(args) or "native")
     monkeypatch.setattr(R, "_warned", set())
-    before = R.CALLS.fallbacks["dropout_p=0.1 (GProj has no attention dropout)"]
-    with pytest.warns(GProjFallbackWarning, match="dropout_p=0.1 .* ran PyTorch's flash kernel"):
-        assert R.flash_forward(q, k, v, 0.1, True) == "native"
+    before = R.CALLS.fallbacks["return_debug_mask=True"]
+    with pytest.warns(GProjFallbackWarning, match="return_debug_mask=True ran PyTorch's flash kernel"):
+        assert R.flash_forward(q, k, v, 0.1, True, True) == "native"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per reason
-        R.flash_forward(q, k, v, 0.1, True)
-    assert len(native) == 2 and native[0][3:] == (0.1, True, False, None)
-    assert R.CALLS.fallbacks["dropout_p=0.1 (GProj has no attention dropout)"] == before + 2
+        R.flash_forward(q, k, v, 0.1, True, True)
+    assert len(native) == 2 and native[0][3:] == (0.1, True, True, None)
+    assert R.CALLS.fallbacks["return_debug_mask=True"] == before + 2
     R._SETTINGS = R._Settings(strict=True)
-    with pytest.raises(GProjFallbackError, match="cannot serve a flash-backend call with dropout_p=0.1"):
-        R.flash_forward(q, k, v, 0.1, True)
+    with pytest.raises(GProjFallbackError, match="cannot serve a flash-backend call with return_debug_mask=True"):
+        R.flash_forward(q, k, v, 0.1, True, True)
     assert len(native) == 2
 
 

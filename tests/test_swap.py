@@ -27,6 +27,7 @@ from _attention_models import (
     TinyModel,
     _external_attention,
     op_spy,  # noqa: F401 (fixture)
+    op_keep_mask,
     reference_attn,
     rel_err,
 )
@@ -200,7 +201,6 @@ SDPA_FALLBACK = {
     "key_padding_hole": (dict(attn_mask=_padding_hole), "key-padding attn_mask that is not right padding"),
     "key_padding_no_valid_key": (dict(attn_mask=_no_valid_key), "key-padding attn_mask that is not right padding"),
     "arbitrary_bool_mask": (dict(attn_mask=_random_bool), "boolean attn_mask is not the causal mask"),
-    "dropout": (dict(dropout_p=0.5), "dropout_p=0.5"),
     "is_causal_nq_ne_nk": (dict(is_causal=True), "is_causal with Nq=5 != Nk=9"),
     "top_left_bool_mask_nq_ne_nk": (dict(attn_mask=lambda n, m, d: torch.ones(n, m, dtype=torch.bool).tril()), "not the causal mask"),
 }
@@ -225,6 +225,54 @@ def test_sdpa_fallback_warns_once_and_matches_original(case, op_spy):
     assert len(messages) == 1, messages
     assert "<root> (SDPAAttention)" in messages[0] and reason in messages[0]
     assert op_spy.calls == []
+
+
+def test_sdpa_dropout_is_served(op_spy):
+    """SDPA with dropout_p > 0 runs the op with that dropout_p (no fallback): the output equals the
+    written-out attention with the mask the op draws after the same torch.manual_seed; dropout_p = 1
+    (outside [0, 1)) falls back."""
+    torch.manual_seed(0)
+    model = SDPAAttention(32, 4, dropout_p=0.5, is_causal=True)
+    swapped = copy.deepcopy(model)
+    report = swap_attention(swapped)
+    x = torch.randn(2, 6, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        torch.manual_seed(3)
+        out = swapped(x)
+    assert op_spy.calls[0]["dropout_p"] == 0.5 and report.sites[""].served == 1
+    q = model.q(x).view(2, 6, 4, 8)
+    k, v = model.kv(x).view(2, 6, 2, 4, 8).unbind(2)
+    keep = op_keep_mask(3, 0.5, 2, 4, 6, 6)
+    expected = model.proj(reference_attn(q, k, v, causal=True, dropout_p=0.5, keep=keep).reshape(2, 6, 32))
+    assert rel_err(out, expected) <= 1e-5
+    one = SDPAAttention(32, 4, dropout_p=1.0)
+    swap_attention(one)
+    with pytest.warns(GProjFallbackWarning, match=r"dropout_p=1.0 \(the op takes a probability in \[0, 1\)\)"):
+        one(x)
+
+
+def test_mha_dropout_is_served_while_training(op_spy):
+    """nn.MultiheadAttention(dropout=p): training calls run the op with dropout_p = p (no fallback) and
+    equal the written-out attention with the op's mask; eval calls pass dropout_p = 0."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4, batch_first=True, dropout=0.25)
+    model = nn.Sequential()
+    model.add_module("mha", mha)
+    swap_attention(model)
+    x = torch.randn(2, 6, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        torch.manual_seed(5)
+        out, _ = model.mha(x, x, x, need_weights=False)
+        model.eval()
+        model.mha(x, x, x, need_weights=False)
+    assert [c.get("dropout_p", 0.0) for c in op_spy.calls] == [0.25, 0.0]
+    q, k, v = F.linear(x, mha.in_proj_weight, mha.in_proj_bias).view(2, 6, 3, 4, 8).unbind(2)
+    keep = op_keep_mask(5, 0.25, 2, 4, 6, 6)
+    expected = F.linear(reference_attn(q, k, v, dropout_p=0.25, keep=keep).reshape(2, 6, 32), mha.out_proj.weight,
+                        mha.out_proj.bias)
+    assert rel_err(out, expected) <= 1e-5
 
 
 def test_fallback_on_head_dims_the_op_does_not_take(op_spy):
@@ -477,7 +525,6 @@ MHA_FALLBACK = {
     "float_key_padding_mask": (dict(need_weights=False, key_padding_mask=torch.tensor([[0.0] * 5 + [float("-inf")]] * 2)),
                                "key_padding_mask that is not boolean right padding"),
     "non_causal_mask": (dict(need_weights=False, attn_mask=torch.eye(6, dtype=torch.bool)), "not the causal mask"),
-    "dropout_training": (dict(need_weights=False), "dropout=0.5 while training"),
 }
 
 
@@ -486,10 +533,9 @@ def test_mha_fallback_warns_once_and_matches_original(case, op_spy):
     kwargs, reason = MHA_FALLBACK[case]
     torch.manual_seed(0)
     model = nn.Sequential()
-    model.add_module("mha", nn.MultiheadAttention(32, 4, batch_first=True, dropout=0.5 if "dropout" in case else 0.0))
+    model.add_module("mha", nn.MultiheadAttention(32, 4, batch_first=True))
     swapped = copy.deepcopy(model)
-    report = swap_attention(swapped)
-    assert report.rows[0].reason.startswith("attention dropout p=0.5: every training call runs the original; ") == ("dropout" in case)
+    swap_attention(swapped)
     x = torch.randn(2, 6, 32)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -727,20 +773,20 @@ def test_strict_swap_raises_instead_of_falling_back(op_spy):
     """strict=True: a call a swapped module cannot serve raises GProjFallbackError naming the module and
     the reason (and is counted); calls it can serve still run the op."""
 
-    class Dropout(nn.Module):
+    class FloatMask(nn.Module):
         def forward(self, q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(6, 6))
 
     model = nn.Module()
     model.add_module("mha", nn.MultiheadAttention(32, 4, batch_first=True))
-    model.add_module("sdpa", Dropout())
+    model.add_module("sdpa", FloatMask())
     report = swap_attention(model, strict=True)
     x = torch.randn(2, 6, 32)
     with pytest.raises(GProjFallbackError, match=r"^GProj: mha \(nn.MultiheadAttention\) cannot serve this call "
                                                  r"exactly: need_weights=True"):
         model.mha(x, x, x)
     q = torch.randn(2, 4, 6, 8)
-    with pytest.raises(GProjFallbackError, match=r"sdpa \(Dropout\) cannot serve this call exactly: dropout_p=0.1"):
+    with pytest.raises(GProjFallbackError, match=r"sdpa \(FloatMask\) cannot serve this call exactly: attn_mask of dtype"):
         model.sdpa(q, q, q)
     assert report.sites["mha"].fallback_count == report.sites["sdpa"].fallback_count == 1
     model.mha(x, x, x, need_weights=False)

@@ -15,6 +15,7 @@ original with the same arguments, so their results are compared bitwise.
 from __future__ import annotations
 
 import copy
+import re
 import sys
 import types
 import warnings
@@ -23,7 +24,7 @@ import pytest
 import torch
 from torch import nn
 
-from _attention_models import op_spy, reference_attn, rel_err  # noqa: F401 (fixture)
+from _attention_models import OpSpy, op_keep_mask, op_spy, reference_attn, rel_err  # noqa: F401 (fixture)
 from lightning_gproj.swap import GProjFallbackWarning, swap_attention, unswap_attention
 from lightning_gproj.swap.flash_attn import FlashAttnFunc
 
@@ -219,7 +220,7 @@ def test_served_matches_flash_reference_and_restores(source, causal, fake_flash,
 
 
 FALLBACKS = {
-    "dropout": (dict(dropout_p=0.1), "dropout_p=0.1"),
+    "dropout_one": (dict(dropout_p=1.0), "dropout_p=1.0 (the op takes a probability in [0, 1))"),
     "bad_window": (dict(window_size=(2.5, 0)), "window_size=(2.5, 0)"),
     "alibi": (dict(alibi_slopes=torch.ones(4)), "alibi_slopes=a tensor of shape (4,)"),
     "probs": (dict(return_attn_probs=True), "return_attn_probs=True"),
@@ -242,6 +243,38 @@ def test_unserved_arguments_fall_back_once(case, fake_flash, op_spy):
     messages = [str(w.message) for w in record if issubclass(w.category, GProjFallbackWarning)]
     assert len(messages) == 1 and "attn (FlashAttention)" in messages[0] and reason in messages[0], messages
     assert op_spy.calls == [] and swapped.attn.forward.site.fallbacks == {f"flash_attn.flash_attn_func with {reason}": 3}
+
+
+def test_dropout_is_served(fake_flash, op_spy, monkeypatch):
+    """flash_attn_func(dropout_p=0.3) runs the op with dropout_p=0.3 (no fallback): the output is the
+    written-out attention with the mask the op draws after the same torch.manual_seed. The varlen
+    function passes dropout_p on to gproj_attn_varlen_func."""
+    mod = fake_flash(tag="dropout")
+    torch.manual_seed(0)
+    model = mod.Block(causal=True, dropout_p=0.3)
+    swap_attention(model)
+    x = torch.randn(2, 5, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        torch.manual_seed(4)
+        out = model(x)
+    assert op_spy.calls[0]["dropout_p"] == 0.3
+    attn = model.attn
+    q, k, v = attn.qkv(model.norm(x)).view(2, 5, -1, 8).split([4, 2, 2], dim=2)
+    o = reference_attn(q, k, v, causal=True, dropout_p=0.3, keep=op_keep_mask(4, 0.3, 2, 4, 5, 5))
+    assert rel_err(out, x + attn.proj(o.reshape(2, 5, -1))) <= TOL
+
+    import lightning_gproj.ops as ops
+
+    varlen_spy = OpSpy(ops.gproj_attn_varlen_func)
+    monkeypatch.setattr(ops, "gproj_attn_varlen_func", varlen_spy)
+    packed = fake_flash("flash_attn", "flash_attn_varlen_func", tag="vl_dropout", varlen=True).PackedAttention(
+        causal=True, dropout_p=0.2)
+    swap_attention(packed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        packed(torch.randn(9, 32), torch.tensor([0, 4, 9], dtype=torch.int32), 5)
+    assert varlen_spy.calls[0]["dropout_p"] == 0.2
 
 
 def test_version_returning_lse_is_not_served(fake_flash, monkeypatch, op_spy):
@@ -382,7 +415,7 @@ def test_varlen_served_matches_flash_reference_and_restores(source, causal, fake
 
 
 @pytest.mark.parametrize("kwargs, reason", [
-    (dict(dropout_p=0.1), "dropout_p=0.1"),
+    (dict(dropout_p=-0.1), "dropout_p=-0.1 (the op takes a probability in [0, 1))"),
     (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), "block_table=a tensor of shape (2, 1)"),
 ])
 def test_varlen_unserved_arguments_fall_back_once(kwargs, reason, fake_flash, op_spy):
@@ -393,7 +426,7 @@ def test_varlen_unserved_arguments_fall_back_once(kwargs, reason, fake_flash, op
     swap_attention(swapped)
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
     x = torch.randn(9, 32)
-    with pytest.warns(GProjFallbackWarning, match=reason.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.warns(GProjFallbackWarning, match=re.escape(reason)):
         assert torch.equal(swapped(x, cu, 5), model(x, cu, 5))
     assert swapped.forward.site.fallbacks == {f"flash_attn.flash_attn_varlen_func with {reason}": 1}
 

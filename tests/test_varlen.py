@@ -291,7 +291,7 @@ def test_compile_fullgraph():
          "cu_seqlens_q must be on q's device cpu"),
         (dict(q=torch.zeros(1, 10, 4, 16)), ValueError, r"q must be 3-D \(total, nheads, headdim\)"),
         (dict(q=torch.zeros(10, 3, 16)), ValueError, "multiple of k/v's nheads"),
-        (dict(dropout_p=0.1), ValueError, "dropout_p must be 0.0"),
+        (dict(dropout_p=1.5), ValueError, r"dropout_p must be a float in \[0, 1\)"),
         (dict(fix="bogus"), ValueError, "fix must be one of"),
         (dict(window_size=(-2, 0)), ValueError, r"window_size must be a pair \(left, right\) of ints >= -1"),
         (dict(softcap=-1.0), ValueError, "softcap must be a finite float >= 0"),

@@ -218,11 +218,10 @@ def swap_attention(
                 report.rows.append(SwapRow(path, original, None, reason))
                 continue
             report.sites[path] = hf.swap_module(module, path, fix, site=old)
-            dropout = hf.dropout_note(module)
-            notes = again + ([dropout] if dropout else []) + [
+            notes = again + [
                 "packed sequences (position_ids restarting at 0, cu_seq_lens kwargs) served through the varlen op; "
-                "sliding windows and softcap are served; left padding and other non-causal masks, dropout run "
-                "sdpa_attention_forward (warns once)"]
+                "sliding windows, softcap and attention dropout are served; left padding and other non-causal masks "
+                "run sdpa_attention_forward (warns once)"]
             if implementation != "sdpa":
                 notes.append(f"its masks are now built as for 'sdpa', not {implementation!r}")
             report.rows.append(SwapRow(path, original, f"{replacement} via AttentionInterface 'gproj'", "; ".join(notes)))
@@ -235,8 +234,8 @@ def swap_attention(
                 continue
             report.sites[path] = flash_attn.swap_module(module, path, fix, bindings, site=old)
             where = type(module).__module__
-            notes = again + ["flash_attn_varlen_func calls served with their cu_seqlens; windows and softcap are served; "
-                             "dropout, ALiBi, return_attn_probs, seqused/paged KV run the original (warns once)"]
+            notes = again + ["flash_attn_varlen_func calls served with their cu_seqlens; windows, softcap and dropout "
+                             "are served; ALiBi, return_attn_probs, seqused/paged KV run the original (warns once)"]
             report.rows.append(SwapRow(path, original, f"{replacement} via rebinding in {where}", "; ".join(notes)))
         elif isinstance(module, nn.MultiheadAttention):
             original = "nn.MultiheadAttention"
@@ -247,8 +246,7 @@ def swap_attention(
             report.sites[path] = mha.swap_module(module, path, fix, site=old)
             calls = ("need_weights=True (nn.MultiheadAttention's default: pass need_weights=False), key_padding_mask "
                      "other than right padding, non-causal masks")
-            dropout = [f"attention dropout p={module.dropout:g}: every training call runs the original"] if module.dropout > 0 else []
-            notes = again + dropout + [f"calls with {calls} run the original (warns once)"]
+            notes = again + [f"calls with {calls} run the original (warns once)"]
             report.rows.append(SwapRow(path, original, f"GProjMultiheadAttention, {replacement}", "; ".join(notes)))
         elif sdpa.calls_sdpa(module):
             original = f"{type(module).__name__}: F.scaled_dot_product_attention"

@@ -127,6 +127,13 @@ class Guard:
 
 
 
+def dropout_reason(dropout_p: object) -> Optional[str]:
+    """None if the op takes this attention-dropout probability (a number in [0, 1)), else why not."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        return f"dropout_p={dropout_p!r} (the op takes a probability in [0, 1))"
+    return None
+
+
 def op_reason(head_dim: int, numel_q: int, numel_k: int, scale: object = None) -> Optional[str]:
     """None if the op takes this head dim, non-empty inputs and ``scale``, else why not (the op's own
     limits: headdim a multiple of 8 in [8, MAX_HEAD_DIM], positive finite scale)."""
@@ -217,6 +224,7 @@ class Site:
         seqlens_k: Optional[torch.Tensor] = None,
         window_size: tuple = (-1, -1),
         softcap: float = 0.0,
+        dropout_p: float = 0.0,
     ) -> torch.Tensor:
         """Serve one call in the op layout (batch, seqlen, nheads, headdim): :func:`gproj_attn_func`
         with this site's ``fix`` and name (on q, k, v cast to ``compute_dtype`` when that is bf16 or
@@ -225,9 +233,12 @@ class Site:
         heads repeated) cast back to q's dtype. ``seqlens_k``: None or an integer (batch,) tensor of
         key lengths (right padding), passed to the op only when given; ``window_size``, ``softcap`` as the
         op takes them (with an fp32/fp64 ``compute_dtype`` such calls run the op in that dtype: SDPA has
-        no softcap)."""
+        no softcap); ``dropout_p`` (attention dropout, passed to the op only when > 0; SDPA's own dropout
+        in the fp32/fp64 path)."""
         dt = self.compute_dtype
         extra = {} if seqlens_k is None else {"seqlens_k": seqlens_k}
+        if dropout_p:
+            extra["dropout_p"] = dropout_p
         featured = tuple(window_size) != (-1, -1) or bool(softcap)
         if featured:
             extra.update(window_size=tuple(window_size), softcap=softcap)
@@ -254,7 +265,8 @@ class Site:
             keys = keys.transpose(2, 3)
             mask = keys if mask is None else keys & mask
         with torch.autocast(q.device.type, enabled=False):
-            o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=softmax_scale)
+            o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=softmax_scale,
+                                                                 dropout_p=dropout_p)
         return o.transpose(1, 2).to(q.dtype)
 
     def attention_varlen(
@@ -270,17 +282,19 @@ class Site:
         causal: bool = False,
         window_size: tuple = (-1, -1),
         softcap: float = 0.0,
+        dropout_p: float = 0.0,
     ) -> torch.Tensor:
         """Serve one packed-sequence call, q (total_q, nheads, headdim), k, v (total_k, nheads_k,
         headdim): :func:`gproj_attn_varlen_func` with this site's ``fix`` and name, or, with
         ``compute_dtype`` set, :meth:`attention` one sequence at a time (bottom-right causal and window
-        within each), cast back to q's dtype. ``window_size``, ``softcap``: as the op takes them."""
+        within each), cast back to q's dtype. ``window_size``, ``softcap``, ``dropout_p``: as the op takes them."""
         if self.compute_dtype is None or q.dtype == self.compute_dtype:
+            extra = {"dropout_p": dropout_p} if dropout_p else {}
             return gproj_attn_varlen_func()(
                 q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                 max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, fix=self.fix,
                 stats_name=self.name or "attention", ds_format=self.ds_format, window_size=tuple(window_size),
-                softcap=softcap,
+                softcap=softcap, **extra,
             )
         out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -289,7 +303,7 @@ class Site:
                 part = slice(cq[b], cq[b + 1])
                 out[part] = self.attention(q[None, part], k[None, ck[b]:ck[b + 1]], v[None, ck[b]:ck[b + 1]],
                                            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                           softcap=softcap)[0]
+                                           softcap=softcap, dropout_p=dropout_p)[0]
         return out
 
     def __repr__(self) -> str:

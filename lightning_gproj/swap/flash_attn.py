@@ -30,7 +30,8 @@ None, is read off them) and every other extra keeps its default (no seqused, blo
 Arguments are read through the original's own signature, so positional calls bind as the original
 would. All take the op's layout (batch, seqlen, nheads, headdim), GQA by fewer k/v heads, and the
 bottom-right causal mask, so a served call is a direct op call. Served (``flash_attn_func`` and
-``flash_attn_varlen_func`` alike): no dropout, any sliding window (``window_size``, ints >= −1 or None
+``flash_attn_varlen_func`` alike): ``dropout_p`` in [0, 1) (the op's own Philox mask, drawn from torch's
+CPU generator: the same distribution as flash-attn's, not the same draws), any sliding window (``window_size``, ints >= −1 or None
 for unbounded as FA4 spells it), any ``softcap`` >= 0, no ALiBi / sink / score or mask mods / descales /
 qv, ``return_attn_probs``/``return_lse`` False, head dims the op takes. Performance knobs (``deterministic``, ``num_splits``, ``pack_gqa``,
 ``sm_margin``) do not change the result and are ignored. A function whose signature has neither
@@ -50,7 +51,7 @@ import torch
 from torch import nn
 
 from . import sdpa
-from ._common import Guard, Site, op_reason
+from ._common import Guard, Site, dropout_reason, op_reason
 
 #: Modules whose functions are rebound, with the name shown in reports.
 SOURCES = ("flash_attn", "flash_attn_interface", "flash_attn.cute")
@@ -137,15 +138,16 @@ class FlashAttnFunc:
             with Guard():
                 return self.original(*args, **kwargs)
         site.served += 1
-        q, k, v, scale, causal, window, softcap, *packed = call
+        q, k, v, scale, causal, window, softcap, dropout_p, *packed = call
         with Guard():  # an enclosing SDPAMode must not take the SDPA call of an fp32 remediation
             if self.varlen:
                 return site.attention_varlen(q, k, v, *packed, softmax_scale=scale, causal=causal, window_size=window,
-                                             softcap=softcap)
-            return site.attention(q, k, v, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap)
+                                             softcap=softcap, dropout_p=dropout_p)
+            return site.attention(q, k, v, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
+                                  dropout_p=dropout_p)
 
     def plan(self, args: tuple, kwargs: dict) -> tuple[Optional[str], Any]:
-        """``(reason, (q, k, v, softmax_scale, causal, window_size, softcap))`` (varlen: followed by
+        """``(reason, (q, k, v, softmax_scale, causal, window_size, softcap, dropout_p))`` (varlen: followed by
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k); reason None when the op serves the call."""
         try:
             bound = self.__signature__.bind(*args, **kwargs)
@@ -157,10 +159,10 @@ class FlashAttnFunc:
         given = bound.arguments
         names = list(params)
         q, k, v = (given.get(n) for n in names[:3])
-        served = (*names[:3], "softmax_scale", "causal", "window_size", "softcap",
+        served = (*names[:3], "softmax_scale", "causal", "window_size", "softcap", "dropout_p",
                   *(_VARLEN_ARGS if self.varlen else ()))
         for name, value in given.items():
-            # every other parameter (dropout_p, window_size, softcap, alibi_slopes, qv, descales, sinks,
+            # every other parameter (alibi_slopes, qv, descales, sinks,
             # score/mask mods, return flags, seqused / block / page tables, or one a later version adds)
             # must keep its default
             if name in served or name in _IGNORED:
@@ -202,7 +204,11 @@ class FlashAttnFunc:
         softcap = given.get("softcap", 0.0)
         if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0:
             return f"softcap={_short(softcap)}", None
-        return None, (q, k, v, scale, causal, window, float(softcap), *packed)
+        dropout_p = given.get("dropout_p", 0.0)
+        reason = dropout_reason(dropout_p)
+        if reason is not None:
+            return reason, None
+        return None, (q, k, v, scale, causal, window, float(softcap), float(dropout_p), *packed)
 
 
 def _is_default(value: Any, default: Any) -> bool:

@@ -16,13 +16,15 @@ Served, as ``sdpa_attention_forward`` would compute it: mask None (causal from `
 that are all True, exactly the bottom-right causal mask, right key padding, or (Nq == Nk) causal &
 right key padding — what ``sdpa_mask`` builds from a right-padded ``attention_mask`` — checked value
 by value and served with ``seqlens_k``; ``scaling``, GQA
-(``num_key_value_groups``: k/v keep their heads), dropout 0; sliding-window layers (the
+(``num_key_value_groups``: k/v keep their heads), the ``dropout`` the model passes (its
+``attention_dropout`` / ``attn_pdrop`` while training, 0 in eval: served as the op's ``dropout_p``, the
+op's own Philox mask); sliding-window layers (the
 ``sliding_window=W`` keyword Mistral, Qwen2 and Gemma 2 pass: key j visible to query i iff
 j > i − W, with the causal mask, i.e. the op's ``window_size=(W − 1, 0)``; the boolean mask
 ``sdpa_mask`` builds for it is checked value by value against that band, no padding), and Gemma 2's
 logit ``softcap``. Falls back to ``sdpa_attention_forward`` (``eager`` when softcap is set, since SDPA
 refuses it) with one :class:`GProjFallbackWarning` per module for left padding and
-other mask patterns, float masks, dropout > 0 (training with ``attention_dropout``), ``position_bias``,
+other mask patterns, float masks, ``position_bias``,
 attention sinks (``s_aux``), and head dims the op does not take. Packed sequences (batch 1, several
 sequences flattened into one row, as ``DataCollatorWithFlattening`` builds them) are served through
 ``gproj_attn_varlen_func``, as transformers' flash-attention integration computes them (not as
@@ -46,7 +48,7 @@ import torch
 from torch import nn
 
 from . import sdpa
-from ._common import Guard, Site
+from ._common import Guard, Site, dropout_reason
 
 #: The name registered in ``AttentionInterface`` and ``AttentionMaskInterface``.
 NAME = "gproj"
@@ -72,30 +74,6 @@ def is_attention_module(module: nn.Module) -> bool:
                 if "ALL_ATTENTION_FUNCTIONS" in sdpa._code_names(fn.__code__):
                     return True
     return False
-
-
-#: Where transformers attention modules keep their attention-probability dropout (a float or an
-#: nn.Dropout), then the config keys for it.
-_DROPOUT_ATTRS = ("attention_dropout", "attn_dropout", "dropout")
-_DROPOUT_CONFIG = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
-
-
-def dropout_p(module: nn.Module) -> float:
-    """The attention dropout probability ``module`` passes while training (0.0 when none is found)."""
-    sources = [(module, a) for a in _DROPOUT_ATTRS] + [(getattr(module, "config", None), k) for k in _DROPOUT_CONFIG]
-    for owner, attr in sources:
-        value = getattr(owner, attr, None)
-        if isinstance(value, nn.Dropout):
-            value = value.p
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    return 0.0
-
-
-def dropout_note(module: nn.Module) -> Optional[str]:
-    """A swap-table note for an attention module with dropout > 0 (every training call falls back)."""
-    p = dropout_p(module)
-    return f"attention dropout p={p:g}: every training call runs the original (set it to 0 to train with GProj)" if p > 0 else None
 
 
 def register() -> None:
@@ -216,8 +194,9 @@ def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling,
     window = kwargs.get("sliding_window")
     if window is not None and (not isinstance(window, int) or window < 1):
         return f"sliding_window={window!r}", None
-    if not isinstance(dropout, (int, float)) or dropout != 0.0:
-        return f"dropout={dropout} (the op has no dropout)", None
+    reason = dropout_reason(dropout)
+    if reason is not None:
+        return reason, None
     if not all(isinstance(t, torch.Tensor) for t in (query, key, value)) or query.dim() != 4:
         return "query/key/value are not 4-D tensors", None
     packed = _packed_cu_seqlens(query, key, kwargs)
@@ -287,9 +266,9 @@ def gproj_attention_forward(
     with Guard():  # an enclosing SDPAMode must not take the SDPA call of an fp32 remediation
         if packed is not None:
             return site.attention_varlen(q, k, v, *packed, softmax_scale=scale, causal=causal, window_size=window,
-                                         softcap=softcap)[None], None
+                                         softcap=softcap, dropout_p=float(dropout))[None], None
         return site.attention(q, k, v, softmax_scale=scale, causal=causal, seqlens_k=seqlens_k, window_size=window,
-                              softcap=softcap), None
+                              softcap=softcap, dropout_p=float(dropout)), None
 
 
 def _set_implementation(model: nn.Module, name: str) -> None:

@@ -77,7 +77,8 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
     that is right padding (each batch row masks a suffix of the keys and keeps at least one; served
     with ``seqlens_k``, alone or with the causal mask), ``attn_mask`` None or the causal mask
     (``is_causal=True`` with a mask, trusted as the original does on this path; or a mask whose
-    values are exactly causal), dropout inactive (eval mode or ``dropout=0``), causal only with L == S,
+    values are exactly causal), ``dropout`` (applied while training, as the original does, by the op's
+    own Philox mask), causal only with L == S,
     head dim (embed_dim / num_heads) a multiple of 8 up to the op's ``MAX_HEAD_DIM``.
     Any other call runs ``nn.MultiheadAttention.forward`` unchanged (one
     :class:`GProjFallbackWarning` per module). Note ``need_weights`` defaults to True: such calls
@@ -99,8 +100,6 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
                     "key_padding_mask that is not boolean right padding (each row must mask a suffix of the "
                     "keys and keep at least one)"
                 ), False, None
-        if self.training and self.dropout > 0.0:
-            return f"dropout={self.dropout} while training (the op has no dropout)", False, None
         if query.dim() not in (2, 3) or query.dim() != key.dim() or key.dim() != value.dim():
             return f"input dims query {query.dim()}, key {key.dim()}, value {value.dim()}", False, None
         if not (query.dtype == key.dtype == value.dtype):
@@ -164,7 +163,7 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
         n, n_q = q.shape[0], q.shape[1]
         o = site.attention(
             q.unflatten(-1, (h, e // h)), k.unflatten(-1, (h, e // h)), v.unflatten(-1, (h, e // h)), causal=causal,
-            seqlens_k=seqlens_k,
+            seqlens_k=seqlens_k, dropout_p=self.dropout if self.training else 0.0,
         )
         out = F.linear(o.reshape(n, n_q, e), self.out_proj.weight, self.out_proj.bias)
         if not self.batch_first or unbatched:

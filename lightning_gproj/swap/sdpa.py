@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ._common import Guard, Site, causal_bool, op_reason
+from ._common import Guard, Site, causal_bool, dropout_reason, op_reason
 
 #: The original SDPA (the builtin that ``TorchFunctionMode`` hands to ``__torch_function__``).
 SDPA = F.scaled_dot_product_attention
@@ -115,7 +115,8 @@ def plan(args: tuple, kwargs: dict) -> tuple[Optional[str], bool, Optional[torch
 
     Served: 4-D q, k, v of one dtype (or fp32 mixed with the autocast dtype under autocast) and
     device, equal batch, equal headdim for v (a multiple of 8
-    up to the op's ``MAX_HEAD_DIM``), ``dropout_p == 0``, ``scale``, GQA with ``enable_gqa=True``, and
+    up to the op's ``MAX_HEAD_DIM``), ``dropout_p`` in [0, 1) (the op's own Philox mask: the same
+    distribution as SDPA's, not the same draws), ``scale``, GQA with ``enable_gqa=True``, and
     ``attn_mask`` / ``is_causal`` one of:
 
     * no mask (``is_causal`` only with Nq == Nk: SDPA's mask is top-left aligned, the op's bottom-right);
@@ -142,8 +143,9 @@ def plan(args: tuple, kwargs: dict) -> tuple[Optional[str], bool, Optional[torch
         return "query/key/value differ in device", False, None
     if not (q.dtype == k.dtype == v.dtype) and not _autocast_unifies(q, k, v):
         return f"query/key/value differ in dtype ({q.dtype}, {k.dtype}, {v.dtype})", False, None
-    if not isinstance(dropout_p, (int, float)) or dropout_p != 0.0:
-        return f"dropout_p={dropout_p} (the op has no dropout)", False, None
+    reason = dropout_reason(dropout_p)
+    if reason is not None:
+        return reason, False, None
     (b, h_q, n_q, d), (bk, h_k, n_k, dk) = q.shape, k.shape
     if not (b == bk == v.shape[0]) or v.shape[1] != h_k or v.shape[2] != n_k or dk != d:
         return f"shapes need broadcasting or differ (query {tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)})", False, None
@@ -196,10 +198,11 @@ def attend(site: Site, args: tuple, kwargs: dict) -> torch.Tensor:
     if reason is not None:
         site.fallback(reason)
         return SDPA(*args, **kwargs)
-    q, k, v, _, _, _, scale, _ = _signature(*args, **kwargs)
+    q, k, v, _, dropout_p, _, scale, _ = _signature(*args, **kwargs)
     site.served += 1
     o = site.attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=causal, seqlens_k=seqlens_k
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=causal, seqlens_k=seqlens_k,
+        dropout_p=float(dropout_p),
     )
     return o.transpose(1, 2)
 

@@ -55,10 +55,12 @@ def available(name: str) -> bool:
     return name in ("cudnn", "sdpa_flash", "sdpa_mask")
 
 
-def unsupported(name: str, window_size=(-1, -1), softcap: float = 0.0) -> str | None:
-    """Why method ``name`` cannot run with this window / softcap, or None when it can."""
+def unsupported(name: str, window_size=(-1, -1), softcap: float = 0.0, dropout_p: float = 0.0) -> str | None:
+    """Why method ``name`` cannot run with this window / softcap / dropout, or None when it can."""
     if name in OURS:
         return None
+    if dropout_p:
+        return f"{name}: its dropout mask comes from another generator (no common float64 reference)"
     if softcap:
         return f"{name}: no logit softcap in this path"
     if tuple(window_size) != (-1, -1) and name != "sdpa_mask":
@@ -86,9 +88,10 @@ class Ours:
     """Forward/backward closures over our kernels (stats optional)."""
 
     def __init__(self, name, q, k, v, do, causal, want_stats=False, grad_dtype=None, window_size=(-1, -1),
-                 softcap=0.0):
+                 softcap=0.0, dropout_p=0.0, dropout_seed=0, dropout_offset=0):
         from lightning_gproj.kernels import attention_bwd, attention_fwd
-        self.feat = dict(window_size=window_size, softcap=softcap)
+        self.feat = dict(window_size=window_size, softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                         dropout_offset=dropout_offset)
         self.F, self.B = attention_fwd, attention_bwd
         self.kw = OURS[name]
         self.q, self.k, self.v, self.do, self.causal = q, k, v, do, causal
@@ -179,8 +182,9 @@ class Anchor:
 
 
 def make(name, q, k, v, do, causal, window_size=(-1, -1), softcap=0.0, **kw):
-    """Method ``name`` on these inputs; ``kw`` (want_stats, grad_dtype) for ours only. Raises ValueError
-    for an anchor that cannot express ``window_size`` / ``softcap`` (:func:`unsupported`)."""
+    """Method ``name`` on these inputs; ``kw`` (want_stats, grad_dtype, dropout_p / dropout_seed /
+    dropout_offset) for ours only. Raises ValueError for an anchor that cannot express ``window_size`` /
+    ``softcap`` (:func:`unsupported`)."""
     if name in OURS:
         return Ours(name, q, k, v, do, causal, window_size=window_size, softcap=softcap, **kw)
     return Anchor(name, q, k, v, do, causal, window_size=window_size, softcap=softcap)
@@ -204,11 +208,14 @@ def env_info() -> dict:
     return info
 
 
-def f64_reference(q, k, v, do, tau, causal, window_size=(-1, -1), softcap=0.0):
+def f64_reference(q, k, v, do, tau, causal, window_size=(-1, -1), softcap=0.0, dropout_p=0.0, dropout_seed=0,
+                  dropout_offset=0):
     """Plain softmax attention and its autograd gradients in float64 on the same bf16 inputs: (o, dq, dk, dv).
 
     ``window_size``: flash-attn's sliding window (:func:`visible_mask`); ``softcap`` > 0: the logits are
-    softcap · tanh(τ q·k / softcap). A row that sees no key gets o = 0 and zero gradients."""
+    softcap · tanh(τ q·k / softcap); ``dropout_p`` > 0: P times the keep mask our kernels draw for
+    (``dropout_seed``, ``dropout_offset``) (kernels/reference.dropout_keep_mask), over 1 − p. A row that
+    sees no key gets o = 0 and zero gradients."""
     b, nq, h, d = q.shape
     nk, hk = k.shape[1], k.shape[2]
     g = h // hk
@@ -222,6 +229,10 @@ def f64_reference(q, k, v, do, tau, causal, window_size=(-1, -1), softcap=0.0):
     seen = visible_mask(nq, nk, causal, window_size, q.device)
     # a large finite fill, not −inf, then × seen: a row without keys gets P = 0 and finite gradients
     p = torch.softmax(s.masked_fill(~seen, -1e300), dim=-1) * seen
+    if dropout_p:
+        from lightning_gproj.kernels.reference import dropout_keep_mask
+        keep = dropout_keep_mask(dropout_seed, dropout_offset, dropout_p, b, h, nk, (0, nq), (0, nk), q.device)
+        p = p * keep / (1.0 - dropout_p)
     o = (p @ vh).transpose(1, 2)
     dq, dk, dv = torch.autograd.grad(o, (q64, k64, v64), do.double())
     return o.detach(), dq, dk, dv

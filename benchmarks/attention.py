@@ -72,10 +72,10 @@ def bench(fn, smoke):
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def measure(shape, name, smoke, window=0, softcap=0.0):
+def measure(shape, name, smoke, window=0, softcap=0.0, dropout=0.0):
     """One record: shape (B, H, N, d, causal) timed with method ``name``; ``window`` > 0: a sliding window
     of that many keys back (window_size=(window, 0) causal, (window, window) not), ``softcap`` > 0: logit
-    capping — our kernels only. TFLOP/s count the dense (or causal) FLOPs either way, so a window shows
+    capping, ``dropout`` > 0: attention dropout with that probability (a fixed seed) — our kernels only. TFLOP/s count the dense (or causal) FLOPs either way, so a window shows
     as the speed-up its skipped blocks give."""
     b, h, n, d, causal = shape
     feat = {}
@@ -83,17 +83,19 @@ def measure(shape, name, smoke, window=0, softcap=0.0):
         feat["window_size"] = (window, 0 if causal else window)
     if softcap:
         feat["softcap"] = softcap
+    if dropout:
+        feat.update(dropout_p=dropout, dropout_seed=0x1234_5678_9ABC, dropout_offset=0)
     dev = "cpu" if smoke else "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v, do = (torch.randn(b, n, h, d, generator=g, device=dev).bfloat16() for _ in range(4))
-    tag = (f"+window{window}" if window else "") + (f"+softcap{softcap:g}" if softcap else "")
+    tag = _tag(window, softcap, dropout, "+")
     row = {"shape": [b, h, n, d], "causal": causal, "method": name + tag, "peak_mib": None, "window": window,
-           "softcap": softcap}
+           "softcap": softcap, "dropout": dropout}
     for key, _ in MODES:
         row[f"{key}_tflops"] = row[f"{key}_ms"] = None
     try:
         if feat and name not in M.OURS:
-            raise ValueError("window / softcap are timed for our kernels only")
+            raise ValueError("window / softcap / dropout are timed for our kernels only")
         meth = M.make(name, q, k, v, do, causal, **feat)
         meth.fwd_bwd()  # compile / autotune
         if not smoke:
@@ -115,6 +117,13 @@ def measure(shape, name, smoke, window=0, softcap=0.0):
     except Exception as exc:
         row["error"] = f"{exc.__class__.__name__}: {str(exc)[:300]}"
     return row
+
+
+def _tag(window, softcap, dropout, sep):
+    """'+window1024+softcap30+dropout0.1' (sep '+') or ' window=1024 ...' (sep ' '): the features of a row."""
+    eq = "" if sep == "+" else "="
+    return "".join(f"{sep}{name}{eq}{value:g}" for name, value in
+                   (("window", window), ("softcap", softcap), ("dropout", dropout)) if value)
 
 
 def _key(r):
@@ -213,7 +222,7 @@ def chart(res, path):
 
 def records(rows):
     """The --json records: RECORD_KEYS, the times, and ``error`` where there is one."""
-    keep = RECORD_KEYS + ("fwd_ms", "bwd_ms", "fwdbwd_ms", "window", "softcap", "error")
+    keep = RECORD_KEYS + ("fwd_ms", "bwd_ms", "fwdbwd_ms", "window", "softcap", "dropout", "error")
     return [{k: r[k] for k in keep if k in r} for r in rows]
 
 
@@ -289,6 +298,8 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=0,
                     help="also time each method with a sliding window of this many keys back (our kernels)")
     ap.add_argument("--softcap", type=float, default=0.0, help="also time each method with this logit softcap")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="also time each method with attention dropout of this probability (our kernels)")
     ap.add_argument("--varlen", nargs="?", const="", default=None, metavar="LENGTHS",
                     help=f"time packed sequences vs padded (default lengths {VARLEN_LENGTHS})")
     ap.add_argument("--varlen-heads", default="16,128", help="H,d of --varlen (default 16,128)")
@@ -312,12 +323,12 @@ def main(argv=None):
     for s in shapes:
         for m in methods:
             t0 = time.time()
-            feats = [(0, 0.0)] + ([(args.window, 0.0)] if args.window else []) + (
-                [(0, args.softcap)] if args.softcap else [])
-            for window, softcap in feats:
-                r = measure(s, m, args.smoke, window, softcap)
+            feats = [(0, 0.0, 0.0)] + ([(args.window, 0.0, 0.0)] if args.window else []) + (
+                [(0, args.softcap, 0.0)] if args.softcap else []) + ([(0, 0.0, args.dropout)] if args.dropout else [])
+            for window, softcap, dropout in feats:
+                r = measure(s, m, args.smoke, window, softcap, dropout)
                 res["rows"].append(r)
-                tag = (f" window={window}" if window else "") + (f" softcap={softcap:g}" if softcap else "")
+                tag = _tag(window, softcap, dropout, " ")
                 print(f"[{time.time() - t0:.1f}s] {_label(s)} {m}{tag}: " + (r["error"] if "error" in r else
                       f"fwd {r['fwd_tflops']:.0f} bwd {r['bwd_tflops']:.0f} fwd+bwd {r['fwdbwd_tflops']:.0f} TFLOP/s"),
                       flush=True)

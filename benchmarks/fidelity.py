@@ -60,10 +60,10 @@ def make_inputs(b, n, h, hk, d, mu, sigma, seed, dev):
     return q, k, v, do
 
 
-def feature_label(window_size, softcap):
-    """'window (256, 0), softcap 30', or '' without either."""
+def feature_label(window_size, softcap, dropout=0.0):
+    """'window (256, 0), softcap 30, dropout 0.1', or '' without any."""
     parts = ([f"window ({window_size[0]}, {window_size[1]})"] if tuple(window_size) != (-1, -1) else []) + (
-        [f"softcap {softcap:g}"] if softcap else [])
+        [f"softcap {softcap:g}"] if softcap else []) + ([f"dropout {dropout:g}"] if dropout else [])
     return ", ".join(parts)
 
 
@@ -83,6 +83,8 @@ def measure_setting(setting, methods, dev):
     q, k, v, do = make_inputs(b, n, h, hk, d, setting["mu"], setting["sigma"], setting["seed"], dev)
     tau = d ** -0.5
     feat = {"window_size": tuple(setting["window_size"]), "softcap": setting["softcap"]}
+    if setting.get("dropout"):  # the same mask for our kernels and the float64 reference
+        feat.update(dropout_p=setting["dropout"], dropout_seed=1000 + setting["seed"], dropout_offset=0)
     o64, dq64, dk64, dv64 = M.f64_reference(q, k, v, do, tau, setting["causal"], **feat)
     c2_ref = M.c2_pairs(dk64).median().item()  # 0 up to float64 rounding, except under softcap
     rows = []
@@ -171,7 +173,7 @@ def markdown(res):
         return "\n".join(lines) + "\n"
 
     env = res["env"]
-    feature = feature_label(res.get("window_size", (-1, -1)), res.get("softcap", 0.0))
+    feature = feature_label(res.get("window_size", (-1, -1)), res.get("softcap", 0.0), res.get("dropout", 0.0))
     parts = [f"# Fidelity sweep (DESIGN.md §6){', ' + feature if feature else ''}\n\n{env}\n\nDate {res['date']}. "
              "Reference: float64 on the same bf16 inputs" + (f", with the same {feature}" if feature else "")
              + ". Percent = relative error.\n"]
@@ -216,9 +218,14 @@ def main():
                     help="flash-attn sliding window for every setting, e.g. 256,0 (write --window=-1,8 when "
                          "LEFT is -1)")
     ap.add_argument("--softcap", type=float, default=0.0, metavar="C", help="logit softcap C > 0 for every setting")
+    ap.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                    help="attention dropout 0 <= P < 1 for every setting (our methods only; the float64 reference "
+                         "uses the kernels' mask)")
     args = ap.parse_args()
     if args.softcap < 0:
         ap.error(f"--softcap must be >= 0 (0 = off), got {args.softcap}")
+    if not 0.0 <= args.dropout < 1.0:
+        ap.error(f"--dropout must be in [0, 1), got {args.dropout}")
     os.makedirs(args.out, exist_ok=True)
     dev = "cpu" if args.smoke else "cuda"
     feat = {"window_size": args.window, "softcap": args.softcap}
@@ -227,7 +234,8 @@ def main():
     unknown = [m for m in requested if m not in METHODS]
     if unknown:
         ap.error(f"unknown methods {unknown}; known: {METHODS}")
-    skipped = {m: M.unsupported(m, **feat) for m in requested if M.available(m) and M.unsupported(m, **feat)}
+    skipped = {m: M.unsupported(m, **feat, dropout_p=args.dropout) for m in requested
+               if M.available(m) and M.unsupported(m, **feat, dropout_p=args.dropout)}
     for reason in skipped.values():
         print(f"skipped {reason}", flush=True)
     methods = [m for m in requested if M.available(m) and m not in skipped]
@@ -256,11 +264,11 @@ def main():
             seed += 1
             settings.append({"group": "gqa8:1-d64-N1000" if not args.smoke else "gqa", **gqa_cfg, "mu": mu,
                              "sigma": 1.0, "causal": causal, "seed": seed})
-    settings = [{**st, "window_size": list(args.window), "softcap": args.softcap} for st in settings
+    settings = [{**st, "window_size": list(args.window), "softcap": args.softcap, "dropout": args.dropout} for st in settings
                 if st["causal"] in causals]
     res = {"env": M.env_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": [],
-           "methods": methods, "window_size": list(args.window), "softcap": args.softcap,
-           "feature": feature_label(args.window, args.softcap) or "none", "skipped": skipped}
+           "methods": methods, "window_size": list(args.window), "softcap": args.softcap, "dropout": args.dropout,
+           "feature": feature_label(args.window, args.softcap, args.dropout) or "none", "skipped": skipped}
 
     def dump():
         with open(os.path.join(args.out, "fidelity.json"), "w") as f:

@@ -83,11 +83,12 @@ def main():
     ap.add_argument("--ds-formats", default="bf16", help="ds_format values to check (FP8 ones with none/gproj only)")
     ap.add_argument("--cases", default="base,features,varlen",
                     help="which Triton-vs-reference groups to run: base (8 shapes, every fix), features (windows, "
-                         "softcap), varlen (packed sequences)")
+                         "softcap), dropout (attention dropout, the reference drawing the kernels' mask), varlen "
+                         "(packed sequences)")
     args = ap.parse_args()
     groups = set(args.cases.split(","))
-    if not groups <= {"base", "features", "varlen"}:
-        ap.error(f"--cases takes base, features, varlen; got {args.cases!r}")
+    if not groups <= {"base", "features", "dropout", "varlen"}:
+        ap.error(f"--cases takes base, features, dropout, varlen; got {args.cases!r}")
     if args.skip_cases:
         groups = set()
     import triton
@@ -133,7 +134,11 @@ def main():
     feats = [dict(causal=True, window_size=(255, 0)), dict(causal=False, window_size=(100, 37)),
              dict(causal=False, window_size=(-1, 3)), dict(causal=True, window_size=(5000, 0)),
              dict(causal=False, softcap=30.0), dict(causal=True, window_size=(511, 0), softcap=50.0)]
-    for feat in (feats if "features" in groups else []):
+    # Attention dropout: a 64-bit seed, an offset, with a window and softcap (the GPU's Philox must give the
+    # reference's mask bit for bit, or o and dv are off by far more than rounding).
+    dropout_feats = [dict(causal=False, dropout_p=0.1, dropout_seed=2**40 + 7, dropout_offset=3),
+                     dict(causal=True, window_size=(255, 0), softcap=30.0, dropout_p=0.2, dropout_seed=99)]
+    for feat in (feats if "features" in groups else []) + (dropout_feats if "dropout" in groups else []):
         causal = feat.pop("causal")
         for (b, nq, nk, h, hk, d) in [(2, 1000, 1000, 4, 2, 128), (1, 700, 1200, 4, 1, 64)]:
             q = torch.randn(b, nq, h, d, device=dev, dtype=torch.bfloat16)
@@ -152,7 +157,7 @@ def main():
                 nan = any(torch.isnan(x).any().item() for x in g[:3])
                 row.append(f"{fix}:" + ",".join(f"{e:.1e}" for e in errs) + (" NAN" if nan else ""))
             print((b, nq, nk, h, hk, d, causal), feat, " ".join(row), flush=True)
-        for cval in (133120.0, 1000.0):
+        for cval in (133120.0, 1000.0) if "dropout_p" not in feat else ():
             x = torch.full((1, 1000, 2, 128), cval, device=dev, dtype=torch.bfloat16)
             o, _, _ = F.forward(x, x, x, 128 ** -0.5, causal, **feat)
             print(f"constant {cval} {feat}: nan={torch.isnan(o).any().item()} exact={(o.float() == cval).all().item()}")

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Issue 16 (windows, softcap, varlen, the SDPA registry) on one H200, one device call, nothing to carry:
-#   bash benchmarks/issue16_device.sh [all|fidelity|speed|registry|check]
+#   bash benchmarks/issue16_device.sh [all|fidelity|speed|registry|check|dropout]
 # fidelity: benchmarks/fidelity.py --quick --mus 0,200,1000, gproj and none (and sdpa_mask, SDPA with the
 #           window as a boolean mask) against the float64 reference, once with a causal sliding window
 #           (--window 256,0) and once with --softcap 30 (GPROJ_TRITON_AUTOTUNE=0, as in earlier sweeps)
 # speed:    benchmarks/attention.py on 1×16×8192×128 causal, gproj and none, plain / --window 1024 /
 #           --softcap 30 side by side (autotuned); then --varlen (packed vs padded) if attention.py has it
 # registry: benchmarks/registry_check.py (GProj in torch's flash-attention registry)
+# dropout:  attention dropout (and softcap after run 12): fidelity with --dropout 0.1 and with --softcap 30,
+#           speed with --softcap 30 --dropout 0.1 (GPROJ_TRITON_AUTOTUNE=0, the setting of run 12), the
+#           registry check, gpu_check.py --cases dropout
 # check:    benchmarks/gpu_check.py (Triton vs kernels/reference.py, GPROJ_TRITON_AUTOTUNE=0), last, with
 #           whatever time is left; GPU_CHECK_ARGS (default "--cases features,varlen": the base cases ran
 #           in runs 5–10) passes its flags
@@ -69,6 +72,17 @@ fi
 if [[ $what == all || $what == registry ]]; then
   phase registry 70 registry_check.log python3 benchmarks/registry_check.py
 fi
+if [[ $what == dropout ]]; then
+  export GPROJ_TRITON_AUTOTUNE=0
+  phase fidelity_dropout 90 fidelity_dropout.log python3 benchmarks/fidelity.py --out "$OUT/fidelity_dropout" \
+    --quick --mus 0,200,1000 --methods gproj,none --dropout 0.1
+  phase fidelity_softcap 90 fidelity_softcap.log python3 benchmarks/fidelity.py --out "$OUT/fidelity_softcap" \
+    --quick --mus 0,200,1000 --methods gproj,none --softcap 30
+  phase speed 100 attention.log python3 benchmarks/attention.py --out "$OUT/attention" \
+    --json "$OUT/results/speed_issue16.json" --methods gproj,none --shapes 3 --softcap 30 --dropout 0.1
+  phase registry 60 registry_check.log python3 benchmarks/registry_check.py
+  phase gpu_check 120 gpu_check.log python3 benchmarks/gpu_check.py --cases dropout
+fi
 if [[ $what == all || $what == check ]]; then
   # shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of flags
   phase gpu_check 600 gpu_check.log env GPROJ_TRITON_AUTOTUNE=0 python3 benchmarks/gpu_check.py ${GPU_CHECK_ARGS:---cases features,varlen}
@@ -77,7 +91,7 @@ fi
 echo
 echo "==================== summary (t=${SECONDS}s) ===================="
 printf '%s\n' "${summary[@]}"
-for f in window softcap; do
+for f in window softcap dropout; do
   md="$OUT/fidelity_$f/fidelity.md"
   [[ -f $md ]] || continue
   echo; head -n 1 "$md"

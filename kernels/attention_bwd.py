@@ -343,16 +343,20 @@ def _dkdv_inner(
                 winT = tl.trans(in_window(rows, cols, CAUSAL_OFF, WL, WR))
                 pT = tl.where(winT, pT, 0.0)
         p16 = to16(pT, k.dtype, INTERP)  # rounding point: P̃, the operand of P̃ᵀ·dO (and of the dK term)
-        dpT = mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), INTERP)
+        # dV before dPᵀ, the order of the kernels before dropout was added: the build with dPᵀ first ran the
+        # backward without dropout 5% slower (H200, benchmarks/NOTES.md run 13; that this order is the
+        # cause is not yet measured).
         if DROPOUT:
             # The forward's mask, transposed: dV += (P̃ ∘ M)ᵀ dO (scaled by 1/(1 − p) at the store),
             # dP' = M ∘ dP / (1 − p); the dK term's direction stays the undropped P̃.
             keepT = dropout_keep(lin_cols[:, None] + (drow0 + rows).to(tl.int64)[None, :] * NKC, bh, seed_lo,
                                  seed_hi, drop_off, drop_thr)
             dv = mma(tl.where(keepT, p16, 0.0).to(k.dtype), do, dv, INTERP)
-            dpT = tl.where(keepT, dpT * drop_scale, 0.0)
         else:
             dv = mma(p16, do, dv, INTERP)
+        dpT = mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), INTERP)
+        if DROPOUT:
+            dpT = tl.where(keepT, dpT * drop_scale, 0.0)
         if DK_MODE == 1:
             # Fold: dS' = P∘(dP − (D + r)) rounded once; its row sums vanish up to that rounding.
             Di = Di + r

@@ -352,6 +352,17 @@ def window_query_blocks(start_n, N_Q, CAUSAL_OFF, WL, WR, BLOCK_M: tl.constexpr,
     return lo, a, b, hi
 
 
+def tune_lengths(nq: int, nk: int, varlen: tuple | None) -> tuple[int, int]:
+    """The sequence lengths the kernels' autotuning is keyed on (kernel arguments TUNE_NQ, TUNE_NK): the
+    query and key lengths — for packed sequences (``varlen`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k)) the longest sequence's, not the packed totals — rounded up to a power of two. Keyed on
+    the exact lengths, every new length (each batch of packed sequences has its own total) would re-run
+    the autotuner's timing of every candidate config."""
+    if varlen is not None:
+        nq, nk = varlen[2], varlen[3]
+    return 1 << max(int(nq) - 1, 0).bit_length(), 1 << max(int(nk) - 1, 0).bit_length()
+
+
 def _i32(x: int) -> int:
     """A uint32 value as the int32 with the same bits (kernel scalars are then always typed i32)."""
     return x - (1 << 32) if x >= (1 << 31) else x

@@ -51,7 +51,7 @@ import triton.language as tl
 from lightning_gproj.kernels._triton_utils import (
     INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_keep,
     in_window, interpreting, load_pair, mma, padded_head_dim, rcp_ftz, round_ds, seq_bounds, supports,
-    tanh_and_grad_f32, to16, visible, window_args, window_key_blocks, window_query_blocks,
+    tanh_and_grad_f32, to16, tune_lengths, visible, window_args, window_key_blocks, window_query_blocks,
 )
 from lightning_gproj.kernels.reference import FIXES, check_ds_format, project_key_sum_, sequences
 
@@ -173,11 +173,11 @@ def _dq_inner(
     return dq, pk, r, a, ps
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "GPROJ", "NEED_R", "STATS",
+@triton.autotune(configs=_DQ_CONFIGS, key=["TUNE_NQ", "TUNE_NK", "HEAD_DIM", "CAUSAL", "GROUP", "GPROJ", "NEED_R", "STATS",
                                            "HAS_SEQLENS", "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN",
                                            "DROPOUT"],
                  prune_configs_by={"early_config_prune": _prune})
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr"])
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr", "TUNE_NQ", "TUNE_NK"])
 def _dq_kernel(
     Q, K, V, DO, M, LOG2L, DELTA, DQ, R, RHO, ABS, LEAK, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
@@ -185,7 +185,7 @@ def _dq_kernel(
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_dob, stride_don, stride_doh, stride_dod,
     stride_dqb, stride_dqn, stride_dqh, stride_dqd,
-    c, tau, H, N_Q, N_K, WL, WR, sc, cap, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
+    c, tau, H, N_Q, N_K, WL, WR, sc, cap, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, TUNE_NQ, TUNE_NK,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     GPROJ: tl.constexpr, NEED_R: tl.constexpr, STATS: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     DS_BITS: tl.constexpr, IS_VARLEN: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr,
@@ -385,10 +385,10 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "DK_MODE", "HAS_SEQLENS",
+@triton.autotune(configs=_DKDV_CONFIGS, key=["TUNE_NQ", "TUNE_NK", "HEAD_DIM", "CAUSAL", "GROUP", "DK_MODE", "HAS_SEQLENS",
                                              "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN", "DROPOUT"],
                  prune_configs_by={"early_config_prune": _prune})
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr"])
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr", "TUNE_NQ", "TUNE_NK"])
 def _dkdv_kernel(
     Q, K, V, DO, M, LOG2L, DELTA, R, DK, DV, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
@@ -397,7 +397,7 @@ def _dkdv_kernel(
     stride_dob, stride_don, stride_doh, stride_dod,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-    c, tau, H, HK, N_Q, N_K, WL, WR, sc, cap, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
+    c, tau, H, HK, N_Q, N_K, WL, WR, sc, cap, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, TUNE_NQ, TUNE_NK,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DK_MODE: tl.constexpr, HAS_SEQLENS: tl.constexpr, DS_BITS: tl.constexpr, IS_VARLEN: tl.constexpr,
     INTERP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr,
@@ -729,7 +729,7 @@ def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fol
         c = LOG2E  # τ sits inside the tanh
     sc = tau / win["cap"]
     wargs = (win["WL"], win["WR"], sc, win["cap"])
-    wargs += (drop["seed_lo"], drop["seed_hi"], drop["drop_off"], drop["drop_thr"], drop["drop_scale"])
+    wargs += (drop["seed_lo"], drop["seed_hi"], drop["drop_off"], drop["drop_thr"], drop["drop_scale"], *tune_lengths(nq, nk, varlen))
     wconst = dict(WINDOW=win["WINDOW"], SOFTCAP=win["SOFTCAP"], UNIFORM=uniform, DROPOUT=drop["DROPOUT"])
     # Packed: one batch row per sequence, over the longest one (N_Q, N_K stay total_q, total_k).
     packed = varlen is not None

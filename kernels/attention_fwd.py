@@ -32,8 +32,8 @@ import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
     INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_keep,
-    in_window, interpreting, load_pair, mma, padded_head_dim, seq_bounds, supports, tanh_f32, to16, visible,
-    window_args, window_key_blocks,
+    in_window, interpreting, load_pair, mma, padded_head_dim, seq_bounds, supports, tanh_f32, to16, tune_lengths,
+    visible, window_args, window_key_blocks,
 )
 
 __all__ = ["forward", "supports"]
@@ -103,17 +103,17 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_fwd_configs(), key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL", "GROUP", "HAS_SEQLENS", "WINDOW",
+@triton.autotune(configs=_fwd_configs(), key=["TUNE_NQ", "TUNE_NK", "HEAD_DIM", "CAUSAL", "GROUP", "HAS_SEQLENS", "WINDOW",
                                              "SOFTCAP", "IS_VARLEN", "DROPOUT"],
                  prune_configs_by={"early_config_prune": _prune_fwd})
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr"])
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr", "TUNE_NQ", "TUNE_NK"])
 def _fwd_kernel(
     Q, K, V, O, M, LOG2L, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_on, stride_oh, stride_od,
-    c, H, N_Q, N_K, WL, WR, sc, cap, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
+    c, H, N_Q, N_K, WL, WR, sc, cap, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, TUNE_NQ, TUNE_NK,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, IS_VARLEN: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -301,7 +301,7 @@ def forward(
         *batch_strides(q4, packed), *batch_strides(k4, packed), *batch_strides(v4, packed), *batch_strides(o, packed),
         c, h, nq, nk, win["WL"], win["WR"], sc, win["cap"],
         drop["seed_lo"], drop["seed_hi"], drop["drop_off"], drop["drop_thr"], drop["drop_scale"],
-        GROUP=h // hk, HEAD_DIM=d, BLOCK_D=padded_head_dim(d), CAUSAL=win["CAUSAL"],
+        *tune_lengths(nq, nk, varlen), GROUP=h // hk, HEAD_DIM=d, BLOCK_D=padded_head_dim(d), CAUSAL=win["CAUSAL"],
         HAS_SEQLENS=seqlens_k is not None, IS_VARLEN=packed, INTERP=INTERPRET, WINDOW=win["WINDOW"],
         SOFTCAP=win["SOFTCAP"], DROPOUT=drop["DROPOUT"],
     )

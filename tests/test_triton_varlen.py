@@ -116,3 +116,53 @@ def test_window_and_softcap_per_sequence(measured):
                 assert b["c2_per_sequence_fp32"] <= 4 * U32, (c["case"], fix, b)
         assert c["bwd"]["gproj"]["dq_rel_vs_f64"] <= 0.4 * c["bwd"]["none"]["dq_rel_vs_f64"], c
         assert c["bwd"]["gproj"]["dq_rel_vs_f64"] <= 3e-3, c
+
+
+_TUNE_SPY = r'''
+import json, torch
+from lightning_gproj.kernels import attention_bwd as B, attention_fwd as F
+
+seen = {}
+for name, kern in (("fwd", F._fwd_kernel), ("dq", B._dq_kernel), ("dkdv", B._dkdv_kernel)):
+    def spy(*args, _run=kern.run, _kern=kern, _name=name, **kw):
+        named = {**dict(zip(_kern.arg_names, args)), **kw}
+        seen.setdefault(_name, []).append([named[a] for a in ("TUNE_NQ", "TUNE_NK", "N_Q", "N_K")])
+        return _run(*args, **kw)
+    kern.run = spy
+
+def call(lens_q, lens_k, dense=False):
+    g = torch.Generator().manual_seed(0)
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
+    shape_q = (1, sum(lens_q), 2, 16) if dense else (sum(lens_q), 2, 16)
+    shape_k = (1, sum(lens_k), 2, 16) if dense else (sum(lens_k), 2, 16)
+    q, do = (torch.randn(shape_q, generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(shape_k, generator=g).bfloat16() for _ in range(2))
+    vl = {} if dense else dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+                               max_seqlen_k=max(lens_k))
+    o, m, l2 = F.forward(q, k, v, 0.25, True, **vl)
+    B.backward(do, q, k, v, o, m, l2, 0.25, True, "gproj", False, **vl)
+
+call([5, 12], [7, 12])      # packed: totals 17 / 19, longest 12 / 12
+call([9, 3, 4], [9, 3, 5])  # packed: totals 16 / 17, longest 9 / 9
+call([20], [20], dense=True)
+call([30], [33], dense=True)
+print(json.dumps({"seen": seen, "keys": [k.keys for k in (F._fwd_kernel, B._dq_kernel, B._dkdv_kernel)]}))
+'''
+
+
+def test_autotune_key_is_the_longest_sequence_rounded_up_not_the_total():
+    """The kernels' autotuning is keyed on TUNE_NQ / TUNE_NK, the longest sequence's length rounded up to
+    a power of two (kernels/_triton_utils.tune_lengths): two packed batches with different totals but
+    sequences of up to 9–12 tokens share the key (16, 16), dense calls of 20 and 30/33 tokens share
+    (32, 32) / (32, 64), while N_Q / N_K still carry the totals the kernels index with. Keyed on the
+    totals, each new packed batch would re-run the autotuner's timing of every candidate on the GPU."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _TUNE_SPY], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=str(HERE))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for keys in out["keys"]:
+        assert keys[:2] == ["TUNE_NQ", "TUNE_NK"] and "N_Q" not in keys and "N_K" not in keys
+    for name in ("fwd", "dq", "dkdv"):
+        assert out["seen"][name] == [[16, 16, 17, 19], [16, 16, 16, 17], [32, 32, 20, 20], [32, 64, 30, 33]], name

@@ -160,6 +160,47 @@ def test_hf_sliding_window_and_softcap_are_served(build, eager, op_spy):
     assert len(sites) == 2 and all(s.served == 1 and not s.fallbacks for s in sites)
 
 
+@pytest.mark.parametrize("build,eager", [(_mistral, False), (_gemma2, True)])
+def test_hf_sliding_window_with_right_padding_is_served(build, eager, op_spy):
+    """A right-padded batch (lengths 9 and 5) through Mistral and Gemma 2: the sliding layers get
+    ``sdpa_mask``'s band & key-padding mask, served with ``seqlens_k`` = (9, 5) and the window, no
+    fallback; outputs and parameter gradients match the original model (fp32) on the real tokens (the
+    cotangent is 0 on padded positions, whose rows the two attentions fill differently: eager gives a
+    fully masked row uniform weights, the op zeros)."""
+    from lightning_gproj.swap import GProjFallbackWarning, swap_attention
+
+    torch.manual_seed(0)
+    model = build().train()
+    if eager:
+        model.set_attn_implementation("eager")
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    attention_mask[1, 5:] = 0
+    real = attention_mask.bool()
+
+    def run(m):
+        for p in m.parameters():
+            p.grad = None
+        out = m(input_ids=ids, attention_mask=attention_mask).logits
+        cot = torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out) * real[..., None]
+        out.backward(cot)
+        return out.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        out, grads = run(swapped)
+    out_ref, grads_ref = run(model)
+    assert _rel(out[real], out_ref[real]) <= 2e-5
+    for key in grads_ref:
+        assert _rel(grads[key], grads_ref[key]) <= 1e-4, key
+    sliding = [c for c in op_spy.calls if c.get("window_size", (-1, -1)) == (3, 0)]
+    assert sliding and all(c["causal"] and c["seqlens_k"].tolist() == [9, 5] for c in sliding)
+    sites = [m._gproj_site for m in swapped.modules() if "_gproj_site" in vars(m)]
+    assert len(sites) == 2 and all(s.served == 1 and not s.fallbacks for s in sites)
+
+
 @pytest.mark.parametrize("use_cache", [False, True])
 @pytest.mark.parametrize("source", ["position_ids", "cu_seq_lens"])
 @pytest.mark.parametrize("build,eager", [(_mistral, False), (_gemma2, True)])

@@ -21,7 +21,8 @@ by value and served with ``seqlens_k``; ``scaling``, GQA
 op's own Philox mask); sliding-window layers (the
 ``sliding_window=W`` keyword Mistral, Qwen2 and Gemma 2 pass: key j visible to query i iff
 j > i − W, with the causal mask, i.e. the op's ``window_size=(W − 1, 0)``; the boolean mask
-``sdpa_mask`` builds for it is checked value by value against that band, no padding), and Gemma 2's
+``sdpa_mask`` builds for it is checked value by value against that band, or (Nq == Nk) against the band
+& right key padding, served with ``seqlens_k``), and Gemma 2's
 logit ``softcap``. Falls back to ``sdpa_attention_forward`` (``eager`` when softcap is set, since SDPA
 refuses it) with one :class:`GProjFallbackWarning` per module for left padding and
 other mask patterns, float masks, ``position_bias``,
@@ -176,6 +177,22 @@ def _plan_packed(module, query, key, value, attention_mask, scaling, is_causal, 
     return None, (q, k, v, scaling, causal, None, (-1, -1) if window is None else (window - 1, 0), softcap, packed)
 
 
+def _band_key_lengths(mask: torch.Tensor, band: torch.Tensor) -> Optional[torch.Tensor]:
+    """Per-batch key lengths L (int64, (batch,)) if the boolean (batch, heads or 1, Nq, Nk) mask equals
+    ``band & (j < L[b])`` — the sliding-window band with right key padding, as ``sdpa_mask`` builds it
+    from a right-padded ``attention_mask`` (Nq == Nk; query rows past L[b] + W − 1 see no key and get
+    zeros, as in SDPA) — with every L[b] >= 1; else None. L is the number of keys some row sees, then the
+    whole mask is compared with what L implies. Reads the mask's values (a device sync)."""
+    if mask.shape[-2] != mask.shape[-1]:
+        return None
+    lengths = mask[:, 0].any(dim=-2).sum(dim=-1)
+    if not bool((lengths >= 1).all()):
+        return None
+    j = torch.arange(mask.shape[-1], device=mask.device)
+    expected = band[None, None] & (j[None, None, None, :] < lengths[:, None, None, None])
+    return lengths if bool((mask == expected).all()) else None
+
+
 def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
     """``(reason, (q, k, v, scale, causal, seqlens_k, window_size, softcap, packed))`` in the op layout; reason None when the
     op serves the call as ``sdpa_attention_forward`` would compute it. query, key, value: (batch,
@@ -215,16 +232,22 @@ def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling,
     if window is not None:
         # causal with keys j > i − W (bottom-right aligned as sdpa_mask builds it for Nq <= Nk)
         n_k = key.shape[2]
+        seqlens_k = None
         if attention_mask is not None:
             i = torch.arange(n_q, device=query.device)[:, None] + (n_k - n_q)
             j = torch.arange(n_k, device=query.device)[None, :]
             band = (j <= i) & (j > i - window)
-            if attention_mask.shape[-2:] != (n_q, n_k) or not bool((attention_mask == band).all()):
-                return "a sliding-window mask with padding or another pattern than the causal band", None
+            if attention_mask.dim() != 4 or attention_mask.shape[-2:] != (n_q, n_k):
+                return "a sliding-window mask of another shape than (batch, 1, Nq, Nk)", None
+            if not bool((attention_mask == band).all()):
+                seqlens_k = _band_key_lengths(attention_mask, band)
+                if seqlens_k is None:
+                    return ("a sliding-window mask with left padding or another pattern than the causal band "
+                            "& right key padding"), None
             causal = True
         elif not causal:
             return "sliding_window without a causal mask", None
-        return None, (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling, True, None,
+        return None, (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling, True, seqlens_k,
                       (window - 1, 0), float(softcap), None)
     reason, causal_mask, seqlens_k = sdpa.plan(
         (query, key, value),

@@ -264,8 +264,10 @@ class GProjFabricPlugin(fabric_precision.Precision):
         self.mode = check_mode(mode)
         if mode == "sdpa_registry" and self.attention_dtype is not None:
             raise ValueError(
-                f"`attention_dtype={self.attention_dtype!r}` applies to swapped modules; with `mode='sdpa_registry'` "
-                f"fp32 attention never reaches the flash backend GProj serves. Use mode='swap' for the fp32 arm."
+                f"`attention_dtype={self.attention_dtype!r}` applies to swapped modules, and `mode='sdpa_registry'` "
+                f"swaps none: it serves the SDPA calls that reach the flash backend in the dtype they come in. "
+                f"Use mode='swap' with attention_dtype, or mode='sdpa_registry' without it and a 16-bit precision "
+                f"('bf16-mixed', '16-mixed', 'bf16-true', '16-true')."
             )
         self.fix = check_fix(fix)
         self.include = check_patterns("include", include)

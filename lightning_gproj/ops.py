@@ -132,15 +132,16 @@ def _dropout_options(dropout_p: float, rng: Optional[Tensor]) -> dict:
     return dict(dropout_p=dropout_p, dropout_seed=seed, dropout_offset=offset)
 
 
-def _draw_rng(dropout_p: float, generator: Optional[torch.Generator]) -> Optional[Tensor]:
+def _draw_rng(dropout_p: float) -> Optional[Tensor]:
     """A fresh Philox (seed, offset) for one call with dropout, as a CPU int64 tensor (2,): the seed is
-    a 64-bit draw from ``generator`` (default: torch's default CPU generator, so ``torch.manual_seed``
-    makes calls reproducible and activation checkpointing, which restores the CPU RNG state, recomputes
-    the same mask), the offset 0. None without dropout (the generator is not advanced)."""
+    ``torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64)`` from torch's default CPU generator
+    (so ``torch.manual_seed`` makes calls reproducible, and activation checkpointing, which restores
+    that generator's state, recomputes the same mask), the offset 0. None without dropout (the
+    generator is not advanced). There is deliberately no ``generator=`` argument: checkpointing does not
+    restore a user's generator, and the recomputed forward would draw another mask."""
     if not dropout_p:
         return None
-    extra = {} if generator is None else {"generator": generator}
-    seed = torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64, **extra)
+    seed = torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64)
     return torch.cat([seed, torch.zeros(1, dtype=torch.int64)])
 
 
@@ -477,19 +478,13 @@ def _autocast_dtype(q: Tensor, k: Tensor, v: Tensor) -> Optional[torch.dtype]:
     return compute_dtype
 
 
-def _check_dropout(dropout_p: object, generator: object) -> float:
+def _check_dropout(dropout_p: object) -> float:
     """``dropout_p`` as a float in [0, 1) (a Python or NumPy number, or a one-element float tensor), or
-    ValueError naming it; ``generator`` None or a CPU ``torch.Generator``, or TypeError / ValueError."""
+    ValueError naming it."""
     dropout_p = _scalar(dropout_p)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1) (the probability of dropping an attention weight), "
                          f"got {dropout_p!r}")
-    if generator is not None:
-        if not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be None or a torch.Generator, got {type(generator).__name__}")
-        if generator.device.type != "cpu":
-            raise ValueError(f"generator must be a CPU torch.Generator (the seed is read on the host), got one on "
-                             f"{generator.device}")
     return float(dropout_p)
 
 
@@ -531,7 +526,6 @@ def gproj_attn_func(
     layout: Optional[str] = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
-    generator: Optional[torch.Generator] = None,
 ) -> Tensor:
     """Softmax attention whose backward restores the zero-sum law of dS (GProj, DESIGN.md §4).
 
@@ -562,10 +556,13 @@ def gproj_attn_func(
             dP' = M ∘ dP/(1 − p): Σ_j dS_ij = D_i − D_i Σ_j P_ij = 0, kernels/reference.py), so GProj
             projects along P̃ as without dropout. Apply it in training only (``p if
             self.training else 0.0``), as flash-attn's callers do.
-        generator: the CPU ``torch.Generator`` each call with dropout draws its 64-bit Philox seed from
-            (default: torch's default CPU generator, so ``torch.manual_seed`` makes runs reproducible,
-            and activation checkpointing, which restores the CPU RNG state, recomputes the same mask).
-            Not used without dropout.
+            Each call with dropout draws its 64-bit Philox seed as
+            ``torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64)`` from torch's default CPU
+            generator (offset 0): ``torch.manual_seed`` makes runs reproducible (within one backend:
+            under ``torch.compile`` with inductor the mask differs from eager's, as torch's own dropout
+            does), activation checkpointing recomputes the same mask, and that seed given to
+            ``dropout_keep_mask`` reproduces it. The draw advances the default generator, so a
+            shuffled DataLoader sees a different order than a run without dropout.
         stats_name: label under which the health statistics are recorded while
             ``lightning_gproj.stats.RECORDER`` is enabled (default ``"attention"``).
         seqlens_k: None (every key valid), or an int32 / int64 tensor of shape (batch,) on q's device
@@ -633,8 +630,7 @@ def gproj_attn_func(
             after the cast above); ``seqlens_k``
             not None / a tensor, or not int32 / int64.
         ValueError: wrong rank, mismatched batch / seqlen_k / heads / head dim, unsupported head dim,
-            different devices, empty inputs, ``dropout_p`` not a number in [0, 1), ``generator`` not a CPU
-            generator, unknown ``fix`` or ``ds_format``, bad
+            different devices, empty inputs, ``dropout_p`` not a number in [0, 1), unknown ``fix`` or ``ds_format``, bad
             ``softmax_scale``, ``window_size`` not a pair of ints >= −1, ``softcap`` not a finite float >= 0;
             ``seqlens_k`` not of shape (batch,), not on q's device, or with a value outside
             [1, seqlen_k]; ``layout`` not one of :data:`LAYOUTS` or None.
@@ -653,7 +649,7 @@ def gproj_attn_func(
     if layout is None:
         _warn_if_sdpa_layout(q)
     softmax_scale = _check_options(fix, ds_format, softmax_scale, stats_name, causal, q.shape[-1])
-    dropout_p = _check_dropout(dropout_p, generator)
+    dropout_p = _check_dropout(dropout_p)
     if seqlens_k is not None:
         seqlens_k = _check_seqlens_k(seqlens_k, q, k)
     window_left, window_right = _check_window(window_size)
@@ -661,7 +657,7 @@ def gproj_attn_func(
     with _autocast_off(device_type):
         o, _, _ = _attn_fwd(
             q, k, v, float(softmax_scale), causal, fix, stats_name or "attention", seqlens_k, compute_dtype,
-            ds_format, window_left, window_right, softcap, dropout_p, _draw_rng(dropout_p, generator),
+            ds_format, window_left, window_right, softcap, dropout_p, _draw_rng(dropout_p),
         )
     return o.transpose(1, 2) if layout == "bhsd" else o
 
@@ -886,7 +882,6 @@ def gproj_attn_varlen_func(
     ds_format: str = "bf16",
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
-    generator: Optional[torch.Generator] = None,
 ) -> Tensor:
     """:func:`gproj_attn_func` over packed sequences (flash-attn's ``flash_attn_varlen_func`` layout).
 
@@ -909,7 +904,7 @@ def gproj_attn_varlen_func(
         softmax_scale: τ, default ``1 / sqrt(headdim)``.
         causal: bottom-right aligned within each sequence, as flash-attn ≥ 2.1: query i of a sequence
             with n_q queries and n_k keys sees its key j iff ``j <= i + n_k - n_q`` (local positions).
-        fix, dropout_p, stats_name, ds_format, generator: as :func:`gproj_attn_func`. The dropout mask is
+        fix, dropout_p, stats_name, ds_format: as :func:`gproj_attn_func`. The dropout mask is
             drawn over the packed tokens as one batch row (query token i, key token j of the packed
             tensors: :func:`lightning_gproj.kernels.reference.dropout_keep_mask`).
         window_size, softcap: as :func:`gproj_attn_func` (flash-attn's ``flash_attn_varlen_func`` takes
@@ -939,7 +934,7 @@ def gproj_attn_varlen_func(
     compute_dtype = _autocast_dtype(q, k, v)
     _check_varlen_inputs(q, k, v, compute_dtype)
     softmax_scale = _check_options(fix, ds_format, softmax_scale, stats_name, causal, q.shape[-1])
-    dropout_p = _check_dropout(dropout_p, generator)
+    dropout_p = _check_dropout(dropout_p)
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.device)
     max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
@@ -949,6 +944,6 @@ def gproj_attn_varlen_func(
         o, _, _ = _attn_varlen_fwd(
             q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, fix, stats_name or "attention", compute_dtype, ds_format, window_left,
-            window_right, softcap, dropout_p, _draw_rng(dropout_p, generator),
+            window_right, softcap, dropout_p, _draw_rng(dropout_p),
         )
     return o

@@ -270,7 +270,7 @@ def flash_forward(
     settings = _SETTINGS
     tau = _scale(query, scale)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-    rng = ops._draw_rng(float(dropout_p), None)
+    rng = ops._draw_rng(float(dropout_p))
     o, m, log2l = ops._attn_fwd(q, k, v, tau, bool(is_causal), settings.fix, STATS_NAME, None, None, settings.ds_format,
                                 -1, -1, 0.0, float(dropout_p), rng)
     # lse first, then m and log2l in the same allocation: autograd saves lse, and the backward finds the

@@ -438,8 +438,10 @@ def test_bad_mode_raises_naming_mode_and_values(door):
     assert MODES == ("swap", "sdpa_registry")
     with pytest.raises(ValueError, match=r"`mode` must be one of \('swap', 'sdpa_registry'\), got 'registry'"):
         door("32-true", mode="registry")
-    with pytest.raises(ValueError, match="`attention_dtype='fp32'` applies to swapped modules"):
-        door("32-true", mode="sdpa_registry", attention_dtype="fp32")
+    for attention_dtype in ("fp32", "bf16"):
+        with pytest.raises(ValueError, match=f"`attention_dtype='{attention_dtype}'` applies to swapped modules, "
+                                             f"and `mode='sdpa_registry'` swaps none"):
+            door("32-true", mode="sdpa_registry", attention_dtype=attention_dtype)
     assert door("32-true").mode == "swap"
 
 

@@ -24,7 +24,7 @@ import transformers
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from _attention_models import op_spy, rel_err  # noqa: F401 (fixture)
+from _attention_models import OpSpy, op_spy, rel_err  # noqa: F401 (fixture)
 from lightning_gproj.plugin import GProjPlugin
 from lightning_gproj.swap import GProjFallbackWarning, swap_attention, unswap_attention
 
@@ -133,7 +133,7 @@ def test_all_true_padding_mask_is_served_and_padding_falls_back(op_spy):
     assert len(op_spy.calls) == 2 and all(c["causal"] for c in op_spy.calls)
 
     padded = full.clone()
-    padded[0, :3] = 0  # left padding
+    padded[0, 3] = 0  # a hole: neither right nor left padding
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for _ in range(2):
@@ -142,6 +142,44 @@ def test_all_true_padding_mask_is_served_and_padding_falls_back(op_spy):
     assert len(messages) == 2, messages  # one per layer, not per call
     assert "model.layers.0.self_attn (LlamaAttention)" in messages[0] and "padding" in messages[0]
     assert len(op_spy.calls) == 2
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_left_padding_is_served_as_packed_sequences(name, op_spy, monkeypatch):
+    """A left-padded attention_mask (rows 0 and 1 with 3 and 1 padding tokens): causal & left padding,
+    checked value by value, is served as packed sequences through the varlen op (flash-attention's
+    unpadding) with zeros at the padding tokens, as SDPA gives rows that see no key. Logits on the real
+    tokens and every parameter gradient (cotangent 0 on padding tokens) match the original model."""
+    import lightning_gproj.ops as ops
+
+    varlen_spy = OpSpy(ops.gproj_attn_varlen_func)
+    monkeypatch.setattr(ops, "gproj_attn_varlen_func", varlen_spy)
+    model, swapped = _build(name)
+    swap_attention(swapped)
+    ids = _inputs(name)["input_ids"]
+    padded = torch.ones_like(ids)
+    padded[0, :3] = 0
+    padded[1, :1] = 0
+    real = padded.bool()
+
+    def run(m):
+        for p in m.parameters():
+            p.grad = None
+        out = m(input_ids=ids, attention_mask=padded).logits
+        out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out) * real[..., None])
+        return out.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        out, grads = run(swapped)
+    out_ref, grads_ref = run(model)
+    assert rel_err(out[real], out_ref[real]) <= TOL
+    for key in grads_ref:
+        assert rel_err(grads[key], grads_ref[key]) <= TOL, key
+    n = ids.shape[1]
+    assert len(varlen_spy.calls) == 2 and not op_spy.calls
+    for c in varlen_spy.calls:
+        assert c["causal"] and c["cu_seqlens_q"].tolist() == [0, n - 3, 2 * n - 4] == c["cu_seqlens_k"].tolist()
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
@@ -305,7 +343,7 @@ def test_trainer_fit_with_plugin_matches_plain_run(precision, tol, autocast, op_
 
 
 class LitGPT2(LitLlama):
-    """GPT-2 trained on left-padded batches: every training call of its attention falls back."""
+    """GPT-2 trained on batches with a padding hole: every training call of its attention falls back."""
 
     def __init__(self):
         L.LightningModule.__init__(self)
@@ -317,14 +355,14 @@ class LitGPT2(LitLlama):
     def training_step(self, batch, batch_idx):
         (ids,) = batch
         mask = torch.ones_like(ids)
-        mask[:, :2] = 0  # left padding
+        mask[:, 2] = 0  # a hole in every row: neither right nor left padding
         loss = self.model(input_ids=ids, attention_mask=mask, labels=ids).loss
         self.losses.append(float(loss.detach()))
         return loss
 
 
-def test_gpt2_with_left_padding_is_reported_as_never_served(tmp_path, op_spy):
-    """"2 swapped", yet every training call falls back (left padding). The swap table's
+def test_gpt2_with_a_padding_hole_is_reported_as_never_served(tmp_path, op_spy):
+    """"2 swapped", yet every training call falls back (a hole in the padding mask). The swap table's
     notes fit in 100 columns and carry no catch_all footer; the first optimizer step warns; the calls
     summary after fit says the run used the original attention."""
     plugin = GProjPlugin("32-true")
@@ -360,7 +398,6 @@ def test_packed_sequences_are_served_through_the_varlen_op(name, source, op_spy,
     and every parameter gradient equal those of the original model run on each sequence alone (the
     gradients summed over the sequences) to 1e-10 relative."""
     import lightning_gproj.ops as ops
-    from _attention_models import OpSpy
 
     varlen_spy = OpSpy(ops.gproj_attn_varlen_func)
     monkeypatch.setattr(ops, "gproj_attn_varlen_func", varlen_spy)

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from _attention_models import op_spy  # noqa: F401 (fixture)
+from _attention_models import OpSpy, op_spy  # noqa: F401 (fixture)
 from _fp64 import attention_fp64
 from lightning_gproj import gproj_attn_func
 from lightning_gproj.kernels import reference as R
@@ -160,15 +160,20 @@ def test_hf_sliding_window_and_softcap_are_served(build, eager, op_spy):
     assert len(sites) == 2 and all(s.served == 1 and not s.fallbacks for s in sites)
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("build,eager", [(_mistral, False), (_gemma2, True)])
-def test_hf_sliding_window_with_right_padding_is_served(build, eager, op_spy):
-    """A right-padded batch (lengths 9 and 5) through Mistral and Gemma 2: the sliding layers get
-    ``sdpa_mask``'s band & key-padding mask, served with ``seqlens_k`` = (9, 5) and the window, no
-    fallback; outputs and parameter gradients match the original model (fp32) on the real tokens (the
-    cotangent is 0 on padded positions, whose rows the two attentions fill differently: eager gives a
-    fully masked row uniform weights, the op zeros)."""
+def test_hf_sliding_window_with_padding_is_served(build, eager, side, op_spy, monkeypatch):
+    """A padded batch (lengths 9 and 5) through Mistral and Gemma 2: the sliding layers get
+    ``sdpa_mask``'s band & key-padding mask. Right padding is served with ``seqlens_k`` = (9, 5) and the
+    window, left padding as packed sequences (cu_seqlens 0, 9, 14) through the varlen op; no fallback.
+    Outputs and parameter gradients match the original model (fp32) on the real tokens (the cotangent
+    is 0 on padded positions, whose rows the two attentions fill differently: eager gives a fully
+    masked row uniform weights, the op zeros)."""
+    import lightning_gproj.ops as ops
     from lightning_gproj.swap import GProjFallbackWarning, swap_attention
 
+    varlen_spy = OpSpy(ops.gproj_attn_varlen_func)
+    monkeypatch.setattr(ops, "gproj_attn_varlen_func", varlen_spy)
     torch.manual_seed(0)
     model = build().train()
     if eager:
@@ -178,6 +183,8 @@ def test_hf_sliding_window_with_right_padding_is_served(build, eager, op_spy):
     ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
     attention_mask = torch.ones(2, 9, dtype=torch.long)
     attention_mask[1, 5:] = 0
+    if side == "left":
+        attention_mask = attention_mask.flip(-1)
     real = attention_mask.bool()
 
     def run(m):
@@ -195,8 +202,12 @@ def test_hf_sliding_window_with_right_padding_is_served(build, eager, op_spy):
     assert _rel(out[real], out_ref[real]) <= 2e-5
     for key in grads_ref:
         assert _rel(grads[key], grads_ref[key]) <= 1e-4, key
-    sliding = [c for c in op_spy.calls if c.get("window_size", (-1, -1)) == (3, 0)]
-    assert sliding and all(c["causal"] and c["seqlens_k"].tolist() == [9, 5] for c in sliding)
+    calls = op_spy.calls if side == "right" else varlen_spy.calls
+    sliding = [c for c in calls if c.get("window_size", (-1, -1)) == (3, 0)]
+    if side == "right":
+        assert sliding and all(c["causal"] and c["seqlens_k"].tolist() == [9, 5] for c in sliding)
+    else:
+        assert sliding and all(c["causal"] and c["cu_seqlens_q"].tolist() == [0, 9, 14] for c in sliding)
     sites = [m._gproj_site for m in swapped.modules() if "_gproj_site" in vars(m)]
     assert len(sites) == 2 and all(s.served == 1 and not s.fallbacks for s in sites)
 
@@ -213,7 +224,6 @@ def test_hf_packed_sequences_with_window_and_softcap_are_served(build, eager, so
     (gradients summed over the sequences) to 1e-10 relative (Gemma 2: 1e-5, its fp32 norms): the window
     acts within each sequence."""
     import lightning_gproj.ops as ops
-    from _attention_models import OpSpy
     from lightning_gproj.swap import GProjFallbackWarning, swap_attention
 
     varlen_spy = OpSpy(ops.gproj_attn_varlen_func)

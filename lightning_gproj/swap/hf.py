@@ -15,17 +15,20 @@ Served, as ``sdpa_attention_forward`` would compute it: mask None (causal from `
 ``module.is_causal``, with its crop of keys to Nq for a causal Nq < Nk prefill), boolean masks
 that are all True, exactly the bottom-right causal mask, right key padding, or (Nq == Nk) causal &
 right key padding — what ``sdpa_mask`` builds from a right-padded ``attention_mask`` — checked value
-by value and served with ``seqlens_k``; ``scaling``, GQA
+by value and served with ``seqlens_k``; (Nq == Nk) causal & left key padding, served as packed sequences
+through ``gproj_attn_varlen_func`` (flash-attention's unpadding: the valid tokens gathered, the output
+scattered back with zeros at the padding tokens, whose rows see no key; SDPA gives them zeros too);
+``scaling``, GQA
 (``num_key_value_groups``: k/v keep their heads), the ``dropout`` the model passes (its
 ``attention_dropout`` / ``attn_pdrop`` while training, 0 in eval: served as the op's ``dropout_p``, the
 op's own Philox mask); sliding-window layers (the
 ``sliding_window=W`` keyword Mistral, Qwen2 and Gemma 2 pass: key j visible to query i iff
 j > i − W, with the causal mask, i.e. the op's ``window_size=(W − 1, 0)``; the boolean mask
 ``sdpa_mask`` builds for it is checked value by value against that band, or (Nq == Nk) against the band
-& right key padding, served with ``seqlens_k``), and Gemma 2's
+& right key padding, served with ``seqlens_k``, or & left key padding, served unpadded), and Gemma 2's
 logit ``softcap``. Falls back to ``sdpa_attention_forward`` (``eager`` when softcap is set, since SDPA
-refuses it) with one :class:`GProjFallbackWarning` per module for left padding and
-other mask patterns, float masks, ``position_bias``,
+refuses it) with one :class:`GProjFallbackWarning` per module for other mask patterns (holes in the
+padding, left padding of a non-causal or cached call), float masks, ``position_bias``,
 attention sinks (``s_aux``), and head dims the op does not take. Packed sequences (batch 1, several
 sequences flattened into one row, as ``DataCollatorWithFlattening`` builds them) are served through
 ``gproj_attn_varlen_func``, as transformers' flash-attention integration computes them (not as
@@ -174,7 +177,40 @@ def _plan_packed(module, query, key, value, attention_mask, scaling, is_causal, 
     if window is not None and not causal:
         return "sliding_window without a causal mask", None
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
-    return None, (q, k, v, scaling, causal, None, (-1, -1) if window is None else (window - 1, 0), softcap, packed)
+    return None, (q, k, v, scaling, causal, None, (-1, -1) if window is None else (window - 1, 0), softcap, packed,
+                  None)
+
+
+def _left_padding(mask: torch.Tensor, window: Optional[int]) -> Optional[torch.Tensor]:
+    """The (batch, N) valid-token mask if the boolean (batch, heads or 1, N, N) mask equals the causal
+    mask (the band j > i − W with ``window``) & left key padding — each batch row's valid keys a
+    non-empty suffix, as ``sdpa_mask`` builds it from a left-padded ``attention_mask`` — with some row
+    padded; else None. Query rows of padding tokens then see no key (SDPA gives them zeros), so the
+    call equals the packed (unpadded) sequences. Reads the mask's values (a device sync)."""
+    n = mask.shape[-1]
+    if mask.dim() != 4 or mask.shape[-2] != n:
+        return None
+    valid = mask[:, 0].any(dim=-2)  # every valid key is seen by its own row (the diagonal)
+    if not bool(valid[:, -1].all()) or bool((valid[:, 1:] < valid[:, :-1]).any()) or bool(valid.all()):
+        return None
+    i = torch.arange(n, device=mask.device)[:, None]
+    j = torch.arange(n, device=mask.device)[None, :]
+    allowed = (j <= i) if window is None else (j <= i) & (j > i - window)
+    return valid if bool((mask == (allowed[None, None] & valid[:, None, None, :])).all()) else None
+
+
+def _plan_unpadded(query, key, value, valid: torch.Tensor, scaling, window: Optional[int], softcap: float):
+    """A left-padded batch as packed sequences (flash-attention's unpadding): the valid tokens of each
+    row gathered into (total, heads, dim), served causal by the varlen op, scattered back with zeros
+    at the padding tokens (:func:`gproj_attention_forward`)."""
+    b, n = valid.shape
+    counts = valid.sum(dim=-1)
+    cu = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+    idx = valid.flatten().nonzero().squeeze(1)
+    q, k, v = (x.transpose(1, 2).reshape(b * n, x.shape[1], x.shape[3])[idx] for x in (query, key, value))
+    longest = int(counts.max())
+    return None, (q, k, v, scaling, True, None, (-1, -1) if window is None else (window - 1, 0), softcap,
+                  (cu, cu, longest, longest), (idx, b, n))
 
 
 def _band_key_lengths(mask: torch.Tensor, band: torch.Tensor) -> Optional[torch.Tensor]:
@@ -194,14 +230,15 @@ def _band_key_lengths(mask: torch.Tensor, band: torch.Tensor) -> Optional[torch.
 
 
 def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
-    """``(reason, (q, k, v, scale, causal, seqlens_k, window_size, softcap, packed))`` in the op layout; reason None when the
+    """``(reason, (q, k, v, scale, causal, seqlens_k, window_size, softcap, packed, unpad))`` in the op layout; reason None when the
     op serves the call as ``sdpa_attention_forward`` would compute it. query, key, value: (batch,
     heads, seqlen, dim). A boolean 4-D mask is served when its values equal what the op applies: all
     True, the causal mask, right key padding, or (Nq == Nk) causal & right key padding — the mask
     ``sdpa_mask`` builds for a right-padded ``attention_mask`` — with ``seqlens_k`` the per-row count
     of valid keys (:func:`lightning_gproj.swap.sdpa.plan` checks the values). ``packed``: None, or
     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for packed sequences (module docstring),
-    q then (total_q, heads, dim) and k, v (total_k, kv_heads, dim)."""
+    q then (total_q, heads, dim) and k, v (total_k, kv_heads, dim). ``unpad``: None, or (indices, batch,
+    N) for a left-padded batch served as packed sequences (:func:`_plan_unpadded`)."""
     for name in _REFUSED:
         if kwargs.get(name) is not None:
             return f"{name} is set", None
@@ -242,24 +279,30 @@ def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling,
             if not bool((attention_mask == band).all()):
                 seqlens_k = _band_key_lengths(attention_mask, band)
                 if seqlens_k is None:
-                    return ("a sliding-window mask with left padding or another pattern than the causal band "
-                            "& right key padding"), None
+                    valid = _left_padding(attention_mask, window)
+                    if valid is not None:
+                        return _plan_unpadded(query, key, value, valid, scaling, window, float(softcap))
+                    return ("a sliding-window mask with another pattern than the causal band & right or left key "
+                            "padding"), None
             causal = True
         elif not causal:
             return "sliding_window without a causal mask", None
         return None, (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling, True, seqlens_k,
-                      (window - 1, 0), float(softcap), None)
+                      (window - 1, 0), float(softcap), None, None)
     reason, causal_mask, seqlens_k = sdpa.plan(
         (query, key, value),
         dict(attn_mask=attention_mask, dropout_p=0.0, is_causal=causal, scale=scaling, enable_gqa=True),
     )
     if reason is not None:
         if attention_mask is not None and ("not the causal mask" in reason or "not right padding" in reason):
-            reason = "an attention_mask with left padding or another pattern than causal & right padding"
+            valid = _left_padding(attention_mask, None) if attention_mask.dim() == 4 else None
+            if valid is not None:
+                return _plan_unpadded(query, key, value, valid, scaling, None, float(softcap))
+            reason = "an attention_mask with another pattern than causal & right or left padding"
         return reason, None
     return None, (
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling, causal or causal_mask, seqlens_k,
-        (-1, -1), float(softcap), None,
+        (-1, -1), float(softcap), None, None,
     )
 
 
@@ -285,11 +328,15 @@ def gproj_attention_forward(
         with Guard():
             return _sdpa_forward(kwargs)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     site.served += 1
-    q, k, v, scale, causal, seqlens_k, window, softcap, packed = call
+    q, k, v, scale, causal, seqlens_k, window, softcap, packed, unpad = call
     with Guard():  # an enclosing SDPAMode must not take the SDPA call of an fp32 remediation
         if packed is not None:
-            return site.attention_varlen(q, k, v, *packed, softmax_scale=scale, causal=causal, window_size=window,
-                                         softcap=softcap, dropout_p=float(dropout))[None], None
+            out = site.attention_varlen(q, k, v, *packed, softmax_scale=scale, causal=causal, window_size=window,
+                                        softcap=softcap, dropout_p=float(dropout))
+            if unpad is None:
+                return out[None], None
+            idx, b, n = unpad  # left padding: the packed rows back in place, zeros at the padding tokens
+            return out.new_zeros((b * n,) + out.shape[1:]).index_copy(0, idx, out).view(b, n, *out.shape[1:]), None
         return site.attention(q, k, v, softmax_scale=scale, causal=causal, seqlens_k=seqlens_k, window_size=window,
                               softcap=softcap, dropout_p=float(dropout)), None
 

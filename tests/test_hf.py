@@ -217,7 +217,7 @@ def test_training_dropout_is_served(op_spy):
     model = transformers.LlamaForCausalLM(config).train()
     swapped = copy.deepcopy(model)
     report = swap_attention(swapped)
-    assert "attention dropout are served" in report.rows[0].reason
+    assert "attention dropout and right or left padding are served" in report.rows[0].reason
     ids = _inputs("llama")["input_ids"]
     with warnings.catch_warnings():
         warnings.simplefilter("error", GProjFallbackWarning)

@@ -182,6 +182,45 @@ def test_left_padding_is_served_as_packed_sequences(name, op_spy, monkeypatch):
         assert c["causal"] and c["cu_seqlens_q"].tolist() == [0, n - 3, 2 * n - 4] == c["cu_seqlens_k"].tolist()
 
 
+def test_left_padded_prompt_of_generate_is_served_and_decodes_as_the_original(op_spy):
+    """model.generate on one left-padded prompt passes position_ids [0, 0, 0, 0, 1, 2, ...], which look like
+    packed sequences; the mask (causal & left padding) decides, so the prefill is served as packed
+    sequences, and the greedy tokens equal the original model's."""
+    model, swapped = _build("llama")
+    model.eval(), swapped.eval()
+    report = swap_attention(swapped)
+    ids = _inputs("llama", batch=1)["input_ids"]
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, :3] = 0
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        got = swapped.generate(ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, ref)
+    site = report.sites["model.layers.0.self_attn"]
+    assert site.served >= 1 and not any("packed" in reason for reason in site.fallbacks)
+
+
+def test_attention_sinks_fall_back_to_the_models_eager_attention():
+    """gpt-oss passes its attention sinks as ``s_aux``: GProj does not serve them, and the fallback is the
+    model's own eager attention (SDPA would drop the sinks); the logits equal the original's."""
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], attn_implementation="eager")
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "sinks"):
+                m.sinks.normal_(0, 2.0)  # sinks that matter
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    ids = _inputs("llama")["input_ids"]
+    with pytest.warns(GProjFallbackWarning, match="s_aux is set"):
+        out = swapped(ids).logits
+    assert rel_err(out, model(ids).logits) <= 1e-6
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_right_padding_mask_is_served_with_seqlens_k(name, op_spy):
     """A right-padded attention_mask: transformers' sdpa_mask builds causal & padding as a boolean

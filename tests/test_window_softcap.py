@@ -266,3 +266,44 @@ def test_hf_packed_sequences_with_window_and_softcap_are_served(build, eager, so
         assert calls == [((3, 0), 2.0, True, cu_list), ((-1, -1), 2.0, True, cu_list)]
     else:
         assert calls == [((3, 0), 0.0, True, cu_list)] * 2
+
+
+@pytest.mark.parametrize("case", ["hole", "all_padding_row", "exclude_layer"])
+def test_hf_gemma2_fallbacks_and_unswapped_layers_match_the_original(case):
+    """Calls GProj does not serve on a softcap model run its own eager attention. The masks of
+    implementation "gproj" are sdpa_mask's (boolean, or None for plain causal), which eager would add
+    to the scores as 0 / 1 or skip: the fallback converts them to eager's additive mask. Checked on a
+    padding hole and an all-padding row (both fall back, with a warning) and on a layer left unswapped by
+    ``exclude`` (no padding: sdpa_mask gives None there), against the original eager model (fp32) on the
+    real tokens, logits and parameter gradients."""
+    from lightning_gproj.swap import GProjFallbackWarning, swap_attention
+
+    torch.manual_seed(0)
+    model = _gemma2().train()
+    model.set_attn_implementation("eager")
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped, exclude="model.layers.1*" if case == "exclude_layer" else None)
+    ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    if case == "hole":
+        attention_mask[0, 4] = 0
+    elif case == "all_padding_row":
+        attention_mask[1] = 0
+    real = attention_mask.bool() if case != "all_padding_row" else torch.tensor([[True] * 9, [False] * 9])
+
+    def run(m):
+        for p in m.parameters():
+            p.grad = None
+        out = m(input_ids=ids, attention_mask=attention_mask).logits
+        out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out) * real[..., None])
+        return out.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, grads = run(swapped)
+    fell = [w for w in caught if issubclass(w.category, GProjFallbackWarning)]
+    assert (len(fell) > 0) == (case != "exclude_layer")
+    out_ref, grads_ref = run(model)
+    assert _rel(out[real], out_ref[real]) <= 2e-5
+    for key in grads_ref:
+        assert _rel(grads[key], grads_ref[key]) <= 1e-4, key

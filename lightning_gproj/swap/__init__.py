@@ -220,8 +220,8 @@ def swap_attention(
             report.sites[path] = hf.swap_module(module, path, fix, site=old)
             notes = again + [
                 "packed sequences (position_ids restarting at 0, cu_seq_lens kwargs) served through the varlen op; "
-                "sliding windows, softcap, attention dropout and right or left padding are served; other masks "
-                "run sdpa_attention_forward (warns once)"]
+                "sliding windows, softcap, attention dropout and right or left padding are served; other calls "
+                "run the original attention (warns once)"]
             if implementation != "sdpa":
                 notes.append(f"its masks are now built as for 'sdpa', not {implementation!r}")
             report.rows.append(SwapRow(path, original, f"{replacement} via AttentionInterface 'gproj'", "; ".join(notes)))

@@ -26,8 +26,9 @@ op's own Philox mask); sliding-window layers (the
 j > i − W, with the causal mask, i.e. the op's ``window_size=(W − 1, 0)``; the boolean mask
 ``sdpa_mask`` builds for it is checked value by value against that band, or (Nq == Nk) against the band
 & right key padding, served with ``seqlens_k``, or & left key padding, served unpadded), and Gemma 2's
-logit ``softcap``. Falls back to ``sdpa_attention_forward`` (``eager`` when softcap is set, since SDPA
-refuses it) with one :class:`GProjFallbackWarning` per module for other mask patterns (holes in the
+logit ``softcap``. Falls back to ``sdpa_attention_forward`` (the model's own ``eager_attention_forward``
+when the call carries a softcap, which SDPA refuses, or attention sinks, which it ignores; given the
+additive mask eager expects, also in layers left unswapped) with one :class:`GProjFallbackWarning` per module for other mask patterns (holes in the
 padding, left padding of a non-causal or cached call), float masks, ``position_bias``,
 attention sinks (``s_aux``), and head dims the op does not take. Packed sequences (batch 1, several
 sequences flattened into one row, as ``DataCollatorWithFlattening`` builds them) are served through
@@ -89,10 +90,15 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
+#: Keyword arguments only the model's own eager attention applies (SDPA raises on softcap and ignores
+#: attention sinks): calls that carry one and are not served fall back to eager.
+_EAGER_ONLY = ("softcap", "s_aux", "sinks", "position_bias")
+
+
 def _sdpa_forward(kwargs: Optional[dict] = None):
-    """``sdpa_attention_forward``, or ``eager_attention_forward`` of the model's module when the call
-    carries a softcap (SDPA raises on it)."""
-    if kwargs and kwargs.get("softcap") is not None:
+    """``sdpa_attention_forward``, or the model's own eager attention (:func:`_eager_forward`) when the
+    call carries something only eager applies (softcap, attention sinks)."""
+    if kwargs and any(kwargs.get(name) is not None for name in _EAGER_ONLY):
         return _eager_forward
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -100,10 +106,22 @@ def _sdpa_forward(kwargs: Optional[dict] = None):
 
 
 def _eager_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """The model's own eager attention (its module's ``eager_attention_forward``), which applies softcap."""
+    """The model's own eager attention (its module's ``eager_attention_forward``, which applies softcap and
+    sinks), given the additive float mask eager expects. The masks of implementation ``"gproj"`` are
+    ``sdpa_mask``'s: boolean (True = attend), or None for plain causal (Nq == Nk, or one query) or full
+    attention — eager would add a boolean mask to the scores as 0 / 1 and apply no mask for None, so both
+    become what transformers' ``eager_mask`` builds: 0 where attended, the dtype's minimum elsewhere."""
+    n_q, n_k = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)) and n_q > 1
+        if causal:
+            i = torch.arange(n_q, device=query.device)[:, None] + (n_k - n_q)
+            attention_mask = (torch.arange(n_k, device=query.device)[None, :] <= i)[None, None]
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min)
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward")
-    out = fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    return out
+    return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def _packed_cu_seqlens(query, key, kwargs) -> Optional[tuple]:
@@ -255,8 +273,13 @@ def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling,
         return "query/key/value are not 4-D tensors", None
     packed = _packed_cu_seqlens(query, key, kwargs)
     if packed is not None:
-        return _plan_packed(module, query, key, value, attention_mask, scaling, is_causal, packed, window,
-                            float(softcap))
+        reason, call = _plan_packed(module, query, key, value, attention_mask, scaling, is_causal, packed, window,
+                                    float(softcap))
+        explicit = kwargs.get("cu_seq_lens_q") is not None
+        if reason is None or explicit or attention_mask is None:
+            return reason, call
+        # position_ids that look packed (generate gives a left-padded prompt [0, 0, 0, 0, 1, 2, ...]) with a
+        # mask that is not those sequences' mask: the mask decides, as in transformers' flash-attention path
     n_q = query.shape[2]
     causal = False
     if attention_mask is None:

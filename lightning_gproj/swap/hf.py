@@ -199,22 +199,24 @@ def _plan_packed(module, query, key, value, attention_mask, scaling, is_causal, 
                   None)
 
 
-def _left_padding(mask: torch.Tensor, window: Optional[int]) -> Optional[torch.Tensor]:
-    """The (batch, N) valid-token mask if the boolean (batch, heads or 1, N, N) mask equals the causal
-    mask (the band j > i − W with ``window``) & left key padding — each batch row's valid keys a
-    non-empty suffix, as ``sdpa_mask`` builds it from a left-padded ``attention_mask`` — with some row
-    padded; else None. Query rows of padding tokens then see no key (SDPA gives them zeros), so the
-    call equals the packed (unpadded) sequences. Reads the mask's values (a device sync)."""
-    n = mask.shape[-1]
-    if mask.dim() != 4 or mask.shape[-2] != n:
+def _padded_keys(mask: torch.Tensor, allowed: torch.Tensor) -> Optional[torch.Tensor]:
+    """The (batch, N) valid keys V if the boolean (batch, heads or 1, N, N) mask equals ``allowed & V[b, j]``
+    — the causal mask or band ``allowed`` (N, N) with key padding, as ``sdpa_mask`` builds it from a
+    padded ``attention_mask`` — with a valid key in every batch row; else None. ``allowed`` holds the
+    diagonal, so each valid key is seen by its own row. Right padding (V a prefix) is served with
+    ``seqlens_k``; left padding (a suffix) as packed sequences, since its padding rows see no key (SDPA
+    gives them zeros). Reads the mask's values (a device sync)."""
+    if mask.dim() != 4 or mask.shape[-2] != mask.shape[-1]:
         return None
-    valid = mask[:, 0].any(dim=-2)  # every valid key is seen by its own row (the diagonal)
-    if not bool(valid[:, -1].all()) or bool((valid[:, 1:] < valid[:, :-1]).any()) or bool(valid.all()):
+    valid = mask[:, 0].any(dim=-2)
+    if not bool(valid.any(dim=-1).all()):
         return None
-    i = torch.arange(n, device=mask.device)[:, None]
-    j = torch.arange(n, device=mask.device)[None, :]
-    allowed = (j <= i) if window is None else (j <= i) & (j > i - window)
     return valid if bool((mask == (allowed[None, None] & valid[:, None, None, :])).all()) else None
+
+
+def _is_suffix(valid: torch.Tensor) -> bool:
+    """Every row of the (batch, N) valid keys is False* True+ (left padding)."""
+    return bool((valid[:, 1:] >= valid[:, :-1]).all())
 
 
 def _plan_unpadded(query, key, value, valid: torch.Tensor, scaling, window: Optional[int], softcap: float):
@@ -229,22 +231,6 @@ def _plan_unpadded(query, key, value, valid: torch.Tensor, scaling, window: Opti
     longest = int(counts.max())
     return None, (q, k, v, scaling, True, None, (-1, -1) if window is None else (window - 1, 0), softcap,
                   (cu, cu, longest, longest), (idx, b, n))
-
-
-def _band_key_lengths(mask: torch.Tensor, band: torch.Tensor) -> Optional[torch.Tensor]:
-    """Per-batch key lengths L (int64, (batch,)) if the boolean (batch, heads or 1, Nq, Nk) mask equals
-    ``band & (j < L[b])`` — the sliding-window band with right key padding, as ``sdpa_mask`` builds it
-    from a right-padded ``attention_mask`` (Nq == Nk; query rows past L[b] + W − 1 see no key and get
-    zeros, as in SDPA) — with every L[b] >= 1; else None. L is the number of keys some row sees, then the
-    whole mask is compared with what L implies. Reads the mask's values (a device sync)."""
-    if mask.shape[-2] != mask.shape[-1]:
-        return None
-    lengths = mask[:, 0].any(dim=-2).sum(dim=-1)
-    if not bool((lengths >= 1).all()):
-        return None
-    j = torch.arange(mask.shape[-1], device=mask.device)
-    expected = band[None, None] & (j[None, None, None, :] < lengths[:, None, None, None])
-    return lengths if bool((mask == expected).all()) else None
 
 
 def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
@@ -300,13 +286,15 @@ def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling,
             if attention_mask.dim() != 4 or attention_mask.shape[-2:] != (n_q, n_k):
                 return "a sliding-window mask of another shape than (batch, 1, Nq, Nk)", None
             if not bool((attention_mask == band).all()):
-                seqlens_k = _band_key_lengths(attention_mask, band)
-                if seqlens_k is None:
-                    valid = _left_padding(attention_mask, window)
-                    if valid is not None:
-                        return _plan_unpadded(query, key, value, valid, scaling, window, float(softcap))
+                valid = _padded_keys(attention_mask, band)
+                if valid is None:
                     return ("a sliding-window mask with another pattern than the causal band & right or left key "
                             "padding"), None
+                if _is_suffix(valid):
+                    return _plan_unpadded(query, key, value, valid, scaling, window, float(softcap))
+                if not bool((valid[:, 1:] <= valid[:, :-1]).all()):  # neither left nor right padding
+                    return "a sliding-window mask with key padding on both sides or holes", None
+                seqlens_k = valid.sum(dim=-1)
             causal = True
         elif not causal:
             return "sliding_window without a causal mask", None
@@ -318,8 +306,9 @@ def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling,
     )
     if reason is not None:
         if attention_mask is not None and ("not the causal mask" in reason or "not right padding" in reason):
-            valid = _left_padding(attention_mask, None) if attention_mask.dim() == 4 else None
-            if valid is not None:
+            tril = torch.ones(n_q, n_q, dtype=torch.bool, device=query.device).tril()
+            valid = _padded_keys(attention_mask, tril) if key.shape[2] == n_q else None
+            if valid is not None and _is_suffix(valid):
                 return _plan_unpadded(query, key, value, valid, scaling, None, float(softcap))
             reason = "an attention_mask with another pattern than causal & right or left padding"
         return reason, None

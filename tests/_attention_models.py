@@ -171,6 +171,18 @@ class TinyModel(nn.Module):
         return self.head(x)
 
 
+def logits_and_grads(model: nn.Module, real: torch.Tensor | None = None, **inputs) -> tuple[torch.Tensor, dict]:
+    """A Hugging Face model's logits and parameter gradients for a fixed cotangent cos(0, 1, 2, ...),
+    zero at the positions where ``real`` (batch, seqlen) is False (padding tokens, whose rows two
+    attentions may fill differently)."""
+    for p in model.parameters():
+        p.grad = None
+    out = model(**inputs).logits
+    cot = torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out)
+    out.backward(cot if real is None else cot * real[..., None])
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b|."""
     a, b = a.detach(), b.detach()

@@ -24,7 +24,7 @@ import transformers
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from _attention_models import OpSpy, op_spy, rel_err  # noqa: F401 (fixture)
+from _attention_models import OpSpy, logits_and_grads, op_spy, rel_err  # noqa: F401 (fixture)
 from lightning_gproj.plugin import GProjPlugin
 from lightning_gproj.swap import GProjFallbackWarning, swap_attention, unswap_attention
 
@@ -72,14 +72,6 @@ def _inputs(name, batch=2):
     return dict(input_ids=torch.randint(0, VOCAB, (batch, 9), generator=g))
 
 
-def _forward_backward(model, inputs):
-    for p in model.parameters():
-        p.grad = None
-    out = model(**inputs).logits
-    out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out))
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def _build(name):
     torch.manual_seed(0)
     model = MODELS[name][0]().train()  # dropout probabilities are 0 in these configs
@@ -101,8 +93,8 @@ def test_swapped_model_matches_original(name, op_spy):
     inputs = _inputs(name)
     with warnings.catch_warnings():
         warnings.simplefilter("error", GProjFallbackWarning)
-        out, grads = _forward_backward(swapped, inputs)
-    out_ref, grads_ref = _forward_backward(model, inputs)
+        out, grads = logits_and_grads(swapped, **inputs)
+    out_ref, grads_ref = logits_and_grads(model, **inputs)
     assert rel_err(out, out_ref) <= TOL
     assert grads.keys() == grads_ref.keys() and len(grads) == len(list(model.parameters()))
     for key in grads_ref:
@@ -162,17 +154,10 @@ def test_left_padding_is_served_as_packed_sequences(name, op_spy, monkeypatch):
     padded[1, :1] = 0
     real = padded.bool()
 
-    def run(m):
-        for p in m.parameters():
-            p.grad = None
-        out = m(input_ids=ids, attention_mask=padded).logits
-        out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out) * real[..., None])
-        return out.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-
     with warnings.catch_warnings():
         warnings.simplefilter("error", GProjFallbackWarning)
-        out, grads = run(swapped)
-    out_ref, grads_ref = run(model)
+        out, grads = logits_and_grads(swapped, real, input_ids=ids, attention_mask=padded)
+    out_ref, grads_ref = logits_and_grads(model, real, input_ids=ids, attention_mask=padded)
     assert rel_err(out[real], out_ref[real]) <= TOL
     for key in grads_ref:
         assert rel_err(grads[key], grads_ref[key]) <= TOL, key
@@ -235,8 +220,8 @@ def test_right_padding_mask_is_served_with_seqlens_k(name, op_spy):
     inputs = dict(input_ids=ids, attention_mask=padded)
     with warnings.catch_warnings():
         warnings.simplefilter("error", GProjFallbackWarning)
-        out, grads = _forward_backward(swapped, inputs)
-    out_ref, grads_ref = _forward_backward(model, inputs)
+        out, grads = logits_and_grads(swapped, **inputs)
+    out_ref, grads_ref = logits_and_grads(model, **inputs)
     assert rel_err(out, out_ref) <= TOL
     assert grads.keys() == grads_ref.keys()
     for key in grads_ref:

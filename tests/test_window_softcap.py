@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from _attention_models import OpSpy, op_spy  # noqa: F401 (fixture)
+from _attention_models import OpSpy, logits_and_grads, op_spy  # noqa: F401 (fixture)
 from _fp64 import attention_fp64
 from lightning_gproj import gproj_attn_func
 from lightning_gproj.kernels import reference as R
@@ -137,17 +137,10 @@ def test_hf_sliding_window_and_softcap_are_served(build, eager, op_spy):
     swap_attention(swapped)
     ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
 
-    def run(m):
-        for p in m.parameters():
-            p.grad = None
-        out = m(input_ids=ids).logits
-        out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out))
-        return out.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-
     with warnings.catch_warnings():
         warnings.simplefilter("error", GProjFallbackWarning)
-        out, grads = run(swapped)
-    out_ref, grads_ref = run(model)
+        out, grads = logits_and_grads(swapped, input_ids=ids)
+    out_ref, grads_ref = logits_and_grads(model, input_ids=ids)
     assert _rel(out, out_ref) <= 2e-5
     for key in grads_ref:
         assert _rel(grads[key], grads_ref[key]) <= 1e-4, key
@@ -187,18 +180,10 @@ def test_hf_sliding_window_with_padding_is_served(build, eager, side, op_spy, mo
         attention_mask = attention_mask.flip(-1)
     real = attention_mask.bool()
 
-    def run(m):
-        for p in m.parameters():
-            p.grad = None
-        out = m(input_ids=ids, attention_mask=attention_mask).logits
-        cot = torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out) * real[..., None]
-        out.backward(cot)
-        return out.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-
     with warnings.catch_warnings():
         warnings.simplefilter("error", GProjFallbackWarning)
-        out, grads = run(swapped)
-    out_ref, grads_ref = run(model)
+        out, grads = logits_and_grads(swapped, real, input_ids=ids, attention_mask=attention_mask)
+    out_ref, grads_ref = logits_and_grads(model, real, input_ids=ids, attention_mask=attention_mask)
     assert _rel(out[real], out_ref[real]) <= 2e-5
     for key in grads_ref:
         assert _rel(grads[key], grads_ref[key]) <= 1e-4, key
@@ -291,19 +276,12 @@ def test_hf_gemma2_fallbacks_and_unswapped_layers_match_the_original(case):
         attention_mask[1] = 0
     real = attention_mask.bool() if case != "all_padding_row" else torch.tensor([[True] * 9, [False] * 9])
 
-    def run(m):
-        for p in m.parameters():
-            p.grad = None
-        out = m(input_ids=ids, attention_mask=attention_mask).logits
-        out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out) * real[..., None])
-        return out.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out, grads = run(swapped)
+        out, grads = logits_and_grads(swapped, real, input_ids=ids, attention_mask=attention_mask)
     fell = [w for w in caught if issubclass(w.category, GProjFallbackWarning)]
     assert (len(fell) > 0) == (case != "exclude_layer")
-    out_ref, grads_ref = run(model)
+    out_ref, grads_ref = logits_and_grads(model, real, input_ids=ids, attention_mask=attention_mask)
     assert _rel(out[real], out_ref[real]) <= 2e-5
     for key in grads_ref:
         assert _rel(grads[key], grads_ref[key]) <= 1e-4, key

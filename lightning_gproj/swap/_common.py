@@ -128,8 +128,11 @@ class Guard:
 
 
 def dropout_reason(dropout_p: object) -> Optional[str]:
-    """None if the op takes this attention-dropout probability (a number in [0, 1)), else why not."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+    """None if the op takes this attention-dropout probability (its own check, ``ops._check_dropout``:
+    a number in [0, 1)), else why not."""
+    try:
+        ops._check_dropout(dropout_p)
+    except ValueError:
         return f"dropout_p={dropout_p!r} (the op takes a probability in [0, 1))"
     return None
 

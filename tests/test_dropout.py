@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_gproj import gproj_attn_func, gproj_attn_varlen_func
 from lightning_gproj.kernels import reference as R
+from _attention_models import op_keep_mask
 from _fp64 import attention_fp64, median_head_error
 
 HERE = Path(__file__).resolve().parent
@@ -104,12 +105,6 @@ def _grads(q, k, v, do, fix, seed, p, causal=False):
     return o.detach(), q.grad, k.grad, v.grad
 
 
-def _op_seed(seed: int) -> int:
-    """The Philox seed the op draws after ``torch.manual_seed(seed)`` (ops._draw_rng, signed int64)."""
-    torch.manual_seed(seed)
-    return int(torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64)) & (2**64 - 1)
-
-
 def test_gproj_with_dropout_removes_the_leak():
     """bf16 through the op (the reference on CPU), keys with a large mean (the leak τ r k̄ dominates an
     uncorrected dq): against float64 with the op's own mask, fix="gproj" keeps dq at the bf16 level
@@ -120,7 +115,7 @@ def test_gproj_with_dropout_removes_the_leak():
     q = torch.randn(b, n, h, d).bfloat16()
     k = (torch.randn(b, n, h, d) + 8).bfloat16()
     v, do = torch.randn(b, n, h, d).bfloat16(), torch.randn(b, n, h, d).bfloat16()
-    keep = R.dropout_keep_mask(_op_seed(5), 0, p, b, h, n, (0, n), (0, n))
+    keep = op_keep_mask(5, p, b, h, n, n)
     o64, dq64, dk64, dv64, _ = attention_fp64(q, k, v, do, d**-0.5, True, keep=keep, dropout_p=p)
     err = {}
     for fix in ("none", "gproj"):
@@ -186,7 +181,7 @@ def test_dv_uses_the_forward_mask_and_numpy_p():
 
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(1, 20, 2, 16, dtype=torch.float64) for _ in range(4))
-    keep = R.dropout_keep_mask(_op_seed(9), 0, 0.4, 1, 2, 20, (0, 20), (0, 20))
+    keep = op_keep_mask(9, 0.4, 1, 2, 20, 20)
     ref = attention_fp64(q, k, v, do, 16**-0.5, False, keep=keep, dropout_p=0.4)[:4]
     for p in (0.4, np.float64(0.4), torch.tensor(0.4, dtype=torch.float64)):
         got = _grads(q, k, v, do, "gproj", 9, p)
@@ -202,7 +197,7 @@ def test_varlen_mask_is_over_the_packed_tokens():
     torch.manual_seed(1)
     cu = torch.tensor([0, 6, 6, 17], dtype=torch.int32)
     q, k, v, do = (torch.randn(17, 2, 16, dtype=torch.float64) for _ in range(4))
-    keep = R.dropout_keep_mask(_op_seed(3), 0, 0.3, 1, 2, 17, (0, 17), (0, 17))
+    keep = op_keep_mask(3, 0.3, 1, 2, 17, 17)
     ref = packed_attention_fp64(q, k, v, do, 16**-0.5, True, cu, cu, keep=keep, dropout_p=0.3)
     q_, k_, v_ = (x.clone().requires_grad_() for x in (q, k, v))
     torch.manual_seed(3)

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from lightning_gproj.kernels.reference import dropout_threshold, normalize_window
+from lightning_gproj.kernels.reference import PHILOX_ROUNDS, dropout_threshold, normalize_window
 
 LOG2E = math.log2(math.e)
 
@@ -370,26 +370,49 @@ def _i32(x: int) -> int:
 
 def dropout_args(dropout_p: float, seed: int, offset: int) -> dict:
     """Kernel arguments of attention dropout: DROPOUT (constexpr; False is the kernels' code without
-    dropout), the 64-bit Philox key as two 32-bit halves, the counter offset, the keep threshold
+    dropout), the 64-bit Philox key as two 32-bit halves, the counter offset, the 16-bit keep threshold
     (kernels/reference.dropout_threshold) and the scale 1/(1 − p). The integers go in as int32 bit
     patterns (the kernels reinterpret them as uint32), so every seed gives the same argument types."""
     if not dropout_p:
         return dict(DROPOUT=False, seed_lo=0, seed_hi=0, drop_off=0, drop_thr=0, drop_scale=1.0)
     seed = int(seed) & ((1 << 64) - 1)
     return dict(DROPOUT=True, seed_lo=_i32(seed & 0xFFFFFFFF), seed_hi=_i32(seed >> 32),
-                drop_off=_i32(int(offset) & 0xFFFFFFFF), drop_thr=_i32(dropout_threshold(dropout_p)),
+                drop_off=_i32(int(offset) & 0xFFFFFFFF), drop_thr=dropout_threshold(dropout_p),
                 drop_scale=1.0 / (1.0 - float(dropout_p)))
 
 
+#: kernels/reference.PHILOX_ROUNDS as a constexpr global, the form a jitted function can read.
+_PHILOX_ROUNDS = tl.constexpr(PHILOX_ROUNDS)
+
+
 @triton.jit
-def dropout_keep(lin, bh, seed_lo, seed_hi, drop_off, drop_thr):
-    """Keep mask of attention dropout for a tile of linear indices ``lin`` = i·n_k + j (int64; the
-    counter scheme of kernels/reference.dropout_keep_mask): Philox4x32-10 with counters
-    (lin mod 2³², bh, offset, lin div 2³²) and key seed_hi·2³² + seed_lo; kept iff its first output
-    >= the threshold (unsigned compare)."""
-    c0 = lin.to(tl.uint32)
-    c3 = (lin >> 32).to(tl.uint32)
+def dropout_groups(n_k):
+    """Groups of 8 keys per query row, ⌈n_k / 8⌉ (G of kernels/reference.dropout_keep_mask)."""
+    return (n_k + 7) // 8
+
+
+@triton.jit
+def dropout_keep(row_base, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, BLOCK_N: tl.constexpr):
+    """Keep mask of attention dropout, [rows, BLOCK_N] bool, for query rows with group counters
+    ``row_base`` = i·G (int64, G = ⌈n_k / 8⌉) and the key columns start_n + [0, BLOCK_N): the scheme of
+    kernels/reference.dropout_keep_mask. One Philox4x32 call (kernels/reference.PHILOX_ROUNDS rounds;
+    counters (i·G + g mod 2³², bh, offset, i·G + g div 2³²), key seed_hi·2³² + seed_lo) per group
+    g = j // 8 of 8 keys; key c = j mod 8 of the group is kept iff the 16-bit half c mod 2 (0: low) of
+    output word c // 2 is >= the 16-bit threshold ``drop_thr``. ``start_n`` must be a multiple of 8
+    (every caller's is a multiple of BLOCK_N), so a tile holds whole groups."""
+    tl.static_assert(BLOCK_N % 8 == 0)
+    grp = row_base[:, None] + (start_n // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.int64)[None, :]
+    c0 = grp.to(tl.uint32)
+    c3 = (grp >> 32).to(tl.uint32)
     zero = c0 * 0
     seed = (seed_hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
-    x, _, _, _ = tl.philox(seed, c0, zero + bh.to(tl.uint32), zero + drop_off.to(tl.uint32, bitcast=True), c3)
-    return x >= drop_thr.to(tl.uint32, bitcast=True)
+    x0, x1, x2, x3 = tl.philox(seed, c0, zero + bh.to(tl.uint32), zero + drop_off.to(tl.uint32, bitcast=True), c3,
+                               n_rounds=_PHILOX_ROUNDS)
+    # Compared in the high 16 bits: high half x >> 16 >= thr iff x >= thr << 16, low half iff x << 16 >= thr << 16.
+    thr = drop_thr.to(tl.uint32) << 16
+    k0, k1, k2, k3 = (x0 << 16) >= thr, x0 >= thr, (x1 << 16) >= thr, x1 >= thr
+    k4, k5, k6, k7 = (x2 << 16) >= thr, x2 >= thr, (x3 << 16) >= thr, x3 >= thr
+    # Each tl.join appends an axis of 2; after three levels place (a1, a2, a3) (a1 the innermost join's
+    # axis) lands at flat index 4·a1 + 2·a2 + a3 of its group, so the bit-reversed join order puts k_c at c.
+    keep = tl.join(tl.join(tl.join(k0, k4), tl.join(k2, k6)), tl.join(tl.join(k1, k5), tl.join(k3, k7)))
+    return tl.reshape(keep, [row_base.shape[0], BLOCK_N])

@@ -34,7 +34,8 @@ dK/dV pass skips key blocks wholly past it and zeroes the rows of padded keys be
 
 Attention dropout (``dropout_p`` > 0, a constexpr variant DROPOUT; without it the kernels are the code
 above): both passes regenerate the forward's Philox keep mask M per tile (kernels/_triton_utils.dropout_keep,
-the counters of kernels/reference.dropout_keep_mask), dP' = M ∘ dP/(1 − p) replaces dP, dV += (P̃ ∘ M)ᵀ·dO
+the counters of kernels/reference.dropout_keep_mask; the dK/dV pass builds the [queries, keys] tile and
+transposes it), dP' = M ∘ dP/(1 − p) replaces dP, dV += (P̃ ∘ M)ᵀ·dO
 is scaled by 1/(1 − p) before its store, and everything else — D, dS = P ∘ (dP' − D) with the undropped P,
 r, the GProj direction P̃ — is unchanged: dS's rows still sum to zero (kernels/reference.py).
 
@@ -49,8 +50,8 @@ import triton
 import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_keep,
-    in_window, interpreting, load_pair, mma, padded_head_dim, rcp_ftz, round_ds, seq_bounds, supports,
+    INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_groups,
+    dropout_keep, in_window, interpreting, load_pair, mma, padded_head_dim, rcp_ftz, round_ds, seq_bounds, supports,
     tanh_and_grad_f32, to16, tune_lengths, visible, window_args, window_key_blocks, window_query_blocks,
 )
 from lightning_gproj.kernels.reference import FIXES, check_ds_format, project_key_sum_, sequences
@@ -115,7 +116,7 @@ def _preprocess_kernel(
 @triton.jit
 def _dq_inner(
     dq, pk, r, a, ps, q, do, m, l2, Di, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
-    lo, hi, c, N_K, CAUSAL_OFF, WL, WR, sc, cap, lin_rows, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
+    lo, hi, c, N_K, CAUSAL_OFF, WL, WR, sc, cap, drop_rows, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, NEED_R: tl.constexpr, NEED_PK: tl.constexpr, STATS: tl.constexpr,
     DS_BITS: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -139,7 +140,7 @@ def _dq_inner(
         dp = mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
         if DROPOUT:
             # dP' = M ∘ dP / (1 − p); dS = P ∘ (dP' − D) with the undropped P still sums to zero per row.
-            keep = dropout_keep(lin_rows[:, None] + cols[None, :], bh, seed_lo, seed_hi, drop_off, drop_thr)
+            keep = dropout_keep(drop_rows, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, BLOCK_N)
             dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - Di[:, None])
         if SOFTCAP:
@@ -204,14 +205,14 @@ def _dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     # Dropout counters, as in attention_fwd._fwd_kernel.
-    lin_rows = offs_m.to(tl.int64) * N_K
+    drop_rows = offs_m.to(tl.int64) * dropout_groups(N_K)
     bh = pid_bh
     if IS_VARLEN:
         # Packed sequences, as in attention_fwd._fwd_kernel: batch strides are 0, N_Q and N_K arrive as
         # total_q, total_k (row statistics are (H, total_q)) and become this sequence's lengths.
         q_start, k_start, n_q, n_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b)
         row0 = h.to(tl.int64) * N_Q + q_start
-        lin_rows = (q_start + offs_m).to(tl.int64) * N_K + k_start
+        drop_rows = (q_start + offs_m).to(tl.int64) * dropout_groups(N_K)
         bh = h
         N_Q = n_q
         N_K = n_k
@@ -263,7 +264,7 @@ def _dq_kernel(
         lo, lo_full, hi_full, hi = window_key_blocks(start_m, K_LEN, CAUSAL_OFF, WL, WR, BLOCK_M, BLOCK_N)
         dq, pk, r, a, ps = _dq_inner(
             dq, pk, r, a, ps, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
-            lo, lo_full, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap, lin_rows, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
+            lo, lo_full, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap, drop_rows, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
             BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM,
             DROPOUT,
         )
@@ -276,13 +277,13 @@ def _dq_kernel(
         hi_full = (K_LEN // BLOCK_N) * BLOCK_N
     dq, pk, r, a, ps = _dq_inner(
         dq, pk, r, a, ps, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
-        lo_full, hi_full, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap, lin_rows, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
+        lo_full, hi_full, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap, drop_rows, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
         BLOCK_N, False, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM,
         DROPOUT,
     )
     dq, pk, r, a, ps = _dq_inner(
         dq, pk, r, a, ps, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
-        hi_full, hi, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap, lin_rows, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
+        hi_full, hi, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap, drop_rows, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
         BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM,
         DROPOUT,
     )
@@ -308,7 +309,7 @@ def _dq_kernel(
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, Qh, DOh, Mh, L2h, DELh, Rh, stride_qn, stride_don, offs_m, cols, offs_d, offs_dq, offs_ddo,
-    lo, hi, c, N_Q, CAUSAL_OFF, WL, WR, sc, cap, lin_cols, drow0, NKC, bh, seed_lo, seed_hi, drop_off, drop_thr,
+    lo, hi, c, N_Q, CAUSAL_OFF, WL, WR, sc, cap, start_n, drow0, DG, bh, seed_lo, seed_hi, drop_off, drop_thr,
     drop_scale,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, DK_MODE: tl.constexpr, DS_BITS: tl.constexpr, INTERP: tl.constexpr,
@@ -349,8 +350,8 @@ def _dkdv_inner(
         if DROPOUT:
             # The forward's mask, transposed: dV += (P̃ ∘ M)ᵀ dO (scaled by 1/(1 − p) at the store),
             # dP' = M ∘ dP / (1 − p); the dK term's direction stays the undropped P̃.
-            keepT = dropout_keep(lin_cols[:, None] + (drow0 + rows).to(tl.int64)[None, :] * NKC, bh, seed_lo,
-                                 seed_hi, drop_off, drop_thr)
+            keepT = tl.trans(dropout_keep((drow0 + rows).to(tl.int64) * DG, start_n, bh, seed_lo, seed_hi, drop_off,
+                                          drop_thr, BLOCK_N))
             dv = mma(tl.where(keepT, p16, 0.0).to(k.dtype), do, dv, INTERP)
         else:
             dv = mma(p16, do, dv, INTERP)
@@ -413,14 +414,13 @@ def _dkdv_kernel(
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    # Dropout counters, as in attention_fwd._fwd_kernel: linear index (drow0 + i)·NKC + lin_cols.
-    NKC = N_K
-    lin_cols = cols.to(tl.int64)
+    # Dropout counters, as in attention_fwd._fwd_kernel: query row drow0 + i has group counters
+    # (drow0 + i)·DG + g, DG = ⌈N_K / 8⌉ (packed: of total_k, rows packed, keys within the sequence).
+    DG = dropout_groups(N_K)
     drow0 = 0
     if IS_VARLEN:
         # Packed sequences, as in _dq_kernel; key blocks past the sequence's keys exit at once.
         q_start, k_start, n_q, n_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b)
-        lin_cols = (k_start + cols).to(tl.int64)
         drow0 = q_start
         ROWS = N_Q
         N_Q = n_q
@@ -488,19 +488,19 @@ def _dkdv_kernel(
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
             offs_m, cols, offs_d, offs_dq, offs_ddo, lo, tl.minimum(lo_full, q_end), c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
-            lin_cols, drow0, NKC, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
+            start_n, drow0, DG, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
             BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM, DROPOUT,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
             offs_m, cols, offs_d, offs_dq, offs_ddo, lo_full, tl.minimum(nq_full, q_end), c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
-            lin_cols, drow0, NKC, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
+            start_n, drow0, DG, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
             BLOCK_M, False, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM, DROPOUT,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
             offs_m, cols, offs_d, offs_dq, offs_ddo, tl.maximum(lo_full, nq_full), q_end, c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
-            lin_cols, drow0, NKC, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
+            start_n, drow0, DG, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
             BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM, DROPOUT,
         )
     dk = dk * tau

@@ -21,7 +21,8 @@ them the kernel is the same code as before. So are sliding windows (WINDOW: each
 only the key blocks its rows' windows touch, masking the two edge ranges) and logit softcapping
 (SOFTCAP: the capped logits z = cap·tanh(τ s/cap) replace s, and m is their row max, so the row's
 maximum still gets exactly exp2(0)), and attention dropout (DROPOUT: the P·V operand is P̃ ∘ M with
-the Philox keep mask of kernels/reference.dropout_keep_mask, and o is scaled by 1/(1 − p) at the end).
+the Philox keep mask of kernels/reference.dropout_keep_mask, one Philox call per 8 keys of a row, and o
+is scaled by 1/(1 − p) at the end).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ import triton
 import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_keep,
-    in_window, interpreting, load_pair, mma, padded_head_dim, seq_bounds, supports, tanh_f32, to16, tune_lengths,
-    visible, window_args, window_key_blocks,
+    INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_groups,
+    dropout_keep, in_window, interpreting, load_pair, mma, padded_head_dim, seq_bounds, supports, tanh_f32, to16,
+    tune_lengths, visible, window_args, window_key_blocks,
 )
 
 __all__ = ["forward", "supports"]
@@ -65,7 +66,7 @@ def _prune_fwd(configs, named_args, **kwargs):
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv, lo, hi, c, N_K,
-    CAUSAL_OFF, WL, WR, sc, cap, lin_rows, bh, seed_lo, seed_hi, drop_off, drop_thr,
+    CAUSAL_OFF, WL, WR, sc, cap, drop_rows, bh, seed_lo, seed_hi, drop_off, drop_thr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     DROPOUT: tl.constexpr,
@@ -73,7 +74,8 @@ def _fwd_inner(
     """Online-softmax steps over key blocks [lo, hi). MASKED: apply the causal mask, the window and the
     key-tail mask cols < N_K, where N_K is the batch row's valid key count (seqlen_k, or seqlens_k[b]).
     SOFTCAP: the logits are z = cap·tanh(s·sc) (sc = τ/cap) and c = log2e. DROPOUT: the P·V operand
-    is P̃ ∘ M (M = dropout_keep of the linear indices lin_rows + col); l and m stay the undropped P's."""
+    is P̃ ∘ M (M = dropout_keep of the rows' group counters drop_rows = i·G); l and m stay the
+    undropped P's."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k, v = load_pair(K, V, cols, stride_kn, stride_vn, offs_d, offs_dk, offs_dv, N_K, HEAD_DIM, MASKED, EVEN_D)
@@ -96,7 +98,7 @@ def _fwd_inner(
         acc = acc * alpha[:, None]
         # Rounding point: P becomes a 16-bit GEMM operand (DESIGN.md §3).
         if DROPOUT:
-            keep = dropout_keep(lin_rows[:, None] + cols[None, :], bh, seed_lo, seed_hi, drop_off, drop_thr)
+            keep = dropout_keep(drop_rows, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         acc = mma(to16(p, v.dtype, INTERP), v, acc, INTERP)
         m_i = m_new
@@ -126,9 +128,10 @@ def _fwd_kernel(
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    # Dropout counters (kernels/reference.dropout_keep_mask): the linear index i·N_K + j of the dense
-    # call, or of the packed tokens (one batch row of total_q × total_k: bh = h) when packed.
-    lin_rows = offs_m.to(tl.int64) * N_K
+    # Dropout counters (kernels/reference.dropout_keep_mask): row i's groups of 8 keys start at i·G,
+    # G = ⌈N_K / 8⌉; packed, i is the packed row, G that of total_k and bh = h (keys count from the
+    # sequence's first, so key tiles start on a group boundary).
+    drop_rows = offs_m.to(tl.int64) * dropout_groups(N_K)
     bh = pid_bh
     if IS_VARLEN:
         # Packed sequences: batch row b is rows [cu_q[b], cu_q[b+1]) of q, o and keys [cu_k[b], cu_k[b+1])
@@ -136,7 +139,7 @@ def _fwd_kernel(
         # and become this sequence's lengths, so every bound and the causal offset below are per sequence.
         q_start, k_start, n_q, n_k = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b)
         row0 = h.to(tl.int64) * N_Q + q_start
-        lin_rows = (q_start + offs_m).to(tl.int64) * N_K + k_start
+        drop_rows = (q_start + offs_m).to(tl.int64) * dropout_groups(N_K)
         bh = h
         N_Q = n_q
         N_K = n_k
@@ -180,7 +183,7 @@ def _fwd_kernel(
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_d * stride_kd,
             offs_d * stride_vd, lo, lo_full, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap,
-            lin_rows, bh, seed_lo, seed_hi, drop_off, drop_thr,
+            drop_rows, bh, seed_lo, seed_hi, drop_off, drop_thr,
             BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, INTERP, WINDOW, SOFTCAP, DROPOUT,
         )
     elif CAUSAL:
@@ -194,13 +197,13 @@ def _fwd_kernel(
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_d * stride_kd, offs_d * stride_vd, lo_full, hi_full,
         c,
-        K_LEN, CAUSAL_OFF, WL, WR, sc, cap, lin_rows, bh, seed_lo, seed_hi, drop_off, drop_thr,
+        K_LEN, CAUSAL_OFF, WL, WR, sc, cap, drop_rows, bh, seed_lo, seed_hi, drop_off, drop_thr,
         BLOCK_N, False, CAUSAL, HEAD_DIM, EVEN_D, INTERP, WINDOW, SOFTCAP, DROPOUT,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_d * stride_kd, offs_d * stride_vd, hi_full, hi,
         c,
-        K_LEN, CAUSAL_OFF, WL, WR, sc, cap, lin_rows, bh, seed_lo, seed_hi, drop_off, drop_thr,
+        K_LEN, CAUSAL_OFF, WL, WR, sc, cap, drop_rows, bh, seed_lo, seed_hi, drop_off, drop_thr,
         BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, INTERP, WINDOW, SOFTCAP, DROPOUT,
     )
 
@@ -257,8 +260,9 @@ def forward(
             causal and window bottom-right aligned within it). The grid is (cdiv(max_seqlen_q,
             BLOCK_M), batch·nheads); query blocks past a sequence's end exit at once.
         dropout_p, dropout_seed, dropout_offset: attention dropout (0: off, the kernel without it), the
-            mask of :func:`lightning_gproj.kernels.reference.dropout_keep_mask` (packed: in packed
-            token coordinates): O = (P ∘ M) V / (1 − p); m and log2l are the undropped P's.
+            mask of :func:`lightning_gproj.kernels.reference.dropout_keep_mask` (p rounded to a
+            multiple of 2⁻¹⁶; packed: over the packed query rows and each sequence's own keys):
+            O = (P ∘ M) V / (1 − p); m and log2l are the undropped P's.
 
     Returns:
         o: (batch, seqlen_q, nheads, headdim) (packed: (total_q, nheads, headdim)), q's dtype, contiguous.

@@ -33,7 +33,8 @@ Sliding windows and logit softcapping (flash-attn's ``window_size=(left, right)`
   and the dK operand bf16(ρ_i) — the O(N·d) prefix-mean form needs constant weights and a causal band).
 
 Attention dropout (flash-attn's ``dropout_p``, ``nn.MultiheadAttention(dropout=p)``, Hugging Face's
-``attn_pdrop``): with the keep mask M ∈ {0, 1} (:func:`dropout_keep_mask`, kept with probability 1 − p)
+``attn_pdrop``): with the keep mask M ∈ {0, 1} (:func:`dropout_keep_mask`, kept with probability 1 − p,
+p rounded to a multiple of 2⁻¹⁶ by the 16-bit keep test: E[M] / (1 − p) = 1 within 2⁻¹⁷ / (1 − p))
 
     O = (P ∘ M) V / (1 − p),   P = softmax(S) undropped (the row max m and the sum l are P's).
 
@@ -70,7 +71,7 @@ from torch import Tensor
 
 __all__ = [
     "forward", "backward", "FIXES", "DS_FORMATS", "round_significand", "normalize_window", "project_key_sum_",
-    "philox4x32", "dropout_threshold", "dropout_keep_mask",
+    "philox4x32", "PHILOX_ROUNDS", "dropout_threshold", "dropout_keep_mask",
 ]
 
 #: Accepted values of ``fix``.
@@ -83,7 +84,10 @@ DS_FORMATS = {"bf16": 0, "e4m3": 4, "e5m2": 3}
 _LOG2E = math.log2(math.e)
 
 _M32 = 0xFFFFFFFF
-# Philox4x32-10 constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11), as in
+#: Rounds of the Philox4x32 generator behind the dropout mask, read by :func:`dropout_keep_mask` and the
+#: Triton kernels (kernels/_triton_utils.dropout_keep): editing this one line changes both together.
+PHILOX_ROUNDS = 10
+# Philox4x32 constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11), as in
 # triton.language.random.philox_impl.
 _PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
 _PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
@@ -100,7 +104,7 @@ def _mul32(a: int, x: Tensor) -> tuple[Tensor, Tensor]:
 def philox4x32(seed: int, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, rounds: int = 10) -> tuple[Tensor, ...]:
     """Philox4x32-``rounds`` of the counters (c0, c1, c2, c3) under the 64-bit key ``seed``, in PyTorch.
 
-    Bit for bit Triton's ``tl.philox(seed, c0, c1, c2, c3)`` with 32-bit counters (key k0 = the low 32
+    Bit for bit Triton's ``tl.philox(seed, c0, c1, c2, c3, n_rounds=rounds)`` with 32-bit counters (key k0 = the low 32
     bits of the seed, k1 = the high 32; checked against Triton in tests/test_dropout.py). Counters are
     int64 tensors holding uint32 values (broadcast together); returns the four uint32 outputs as int64.
     """
@@ -116,9 +120,12 @@ def philox4x32(seed: int, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, rounds
 
 
 def dropout_threshold(dropout_p: float) -> int:
-    """The uint32 threshold of the keep test ``random >= threshold``: min(round(p · 2³²), 2³² − 1), so an
-    element is dropped with probability p to within 2⁻³² (an integer comparison: exactly reproducible)."""
-    return min(round(float(dropout_p) * 2.0**32), _M32)
+    """The 16-bit threshold of the keep test ``random >= threshold`` (:func:`dropout_keep_mask`):
+    thr16 = min(round(p · 2¹⁶), 2¹⁶ − 1), round half to even. An element is dropped with probability
+    thr16 / 2¹⁶, i.e. p rounded to a multiple of 2⁻¹⁶: |error| <= 2⁻¹⁷ ≈ 7.6e-6 (<= 2⁻¹⁶ for
+    p > 1 − 2⁻¹⁶, where the threshold saturates; p <= 2⁻¹⁷ drops nothing). The output scale stays
+    1/(1 − p) of the p given. An integer comparison: exactly reproducible."""
+    return min(round(float(dropout_p) * 2.0**16), 0xFFFF)
 
 
 def dropout_keep_mask(
@@ -127,38 +134,47 @@ def dropout_keep_mask(
 ) -> Tensor:
     """The attention-dropout keep mask the kernels use, (batch, nheads, rows[1] − rows[0], cols[1] − cols[0]) bool.
 
-    Element (b, h, i, j) — query row i, key column j of a call with ``n_k`` keys per row — is kept iff
-    the first output of Philox4x32-10 (:func:`philox4x32`) with key ``seed`` and counters
+    One Philox4x32-:data:`PHILOX_ROUNDS` call (:func:`philox4x32`, key ``seed``) gives 4 × 32 random bits
+    = 8 random 16-bit values, spent on 8 consecutive keys of one query row. Element (b, h, i, j) — query
+    row i, key column j of a call with ``n_k`` keys per row — lies in group g = ⌊j / 8⌋ at place
+    c = j mod 8; with G = ⌈n_k / 8⌉ groups per row its counters are
 
-        c0 = (i · n_k + j) mod 2³²,  c1 = b · nheads + h,  c2 = offset mod 2³²,  c3 = ⌊(i · n_k + j) / 2³²⌋
+        c0 = (i · G + g) mod 2³²,  c1 = b · nheads + h,  c2 = offset mod 2³²,  c3 = ⌊(i · G + g) / 2³²⌋
 
-    is >= :func:`dropout_threshold` (p). ``rows`` / ``cols``: the half-open ranges of i and j wanted.
-    Packed sequences (varlen) are one batch row: i, j index the packed tokens (0 <= i < total_q,
-    0 <= j < total_k), n_k = total_k and c1 = h, so a sequence's mask depends on where it is packed.
+    and its random value is the 16-bit half c mod 2 (0: the low half, 1: the high half) of output word
+    ⌊c / 2⌋. It is kept iff that value >= :func:`dropout_threshold` (p): dropped with probability p
+    rounded to a multiple of 2⁻¹⁶. ``rows`` / ``cols``: the half-open ranges of i and j wanted.
+    Packed sequences (varlen) are one batch row: i indexes the packed query rows (0 <= i < total_q), j
+    the key within its sequence (0 <= j < that sequence's length: groups then start at the sequence's
+    first key, wherever it is packed), n_k = total_k and c1 = h. Counters stay distinct: a packed row
+    belongs to one sequence, whose ⌈n_k_seq / 8⌉ groups fit in G.
     """
+    g0, g1 = cols[0] // 8, -(-cols[1] // 8)  # the groups covering the columns
     i = torch.arange(rows[0], rows[1], device=device, dtype=torch.int64)
-    j = torch.arange(cols[0], cols[1], device=device, dtype=torch.int64)
-    lin = (i[:, None] * n_k + j[None, :])[None, None]
+    g = torch.arange(g0, g1, device=device, dtype=torch.int64)
+    lin = (i[:, None] * -(-n_k // 8) + g[None, :])[None, None]
     bh = torch.arange(batch * nheads, device=device, dtype=torch.int64).view(batch, nheads, 1, 1)
-    x, _, _, _ = philox4x32(seed, lin & _M32, bh, torch.tensor(int(offset), device=device), lin >> 32)
-    return x >= dropout_threshold(dropout_p)
+    words = philox4x32(seed, lin & _M32, bh, torch.tensor(int(offset), device=device), lin >> 32, PHILOX_ROUNDS)
+    # Place c of a group: the half c mod 2 of word c // 2.
+    halves = torch.stack([h for x in words for h in (x & 0xFFFF, x >> 16)], dim=-1).flatten(-2)
+    return halves[..., cols[0] - 8 * g0: cols[1] - 8 * g0] >= dropout_threshold(dropout_p)
 
 
 class _Dropout(NamedTuple):
     """Dropout of one (dense) reference call: p, the Philox seed and offset, and where the call's rows
-    and columns sit in the counter space (packed sequences: their first packed row / key, and total_k)."""
+    sit in the counter space (packed sequences: their first packed row, and total_k; keys are counted
+    within the sequence, :func:`dropout_keep_mask`)."""
 
     p: float
     seed: int
     offset: int
     row0: int = 0
-    col0: int = 0
     n_k: Optional[int] = None
 
     def keep(self, batch: int, nheads: int, i0: int, i1: int, nk: int, dtype, device) -> Tensor:
         """(batch, nheads, i1 − i0, nk) keep mask of query rows i0 <= i < i1 as 0/1 in ``dtype``."""
         mask = dropout_keep_mask(self.seed, self.offset, self.p, batch, nheads, self.n_k or nk,
-                                 (self.row0 + i0, self.row0 + i1), (self.col0, self.col0 + nk), device)
+                                 (self.row0 + i0, self.row0 + i1), (0, nk), device)
         return mask.to(dtype)
 
 
@@ -391,7 +407,7 @@ def sequences(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> list[tuple[int, int
 def _forward_varlen(q, k, v, softmax_scale, causal, block_m, cu_seqlens_q, cu_seqlens_k, window_size, softcap,
                     drop=None):
     """:func:`forward` over packed sequences, one sequence at a time (each its own batch row of 1); the
-    dropout mask in packed coordinates (:func:`dropout_keep_mask`)."""
+    dropout mask of the packed query rows and the sequence's own keys (:func:`dropout_keep_mask`)."""
     nheads = q.shape[1]
     stat = torch.float64 if q.dtype == torch.float64 else torch.float32
     o = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
@@ -401,7 +417,7 @@ def _forward_varlen(q, k, v, softmax_scale, causal, block_m, cu_seqlens_q, cu_se
     for q0, q1, k0, k1 in sequences(cu_seqlens_q, cu_seqlens_k):
         if q1 == q0 or k1 == k0:
             continue
-        at = None if drop is None else drop._replace(row0=q0, col0=k0, n_k=k.shape[0])
+        at = None if drop is None else drop._replace(row0=q0, n_k=k.shape[0])
         ob, mb, lb = forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, causal, block_m,
                              window_size=window_size, softcap=softcap, _dropout_at=at)
         o[q0:q1], m[:, q0:q1], log2l[:, q0:q1] = ob[0], mb[0], lb[0]
@@ -670,7 +686,7 @@ def _backward_varlen(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_
             do[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], o[None, q0:q1], m[None, :, q0:q1],
             log2l[None, :, q0:q1], softmax_scale, causal, fix, want_stats, dk_fold, grad_dtype, block_m,
             ds_format=ds_format, window_size=window_size, softcap=softcap,
-            _dropout_at=None if drop is None else drop._replace(row0=q0, col0=k0, n_k=k.shape[0]),
+            _dropout_at=None if drop is None else drop._replace(row0=q0, n_k=k.shape[0]),
         )
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
         for name, x in g[3].items():

@@ -41,14 +41,33 @@ def reference_attn(q, k, v, softmax_scale=None, causal=False, fix="gproj", dropo
     return torch.einsum("bhqk,bkhd->bqhd", p, v)
 
 
-def op_keep_mask(seed: int, dropout_p: float, batch: int, nheads: int, n_q: int, n_k: int) -> torch.Tensor:
+def op_keep_mask(seed: int, dropout_p: float, batch: int, nheads: int, n_q: int, n_k: int,
+                 cu_seqlens: tuple | None = None) -> torch.Tensor:
     """The keep mask the op's next dense call draws after ``torch.manual_seed(seed)`` (ops._draw_rng: one
-    signed int64 from torch's CPU generator, offset 0): (batch, nheads, n_q, n_k) bool."""
+    signed int64 from torch's CPU generator, offset 0): (batch, nheads, n_q, n_k) bool. With
+    ``cu_seqlens`` = (cu_seqlens_q, cu_seqlens_k), a varlen call's mask (:func:`packed_keep_mask`;
+    batch = 1, n_q, n_k the packed totals)."""
     from lightning_gproj.kernels.reference import dropout_keep_mask
 
     torch.manual_seed(seed)
     op_seed = int(torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64))
+    if cu_seqlens is not None:
+        return packed_keep_mask(op_seed, 0, dropout_p, nheads, *cu_seqlens)
     return dropout_keep_mask(op_seed, 0, dropout_p, batch, nheads, n_k, (0, n_q), (0, n_k))
+
+
+def packed_keep_mask(seed: int, offset: int, dropout_p: float, nheads: int, cu_seqlens_q, cu_seqlens_k) -> torch.Tensor:
+    """The keep mask of packed sequences as a (1, nheads, total_q, total_k) bool over the packed tokens,
+    for float64 attention under a packed visibility mask: sequence b's block is
+    ``dropout_keep_mask`` of its packed query rows and its own keys 0 .. n_k − 1 (n_k = total_k),
+    False outside the sequences' blocks (pairs no query sees)."""
+    from lightning_gproj.kernels.reference import dropout_keep_mask
+
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    keep = torch.zeros(1, nheads, cq[-1], ck[-1], dtype=torch.bool)
+    for q0, q1, k0, k1 in zip(cq[:-1], cq[1:], ck[:-1], ck[1:]):
+        keep[:, :, q0:q1, k0:k1] = dropout_keep_mask(seed, offset, dropout_p, 1, nheads, ck[-1], (q0, q1), (0, k1 - k0))
+    return keep
 
 
 class OpSpy:

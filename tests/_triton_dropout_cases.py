@@ -25,8 +25,9 @@ import triton.language as tl  # noqa: E402
 from lightning_gproj.kernels import attention_bwd as B  # noqa: E402
 from lightning_gproj.kernels import attention_fwd as F  # noqa: E402
 from lightning_gproj.kernels import reference as R  # noqa: E402
-from lightning_gproj.kernels._triton_utils import dropout_args, dropout_keep  # noqa: E402
+from lightning_gproj.kernels._triton_utils import dropout_args, dropout_groups, dropout_keep  # noqa: E402
 
+from _attention_models import packed_keep_mask  # noqa: E402
 from _fp64 import attention_fp64, packed_attention_fp64  # noqa: E402
 
 SEEDS = (0, 1, 0xDEADBEEF, 2**32 + 7, 2**63 + 99, 2**64 - 1)
@@ -39,14 +40,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @triton.jit
-def _philox_kernel(OUT, C, seed_lo, seed_hi, N: tl.constexpr):
+def _philox_kernel(OUT, C, seed_lo, seed_hi, N: tl.constexpr, ROUNDS: tl.constexpr):
     o = tl.arange(0, N)
     c0 = tl.load(C + o).to(tl.uint32)
     c1 = tl.load(C + N + o).to(tl.uint32)
     c2 = tl.load(C + 2 * N + o).to(tl.uint32)
     c3 = tl.load(C + 3 * N + o).to(tl.uint32)
     seed = (seed_hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
-    x0, x1, x2, x3 = tl.philox(seed, c0, c1, c2, c3)
+    x0, x1, x2, x3 = tl.philox(seed, c0, c1, c2, c3, n_rounds=ROUNDS)
     tl.store(OUT + o, x0.to(tl.int64) & 0xFFFFFFFF)
     tl.store(OUT + N + o, x1.to(tl.int64) & 0xFFFFFFFF)
     tl.store(OUT + 2 * N + o, x2.to(tl.int64) & 0xFFFFFFFF)
@@ -54,34 +55,45 @@ def _philox_kernel(OUT, C, seed_lo, seed_hi, N: tl.constexpr):
 
 
 @triton.jit
-def _keep_kernel(OUT, bh, n_k, seed_lo, seed_hi, drop_off, drop_thr, M: tl.constexpr, N: tl.constexpr):
+def _keep_kernel(OUT, OUT_T, row0, n_k, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, M: tl.constexpr,
+                 N: tl.constexpr):
+    """dropout_keep's [M, N] tile of rows row0 + [0, M), keys start_n + [0, N), and its transpose (the
+    dK/dV pass's orientation), stored as int8."""
     i = tl.arange(0, M)
     j = tl.arange(0, N)
-    keep = dropout_keep(i.to(tl.int64)[:, None] * n_k + j[None, :], bh, seed_lo, seed_hi, drop_off, drop_thr)
+    keep = dropout_keep((row0 + i).to(tl.int64) * dropout_groups(n_k), start_n, bh, seed_lo, seed_hi, drop_off,
+                        drop_thr, N)
     tl.store(OUT + i[:, None] * N + j[None, :], keep.to(tl.int8))
+    tl.store(OUT_T + j[:, None] * M + i[None, :], tl.trans(keep).to(tl.int8))
 
 
 def philox_bits() -> dict:
-    """tl.philox's four outputs vs reference.philox4x32 on 64 counters (uint32 extremes included) per
-    seed; the kernels' dropout_keep vs reference.dropout_keep_mask on a 16×64 tile with row stride
-    2^28 (so the linear index crosses 2^32 and c3 is used)."""
+    """tl.philox's four outputs (reference.PHILOX_ROUNDS rounds) vs reference.philox4x32 on 64 counters
+    (uint32 extremes included) per seed; the kernels' dropout_keep (and its transpose) vs
+    reference.dropout_keep_mask on 16×64 tiles: keys 2^28 − 64 .. 2^28 − 1 of rows 120..135 with
+    n_k = 2^28 + 3 (not a multiple of 8; the group counter i·G + g crosses 2^32, so c3 is used), and
+    keys 0..63 of rows 0..15 with n_k = 53 (the last group partial, past-the-end keys included)."""
     gen = torch.Generator().manual_seed(0)
     n = 64
     counters = torch.randint(0, 2**32, (4, n), generator=gen, dtype=torch.int64)
     counters[:, :4] = torch.tensor([0, 1, 2**31, 2**32 - 1])[:, None]
-    out = {"philox_equal": [], "keep_equal": [], "keep_frac": []}
+    out = {"philox_equal": [], "keep_equal": [], "keep_t_equal": [], "keep_frac": []}
     for seed in SEEDS:
         args = dropout_args(0.3, seed, 0)
         res = torch.zeros(4 * n, dtype=torch.int64)
-        _philox_kernel[(1,)](res, counters.flatten().contiguous(), args["seed_lo"], args["seed_hi"], n)
-        ref = torch.stack(R.philox4x32(seed, *counters)).flatten()
+        _philox_kernel[(1,)](res, counters.flatten().contiguous(), args["seed_lo"], args["seed_hi"], n, R.PHILOX_ROUNDS)
+        ref = torch.stack(R.philox4x32(seed, *counters, rounds=R.PHILOX_ROUNDS)).flatten()
         out["philox_equal"].append(bool(torch.equal(res, ref)))
-        for p, offset, bh in ((0.3, 5, 3), (0.9, 2**32 - 1, 0)):
+        for p, offset, bh, row0, n_k, start_n in ((0.3, 5, 3, 120, 2**28 + 3, 2**28 - 64), (0.9, 2**32 - 1, 0, 0, 53, 0)):
             a = dropout_args(p, seed, offset)
             keep = torch.zeros(16, 64, dtype=torch.int8)
-            _keep_kernel[(1,)](keep, bh, 2**28, a["seed_lo"], a["seed_hi"], a["drop_off"], a["drop_thr"], 16, 64)
-            ref_keep = R.dropout_keep_mask(seed, offset, p, 1, bh + 1, 2**28, (0, 16), (0, 64))[0, bh]
+            keep_t = torch.zeros(64, 16, dtype=torch.int8)
+            _keep_kernel[(1,)](keep, keep_t, row0, n_k, start_n, bh, a["seed_lo"], a["seed_hi"], a["drop_off"],
+                               a["drop_thr"], 16, 64)
+            ref_keep = R.dropout_keep_mask(seed, offset, p, 1, bh + 1, n_k, (row0, row0 + 16),
+                                           (start_n, start_n + 64))[0, bh]
             out["keep_equal"].append(bool(torch.equal(keep.bool(), ref_keep)))
+            out["keep_t_equal"].append(bool(torch.equal(keep_t.bool(), ref_keep.T)))
             out["keep_frac"].append(keep.float().mean().item())
     return out
 
@@ -137,7 +149,8 @@ def dense_case(b, nq, nk, h, hk, d, causal, p, seed, window=(-1, -1), softcap=0.
 
 
 def varlen_case(lens_q, lens_k, h, hk, d, causal, p, seed):
-    """Packed sequences: the mask over the packed tokens (one batch row), Triton vs reference and float64."""
+    """Packed sequences (one batch row; the mask over packed query rows and each sequence's own keys),
+    Triton vs reference and float64."""
     cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
     cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32)
     tq, tk = int(cu_q[-1]), int(cu_k[-1])
@@ -147,7 +160,7 @@ def varlen_case(lens_q, lens_k, h, hk, d, causal, p, seed):
               dropout_p=p, dropout_seed=seed, dropout_offset=0)
     o, m, l2 = F.forward(q, k, v, tau, causal, **pk)
     o_r, m_r, l_r = R.forward(q, k, v, tau, causal, **pk)
-    keep = R.dropout_keep_mask(seed, 0, p, 1, h, tk, (0, tq), (0, tk))
+    keep = packed_keep_mask(seed, 0, p, h, cu_q, cu_k)
     o64, dq64, dk64, dv64 = packed_attention_fp64(q, k, v, do, tau, causal, cu_q, cu_k, keep=keep, dropout_p=p)
     out = {"case": [lens_q, lens_k, h, hk, d, causal, p, seed], "o_rel_vs_ref": rel(o, o_r),
            "o_rel_vs_f64": rel(o, o64), "ref_o_rel_vs_f64": rel(o_r, o64), "bwd": {}}

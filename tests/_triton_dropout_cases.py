@@ -3,10 +3,12 @@ measured agreement as JSON (executed by tests/test_dropout.py in a fresh subproc
 TRITON_INTERPRET=1, for the reason given in tests/_triton_interp_cases.py).
 
 Measured: Triton's Philox (``tl.philox``, and the kernels' ``dropout_keep``) against the PyTorch
-Philox of kernels/reference.py bit for bit; forward and backward of the kernels against the reference
-(same rounding points, same mask) and against a float64 autograd attention with the keep mask of
-``reference.dropout_keep_mask`` applied explicitly; the same float64 attention with another seed's mask
-(the control: a backward that used another mask than its forward's would sit there).
+Philox of kernels/reference.py bit for bit; the keep mask each kernel pass (forward, dQ pass, dK/dV
+pass) applies, read off its outputs, against ``reference.dropout_keep_mask`` element for element;
+forward and backward of the kernels against the reference (same rounding points, same mask) and
+against a float64 autograd attention with the keep mask of ``reference.dropout_keep_mask`` applied
+explicitly; the same float64 attention with another seed's mask (the control: a backward that used
+another mask than its forward's would sit there).
 Every number is measured here; tests/test_dropout.py holds the thresholds.
 """
 
@@ -98,6 +100,87 @@ def philox_bits() -> dict:
     return out
 
 
+def _mask_inputs(nq: int, nk: int, h: int, hk: int, d: int, seqs):
+    """Inputs whose results spell out the keep mask of each kernel pass (needs nk_s <= d, nq_s < d): q = 0,
+    so every visible P is 1/n_s (n_s the sequence's keys, no causal mask); for the forward v_fwd_j = e_j
+    (o_ij = M_ij (1/n_s) / (1 − p)); for the backward k_j = e_j, v_j = e_{d−1}, dO_i = 4^g e_i + e_{d−1}
+    (g: the head's place in its GQA group), so dP_ij = 1, dS_ij = P_ij (M_ij / (1 − p) − D_i) and with
+    τ = 1 dQ_ij = dS̃_ij (the dQ pass), and dV_ji = Σ_g 4^g P̃_ij M_ij / (1 − p) (the dK/dV pass, one
+    base-4 digit per query head). ``seqs``: [(batch row, q0, q1, k0, k1)] of the tokens."""
+    q = torch.zeros(nq, h, d)
+    k, v, v_fwd = torch.zeros(nk, hk, d), torch.zeros(nk, hk, d), torch.zeros(nk, hk, d)
+    do = torch.zeros(nq, h, d)
+    for _, q0, q1, k0, k1 in seqs:
+        jl = torch.arange(k1 - k0)
+        v_fwd[k0 + jl, :, jl] = 1.0
+        k[k0 + jl, :, jl] = 1.0
+        v[k0:k1, :, d - 1] = 1.0
+        il = torch.arange(q1 - q0)
+        for hh in range(h):
+            do[q0 + il, hh, il] = 4.0 ** (hh % (h // hk))
+        do[q0:q1, :, d - 1] = 1.0
+    return tuple(x.bfloat16() for x in (q, k, v, v_fwd, do))
+
+
+def _spelled_masks(o_fwd, dq, dv, D, n, group):
+    """The masks the forward (o_fwd), dQ pass (dq) and dK/dV pass (dv) applied to one sequence with n keys,
+    each (nheads, nq_s, n) bool, and the largest distance of a decoded value from an integer (a sanity
+    check of the decoding); p = 0.5 (scale 2, exact). o_fwd, dq: (nq_s, nheads, d); dv: (n, nheads_k, d);
+    D: (nq_s, nheads) float64."""
+    fwd = (o_fwd[:, :, :n] != 0).permute(1, 0, 2)
+    vq = (dq[:, :, :n].double() * n + D[:, :, None]) / 2  # M_ij
+    nq_s = dq.shape[0]
+    vv = dv[:, :, :nq_s].double() * n / 2  # Σ_g 4^g M_ij, (n, nheads_k, nq_s)
+    digits = vv.round().long()
+    h = dq.shape[1]
+    bwd_kv = torch.stack([(digits[:, hh // group] >> (2 * (hh % group))) & 1 for hh in range(h)])  # (h, n, nq_s)
+    off = max((vq - vq.round()).abs().max().item(), (vv - vv.round()).abs().max().item())
+    return fwd, vq.round().bool().permute(1, 0, 2), bwd_kv.bool().transpose(1, 2), off
+
+
+def kernel_masks(seqs_q, seqs_k, h, hk, d, seed, packed) -> dict:
+    """The keep mask each kernel pass applies (forward, dQ pass, dK/dV pass), read off their outputs on
+    :func:`_mask_inputs`, against reference.dropout_keep_mask, element for element. ``packed``: the
+    sequences are packed (varlen); else each is a batch row of one dense call (all of one length)."""
+    p, offset, group = 0.5, 3, h // hk
+    cq = [0] + torch.tensor(seqs_q).cumsum(0).tolist()
+    ck = [0] + torch.tensor(seqs_k).cumsum(0).tolist()
+    seqs = [(bi, cq[bi], cq[bi + 1], ck[bi], ck[bi + 1]) for bi in range(len(seqs_q))]
+    q, k, v, v_fwd, do = _mask_inputs(cq[-1], ck[-1], h, hk, d, seqs)
+    drop = dict(dropout_p=p, dropout_seed=seed, dropout_offset=offset)
+    if packed:
+        pk = dict(cu_seqlens_q=torch.tensor(cq, dtype=torch.int32), cu_seqlens_k=torch.tensor(ck, dtype=torch.int32),
+                  max_seqlen_q=max(seqs_q), max_seqlen_k=max(seqs_k))
+        args = (q, k, v, v_fwd, do)
+    else:
+        pk = {}
+        args = tuple(x.view(len(seqs), -1, *x.shape[1:]) for x in (q, k, v, v_fwd, do))
+    q, k, v, v_fwd, do = args
+    o_fwd = F.forward(q, k, v_fwd, 1.0, False, **pk, **drop)[0]
+    o_r, m_r, l_r = R.forward(q, k, v, 1.0, False, **pk, **drop)
+    dq, _, dv, _ = B.backward(do, q, k, v, o_r, m_r, l_r, 1.0, False, "none", False, grad_dtype=torch.float32,
+                              **pk, **drop)
+    D = (do.double() * o_r.double()).sum(-1)
+    flat = (lambda x: x) if packed else (lambda x: x.flatten(0, 1))
+    o_fwd, dq, dv, D = (flat(x) for x in (o_fwd, dq, dv, D))
+    out = {"case": [seqs_q, seqs_k, h, hk, d, seed, packed], "fwd": [], "dq": [], "dkdv": [], "decode_off": 0.0,
+           "kept_frac": []}
+    for bi, q0, q1, k0, k1 in seqs:
+        if q1 == q0 or k1 == k0:
+            continue  # no query sees a key: no mask to read
+        if packed:
+            ref = R.dropout_keep_mask(seed, offset, p, 1, h, ck[-1], (q0, q1), (0, k1 - k0))[0]
+        else:
+            ref = R.dropout_keep_mask(seed, offset, p, len(seqs), h, seqs_k[0], (0, seqs_q[0]), (0, seqs_k[0]))[bi]
+        fwd, bq, bkv, off = _spelled_masks(o_fwd[q0:q1], dq[q0:q1], dv[k0:k1], D[q0:q1], k1 - k0, group)
+        out["fwd"].append(bool(torch.equal(fwd, ref)))
+        out["dq"].append(bool(torch.equal(bq, ref)))
+        out["dkdv"].append(bool(torch.equal(bkv, ref)))
+        out["decode_off"] = max(out["decode_off"], off)
+        out["kept_frac"].append(ref.float().mean().item())
+    return out
+
+
 def _inputs(shape_q, shape_k, seed):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(*shape_q, generator=gen)
@@ -179,6 +262,10 @@ def varlen_case(lens_q, lens_k, h, hk, d, causal, p, seed):
 def main() -> None:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     res = {"philox": philox_bits()}
+    res["masks"] = [
+        kernel_masks([37, 37], [53, 53], 2, 1, 64, 2**40 + 12, packed=False),  # GQA 2:1, nk = 53 not a multiple of 8
+        kernel_masks([5, 0, 19, 9], [7, 3, 19, 12], 2, 1, 32, 14, packed=True),  # sequences start at keys 0, 7, 10, 29
+    ]
     # (b, nq, nk, h, hk, d, causal, p, seed, window, softcap, seqlens)
     res["dense"] = [
         dense_case(2, 40, 40, 2, 2, 32, False, 0.2, 11, seqlens=[40, 23]),

@@ -50,10 +50,48 @@ def test_keep_fraction_is_one_minus_p(p):
     assert abs(keep.float().mean().item() - (1 - p)) <= 5 * math.sqrt(p * (1 - p) / n)
 
 
+def _documented_keep(seed: int, offset: int, p: float, nheads: int, n_k: int, b: int, h: int, i: int, j: int) -> bool:
+    """Element (b, h, i, j) of the keep mask as reference.dropout_keep_mask's docstring states it, from one
+    philox4x32 call: G = ⌈n_k / 8⌉, g = j // 8, c = j % 8, counters (i·G + g mod 2³², b·nheads + h,
+    offset, i·G + g div 2³²); the 16-bit half c % 2 (0: low) of output word c // 2 against
+    min(round(p·2¹⁶), 2¹⁶ − 1)."""
+    lin, c = i * -(-n_k // 8) + j // 8, j % 8
+    words = R.philox4x32(seed, *(torch.tensor(x) for x in (lin % 2**32, b * nheads + h, offset, lin >> 32)),
+                         rounds=R.PHILOX_ROUNDS)
+    return ((int(words[c // 2]) >> (16 * (c % 2))) & 0xFFFF) >= min(round(p * 2**16), 2**16 - 1)
+
+
+def test_mask_element_is_the_documented_philox_half():
+    """dropout_keep_mask, element for element, equals the documented formula computed directly
+    (:func:`_documented_keep`), both from the full mask and from a one-element window of rows and
+    columns: n_k = 53 (the last group, keys 48..52, partial) at places c = 0 and 7 of a group, keys of
+    the last group and 30 random elements; n_k = 2³³ + 5, where the group counter crosses 2³² (c3 = 1)
+    and the last group holds keys 2³³ .. 2³³ + 4. The sample holds kept and dropped elements."""
+    seed, offset, p, batch, nheads = 2**63 + 5, 11, 0.37, 2, 3
+    mask = R.dropout_keep_mask(seed, offset, p, batch, nheads, 53, (0, 20), (0, 53))
+    gen = torch.Generator().manual_seed(0)
+    picks = [(0, 0, 0, 0), (0, 0, 0, 7), (0, 1, 5, 8), (1, 2, 19, 15), (1, 2, 19, 48), (0, 1, 7, 50), (1, 0, 3, 52)]
+    picks += [tuple(int(torch.randint(0, n, (1,), generator=gen)) for n in (batch, nheads, 20, 53)) for _ in range(30)]
+    expected = []
+    for b, h, i, j in picks:
+        want = _documented_keep(seed, offset, p, nheads, 53, b, h, i, j)
+        one = R.dropout_keep_mask(seed, offset, p, batch, nheads, 53, (i, i + 1), (j, j + 1))
+        assert bool(mask[b, h, i, j]) == want and bool(one[b, h, 0, 0]) == want, (b, h, i, j)
+        expected.append(want)
+    n_k = 2**33 + 5
+    for i, j in ((3, 0), (3, 7), (5, 2**33 - 1), (5, 2**33), (5, 2**33 + 4), (9, 2**32 + 3)):
+        assert (i * -(-n_k // 8) + j // 8 >= 2**32) == (i >= 5)
+        want = _documented_keep(seed, offset, p, nheads, n_k, 1, 2, i, j)
+        assert bool(R.dropout_keep_mask(seed, offset, p, batch, nheads, n_k, (i, i + 1), (j, j + 1))[1, 2, 0, 0]) == want
+        expected.append(want)
+    assert any(expected) and not all(expected)
+
+
 def test_mask_depends_on_seed_offset_and_position():
     """Same seed and offset: the same mask; another seed or offset: independent masks (elements differ
     with probability 2p(1 − p) = 0.42 at p = 0.3; 5 sigma band on 4096 elements). Rows, columns and
-    heads draw from distinct counters: a mask that repeated over them would agree far more often."""
+    heads draw from distinct counters, and the 8 keys of a group from distinct 16-bit halves: a mask
+    that repeated over them would agree far more often."""
     p, n = 0.3, 4096
 
     def mask(seed, offset):
@@ -66,6 +104,9 @@ def test_mask_depends_on_seed_offset_and_position():
         assert abs((other != base).float().mean().item() - 0.42) <= band
     assert abs((base[0, 0] != base[0, 1]).float().mean().item() - 0.42) <= 5 * math.sqrt(0.42 * 0.58 / 2048)
     assert abs((base[0, :, :32] != base[0, :, 32:]).float().mean().item() - 0.42) <= band
+    groups = base.view(1, 2, 64, 4, 8)  # (…, group, place c)
+    for c, other in ((0, 1), (0, 2), (1, 3), (0, 4), (0, 7)):
+        assert abs((groups[..., c] != groups[..., other]).float().mean().item() - 0.42) <= 5 * math.sqrt(0.42 * 0.58 / 512)
 
 
 # ----------------------------------------------------------------------------------- the zero-sum law
@@ -277,6 +318,20 @@ def test_triton_philox_is_bit_exact(measured):
     assert len(ph["philox_equal"]) == 6 and all(ph["philox_equal"])
     assert len(ph["keep_equal"]) == 12 and all(ph["keep_equal"])
     assert len(ph["keep_t_equal"]) == 12 and all(ph["keep_t_equal"])
+
+
+def test_triton_kernel_passes_apply_the_reference_mask(measured):
+    """The keep mask read off the outputs of the forward, the dQ pass and the dK/dV pass (whose tile is
+    [keys, queries]) equals reference.dropout_keep_mask element for element: a dense GQA call with
+    n_k = 53 (tiles with a partial last group) and packed sequences whose keys start at packed keys
+    0, 7, 10, 29 (an empty sequence among them). The decoded values sit within 0.1 of integers (the
+    readout is sound), and each mask drops a share near p = 0.5 (so equality is not trivial)."""
+    cases = measured["masks"]
+    assert [len(c["fwd"]) for c in cases] == [2, 3]
+    for c in cases:
+        assert all(c["fwd"]) and all(c["dq"]) and all(c["dkdv"]), c
+        assert c["decode_off"] <= 0.1, c
+        assert all(0.3 <= f <= 0.7 for f in c["kept_frac"]), c
 
 
 def test_triton_dropout_forward(measured):

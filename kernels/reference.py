@@ -104,9 +104,10 @@ def _mul32(a: int, x: Tensor) -> tuple[Tensor, Tensor]:
 def philox4x32(seed: int, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, rounds: int = 10) -> tuple[Tensor, ...]:
     """Philox4x32-``rounds`` of the counters (c0, c1, c2, c3) under the 64-bit key ``seed``, in PyTorch.
 
-    Bit for bit Triton's ``tl.philox(seed, c0, c1, c2, c3, n_rounds=rounds)`` with 32-bit counters (key k0 = the low 32
-    bits of the seed, k1 = the high 32; checked against Triton in tests/test_dropout.py). Counters are
-    int64 tensors holding uint32 values (broadcast together); returns the four uint32 outputs as int64.
+    Bit for bit Triton's ``tl.philox(seed, c0, c1, c2, c3, n_rounds=rounds)`` with 32-bit counters (key
+    k0 = the low 32 bits of the seed, k1 = the high 32; checked against Triton in tests/test_dropout.py).
+    Counters are int64 tensors holding uint32 values (broadcast together); returns the four uint32
+    outputs as int64.
     """
     seed = int(seed) & ((1 << 64) - 1)
     k0, k1 = seed & _M32, seed >> 32

@@ -86,7 +86,8 @@ def philox_bits() -> dict:
         _philox_kernel[(1,)](res, counters.flatten().contiguous(), args["seed_lo"], args["seed_hi"], n, R.PHILOX_ROUNDS)
         ref = torch.stack(R.philox4x32(seed, *counters, rounds=R.PHILOX_ROUNDS)).flatten()
         out["philox_equal"].append(bool(torch.equal(res, ref)))
-        for p, offset, bh, row0, n_k, start_n in ((0.3, 5, 3, 120, 2**28 + 3, 2**28 - 64), (0.9, 2**32 - 1, 0, 0, 53, 0)):
+        tiles = ((0.3, 5, 3, 120, 2**28 + 3, 2**28 - 64), (0.9, 2**32 - 1, 0, 0, 53, 0))
+        for p, offset, bh, row0, n_k, start_n in tiles:
             a = dropout_args(p, seed, offset)
             keep = torch.zeros(16, 64, dtype=torch.int8)
             keep_t = torch.zeros(64, 16, dtype=torch.int8)

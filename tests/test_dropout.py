@@ -82,7 +82,8 @@ def test_mask_element_is_the_documented_philox_half():
     for i, j in ((3, 0), (3, 7), (5, 2**33 - 1), (5, 2**33), (5, 2**33 + 4), (9, 2**32 + 3)):
         assert (i * -(-n_k // 8) + j // 8 >= 2**32) == (i >= 5)
         want = _documented_keep(seed, offset, p, nheads, n_k, 1, 2, i, j)
-        assert bool(R.dropout_keep_mask(seed, offset, p, batch, nheads, n_k, (i, i + 1), (j, j + 1))[1, 2, 0, 0]) == want
+        one = R.dropout_keep_mask(seed, offset, p, batch, nheads, n_k, (i, i + 1), (j, j + 1))
+        assert bool(one[1, 2, 0, 0]) == want, (i, j)
         expected.append(want)
     assert any(expected) and not all(expected)
 
@@ -106,7 +107,8 @@ def test_mask_depends_on_seed_offset_and_position():
     assert abs((base[0, :, :32] != base[0, :, 32:]).float().mean().item() - 0.42) <= band
     groups = base.view(1, 2, 64, 4, 8)  # (…, group, place c)
     for c, other in ((0, 1), (0, 2), (1, 3), (0, 4), (0, 7)):
-        assert abs((groups[..., c] != groups[..., other]).float().mean().item() - 0.42) <= 5 * math.sqrt(0.42 * 0.58 / 512)
+        differ = (groups[..., c] != groups[..., other]).float().mean().item()
+        assert abs(differ - 0.42) <= 5 * math.sqrt(0.42 * 0.58 / 512), (c, other)
 
 
 # ----------------------------------------------------------------------------------- the zero-sum law

@@ -66,27 +66,48 @@ DEFAULT_DK_FOLD = False
 _DK_NONE, _DK_FOLD, _DK_GEMM = 0, 1, 2
 
 
-def _cfgs(entries, interp_entry):
+def _entry(c) -> tuple[int, int, int, int]:
+    return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+
+
+def _candidates(by_head_dim: dict, interp_entry: tuple[int, int]) -> list:
+    """Every (BLOCK_M, BLOCK_N, num_warps, num_stages) that ``by_head_dim`` names for some head-dim
+    class, as triton.Configs (the interpreter: one small config)."""
     if interpreting():
         bm, bn = interp_entry
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
+    entries = dict.fromkeys(e for es in by_head_dim.values() for e in es)
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in entries]
 
 
-def _prune(configs, named_args, **kwargs):
-    # Three candidates per kernel: compile time dominates a short device lease, since each config is a
-    # separate compile of every constexpr variant (benchmarks/NOTES.md). d > 128 gets the last entry
-    # only: small tiles and 8 warps keep the two fp32 [tile, 256] accumulators in registers (chosen by
-    # register arithmetic; what was checked at d = 256 is in benchmarks/NOTES.md).
-    d = named_args["HEAD_DIM"] if "HEAD_DIM" in named_args else kwargs["HEAD_DIM"]
-    out = configs[:3] if d <= 128 else configs[-1:]
-    return out if autotune_enabled() else out[:1]
+def _pruner(by_head_dim: dict):
+    """Early-config prune: the candidates of the smallest head-dim class (keys: largest padded head dim)
+    that holds HEAD_DIM, in order; GPROJ_TRITON_AUTOTUNE=0 keeps the first."""
+    def prune(configs, named_args, **kwargs):
+        d = named_args["HEAD_DIM"] if "HEAD_DIM" in named_args else kwargs["HEAD_DIM"]
+        keep = next(es for d_max, es in sorted(by_head_dim.items()) if d <= d_max)
+        out = [c for e in keep for c in configs if _entry(c) == e] or configs[:1]
+        return out if autotune_enabled() else out[:1]
+    return prune
 
 
+# Autotune candidates per head-dim class, (BLOCK_M, BLOCK_N, num_warps, num_stages), best-first for
+# fix="gproj". Three each: every candidate is a separate compile of every constexpr variant. d <= 128:
+# chosen by the per-config sweeps of benchmarks/config_sweep.py on the H200 (benchmarks/NOTES.md, run 14);
+# d = 256: small tiles and 8 warps keep the two fp32 [tile, 256] accumulators in registers (register
+# arithmetic; what was checked at d = 256 is in benchmarks/NOTES.md).
 # dQ pass: query block BLOCK_M stays resident, key blocks BLOCK_N stream.
-_DQ_CONFIGS = _cfgs([(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 8, 2)], (16, 16))
+_DQ_BY_HEAD_DIM = {
+    64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+    128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2)],
+    256: [(64, 32, 8, 2)],
+}
 # dK/dV pass: key block BLOCK_N stays resident, query blocks BLOCK_M stream.
-_DKDV_CONFIGS = _cfgs([(64, 128, 8, 2), (64, 64, 4, 3), (32, 128, 4, 4), (32, 32, 8, 2)], (16, 16))
+_DKDV_BY_HEAD_DIM = {
+    64: [(64, 64, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3)],
+    128: [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3)],
+    256: [(32, 32, 8, 2)],
+}
 
 
 @triton.jit
@@ -174,10 +195,10 @@ def _dq_inner(
     return dq, pk, r, a, ps
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=["TUNE_NQ", "TUNE_NK", "HEAD_DIM", "CAUSAL", "GROUP", "GPROJ", "NEED_R", "STATS",
-                                           "HAS_SEQLENS", "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN",
-                                           "DROPOUT"],
-                 prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_candidates(_DQ_BY_HEAD_DIM, (16, 16)),
+                 key=["TUNE_NQ", "TUNE_NK", "HEAD_DIM", "CAUSAL", "GROUP", "GPROJ", "NEED_R", "STATS", "HAS_SEQLENS",
+                      "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN", "DROPOUT"],
+                 prune_configs_by={"early_config_prune": _pruner(_DQ_BY_HEAD_DIM)})
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr", "TUNE_NQ", "TUNE_NK"])
 def _dq_kernel(
     Q, K, V, DO, M, LOG2L, DELTA, DQ, R, RHO, ABS, LEAK, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
@@ -386,9 +407,10 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=["TUNE_NQ", "TUNE_NK", "HEAD_DIM", "CAUSAL", "GROUP", "DK_MODE", "HAS_SEQLENS",
-                                             "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN", "DROPOUT"],
-                 prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_candidates(_DKDV_BY_HEAD_DIM, (16, 16)),
+                 key=["TUNE_NQ", "TUNE_NK", "HEAD_DIM", "CAUSAL", "GROUP", "DK_MODE", "HAS_SEQLENS", "DS_BITS",
+                      "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN", "DROPOUT"],
+                 prune_configs_by={"early_config_prune": _pruner(_DKDV_BY_HEAD_DIM)})
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr", "TUNE_NQ", "TUNE_NK"])
 def _dkdv_kernel(
     Q, K, V, DO, M, LOG2L, DELTA, R, DK, DV, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,

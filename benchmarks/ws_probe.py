@@ -22,6 +22,12 @@ import triton.language as tl
 
 
 @triton.jit
+def _rows(X, ZHN, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """A TMA descriptor over the (ZHN, HEAD_DIM) row-major view of X, ROWS rows per block."""
+    return tl.make_tensor_descriptor(X, shape=[ZHN, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[ROWS, HEAD_DIM])
+
+
+@triton.jit
 def _probe_inner(acc, l_i, m_i, q, desc_k, desc_v, base, lo, hi, offs_m, c,
                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, WS: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
@@ -48,10 +54,8 @@ def _probe_fwd(Q, K, V, O, sm_scale, ZHN, N_CTX, HEAD_DIM: tl.constexpr, BLOCK_M
     over [0, row0 + BLOCK_M) masking every block; 2 = two loops, only the off-diagonal one WS."""
     start_m = tl.program_id(0)
     off_hz = tl.program_id(1)
-    desc_q = tl.make_tensor_descriptor(Q, shape=[ZHN, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    desc_k = tl.make_tensor_descriptor(K, shape=[ZHN, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    desc_v = tl.make_tensor_descriptor(V, shape=[ZHN, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    desc_o = tl.make_tensor_descriptor(O, shape=[ZHN, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    desc_q, desc_o = _rows(Q, ZHN, HEAD_DIM, BLOCK_M), _rows(O, ZHN, HEAD_DIM, BLOCK_M)
+    desc_k, desc_v = _rows(K, ZHN, HEAD_DIM, BLOCK_N), _rows(V, ZHN, HEAD_DIM, BLOCK_N)
     base = off_hz * N_CTX
     row0 = start_m * BLOCK_M
     offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -79,12 +83,9 @@ def _probe_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, sm_scale, ZHN, N_CTX, HEAD_DIM
     LSE2 = log2 Σ_j exp2(s_ij·τ·log2e) per row, DELTA = rowsum(dO∘O)."""
     start_n = tl.program_id(0)
     off_hz = tl.program_id(1)
-    desc_q = tl.make_tensor_descriptor(Q, shape=[ZHN, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    desc_do = tl.make_tensor_descriptor(DO, shape=[ZHN, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    desc_k = tl.make_tensor_descriptor(K, shape=[ZHN, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    desc_v = tl.make_tensor_descriptor(V, shape=[ZHN, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    desc_dk = tl.make_tensor_descriptor(DK, shape=[ZHN, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    desc_dv = tl.make_tensor_descriptor(DV, shape=[ZHN, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    desc_q, desc_do = _rows(Q, ZHN, HEAD_DIM, BLOCK_M), _rows(DO, ZHN, HEAD_DIM, BLOCK_M)
+    desc_k, desc_v = _rows(K, ZHN, HEAD_DIM, BLOCK_N), _rows(V, ZHN, HEAD_DIM, BLOCK_N)
+    desc_dk, desc_dv = _rows(DK, ZHN, HEAD_DIM, BLOCK_N), _rows(DV, ZHN, HEAD_DIM, BLOCK_N)
     base = off_hz * N_CTX
     col0 = start_n * BLOCK_N
     offs_n = col0 + tl.arange(0, BLOCK_N)

@@ -7,8 +7,8 @@ It sees
 * every ``F.scaled_dot_product_attention`` call that is *not* served by a swapped module (unswapped
   models, FA-style SDPA, fallbacks), named after the innermost module running (global module
   forward hooks, also installed on sampled steps only), and
-* every call of the GProj op (``lightning_gproj::attn_fwd``, from swapped modules), named by its
-  ``stats_name``.
+* every dense call of the GProj op (``lightning_gproj::attn_fwd``, from swapped modules), named by its
+  ``stats_name`` (packed-sequence calls, ``gproj_attn_varlen_func``, get no C2 hook).
 
 For each it registers a hook on the gradient of k: C2 residual = ‖Σ_j dK_j‖₂ / ‖dK‖_F, the norm of the
 key gradient summed over key positions (per batch row and head, then the L2 norm over all of them)
@@ -236,7 +236,8 @@ class AttentionCapture(TorchFunctionMode):
             return out
         if self._op is not None and func is self._op:
             out = func(*args, **kwargs)
-            if self.c2 and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            # Dense calls only: a packed call's k is (total_k, heads, headdim), its sequences' keys on dim 0.
+            if self.c2 and len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].dim() == 4:
                 name = args[6] if len(args) > 6 else kwargs.get("stats_name", "attention")
                 self._hook_c2(name, args[1], seq_dim=1)  # op layout (batch, seqlen, heads, headdim)
             return out

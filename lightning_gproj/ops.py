@@ -1,11 +1,14 @@
 """``gproj_attn_func``: attention whose backward keeps the softmax zero-sum law (DESIGN.md §4), and
 ``gproj_attn_varlen_func``, the same over packed sequences (flash-attn's varlen layout).
 
-The op is two ``torch.library`` custom ops (forward and backward) joined by ``register_autograd``, so
-``torch.compile(fullgraph=True)`` sees attention as one opaque op instead of breaking the graph. Each
-dispatches at run time: the Triton kernels (:mod:`lightning_gproj.kernels.attention_fwd`,
-:mod:`~lightning_gproj.kernels.attention_bwd`) for 16-bit CUDA inputs they serve, else the PyTorch
-reference (:mod:`lightning_gproj.kernels.reference`), which follows the same rounding model.
+Both run one pair of ``torch.library`` custom ops, ``lightning_gproj::attn_fwd`` and
+``lightning_gproj::attn_bwd``, joined by ``register_autograd``, so ``torch.compile(fullgraph=True)`` sees
+attention as one opaque op instead of breaking the graph. Packed sequences are the same ops with their
+optional ``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k`` given (dense calls leave
+them None and may give ``seqlens_k``). Each op dispatches at run time: the Triton kernels
+(:mod:`lightning_gproj.kernels.attention_fwd`, :mod:`~lightning_gproj.kernels.attention_bwd`) for 16-bit
+CUDA inputs they serve, else the PyTorch reference (:mod:`lightning_gproj.kernels.reference`), which
+follows the same rounding model.
 """
 
 from __future__ import annotations
@@ -92,6 +95,28 @@ def _check_seqlens_values(seqlens_k: Tensor, nk: int) -> None:
         )
 
 
+def _check_varlen_values(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: int, total_k: int,
+                         max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """Raise ValueError unless each cu_seqlens starts at 0, never decreases, ends at the total and has
+    no sequence longer than its max_seqlen (reads the values: one device sync). Runs inside the
+    forward op, so it also holds under ``torch.compile``."""
+    for name, cu, total, max_name, longest in (("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q),
+                                               ("cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k)):
+        values = cu.tolist()
+        lens = [b - a for a, b in zip(values, values[1:])]
+        if values[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {values[0]}")
+        if min(lens) < 0:
+            b = next(i for i, n in enumerate(lens) if n < 0)
+            raise ValueError(f"{name} must not decrease (sequence lengths are its differences), got "
+                             f"{name}[{b}] = {values[b]} > {name}[{b + 1}] = {values[b + 1]}")
+        if values[-1] != total:
+            raise ValueError(f"{name} must end at the number of packed tokens {total} (the first dim of "
+                             f"{'q' if name == 'cu_seqlens_q' else 'k and v'}), got {values[-1]}")
+        if max(lens) > longest:
+            raise ValueError(f"{max_name} ({longest}) is smaller than the longest sequence of {name} ({max(lens)})")
+
+
 @torch.library.custom_op("lightning_gproj::attn_fwd", mutates_args=())
 def _attn_fwd(
     q: Tensor,
@@ -102,6 +127,10 @@ def _attn_fwd(
     fix: str,
     stats_name: str,
     seqlens_k: Optional[Tensor] = None,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
     compute_dtype: Optional[torch.dtype] = None,
     ds_format: str = "bf16",
     window_left: int = -1,
@@ -110,17 +139,32 @@ def _attn_fwd(
     dropout_p: float = 0.0,
     rng: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """(o, m, log2l) of :func:`gproj_attn_func` (q (batch, seqlen_q, nheads, headdim), k, v (batch,
+    seqlen_k, nheads_k, headdim); m, log2l (batch, nheads, seqlen_q)) or, with ``cu_seqlens_q``,
+    ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k`` (all four), of :func:`gproj_attn_varlen_func`
+    (q (total_q, nheads, headdim), k, v (total_k, nheads_k, headdim); m, log2l (nheads, total_q))."""
     # ``fix`` and ``ds_format`` do not change the forward; they are inputs so that the backward can read them.
     q, k, v = _cast(compute_dtype, q, k, v)
-    if seqlens_k is not None:
+    if cu_seqlens_q is not None:
+        _check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    elif seqlens_k is not None:
         _check_seqlens_values(seqlens_k, k.shape[1])
     if RECORDER.enabled:
-        record_forward_stats(stats_name, q, k, seqlens_k)
-    o, m, log2l = _kernel_forward(q, k, v, softmax_scale, causal, seqlens_k=seqlens_k,
-                                  window_size=(window_left, window_right), softcap=softcap,
-                                  **_dropout_options(dropout_p, rng))
+        record_forward_stats(stats_name, q, k, seqlens_k, cu_seqlens_q, cu_seqlens_k)
+    options = _kernel_options(seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left,
+                              window_right, softcap, dropout_p, rng)
+    o, m, log2l = _kernel_forward(q, k, v, softmax_scale, causal, **options)
     _record_max_logit(stats_name, m, log2l, softmax_scale, softcap)
     return o.contiguous(), m, log2l
+
+
+def _kernel_options(seqlens_k: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                    max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], window_left: int, window_right: int,
+                    softcap: float, dropout_p: float, rng: Optional[Tensor]) -> dict:
+    """The kernels' key padding, packed-sequence, window, softcap and dropout arguments from the op's."""
+    return dict(seqlens_k=seqlens_k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k, window_size=(window_left, window_right), softcap=softcap,
+                **_dropout_options(dropout_p, rng))
 
 
 def _dropout_options(dropout_p: float, rng: Optional[Tensor]) -> dict:
@@ -213,12 +257,14 @@ def _sequence_means(x: Tensor, cu_seqlens: Tensor) -> Tensor:
 
 
 @_attn_fwd.register_fake
-def _(q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k=None, compute_dtype=None, ds_format="bf16",
-      window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0, rng=None):
-    batch, nq, nheads, _ = q.shape
+def _(q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
+      max_seqlen_q=None, max_seqlen_k=None, compute_dtype=None, ds_format="bf16", window_left=-1, window_right=-1,
+      softcap=0.0, dropout_p=0.0, rng=None):
     dtype = compute_dtype or q.dtype
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    row = q.new_empty((batch, nheads, nq), dtype=stat_dtype)
+    # Row statistics: packed (nheads, total_q), as flash-attn's varlen softmax_lse; else (batch, nheads, seqlen_q).
+    rows = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
+    row = q.new_empty(rows, dtype=stat_dtype)
     return q.new_empty(q.shape[:-1] + (v.shape[-1],), dtype=dtype), row, torch.empty_like(row)
 
 
@@ -241,6 +287,10 @@ def _attn_bwd(
     fix: str,
     stats_name: str,
     seqlens_k: Optional[Tensor] = None,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
     compute_dtype: Optional[torch.dtype] = None,
     ds_format: str = "bf16",
     window_left: int = -1,
@@ -256,37 +306,28 @@ def _attn_bwd(
     grad_dtype = None if compute_dtype is None else torch.float32
     want_stats = RECORDER.enabled
     dq, dk, dv, extras = _kernel_backward(
-        do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, grad_dtype=grad_dtype,
-        seqlens_k=seqlens_k, ds_format=ds_format, window_size=(window_left, window_right), softcap=softcap,
-        **_dropout_options(dropout_p, rng),
+        do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, grad_dtype=grad_dtype, ds_format=ds_format,
+        **_kernel_options(seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
+                          softcap, dropout_p, rng),
     )
     if want_stats:
-        _record_backward_stats(stats_name, fix, causal, k.shape[1], dq, extras, seqlens_k,
-                               (window_left, window_right))
+        n_keys = _keys_seen(q, k, causal, (window_left, window_right), seqlens_k, cu_seqlens_q, cu_seqlens_k)
+        _record_backward_stats(stats_name, fix, dq if cu_seqlens_q is None else dq[None], extras, n_keys)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_attn_bwd.register_fake
-def _(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, stats_name, seqlens_k=None, compute_dtype=None,
-      ds_format="bf16", window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0, rng=None):
+def _(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, stats_name, seqlens_k=None, cu_seqlens_q=None,
+      cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, compute_dtype=None, ds_format="bf16", window_left=-1,
+      window_right=-1, softcap=0.0, dropout_p=0.0, rng=None):
     dtype = None if compute_dtype is None else torch.float32
     return tuple(torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device) for x in (q, k, v))
 
 
-def _record_backward_stats(
-    name: str,
-    fix: str,
-    causal: bool,
-    nk: int,
-    dq: Tensor,
-    extras: dict[str, Tensor],
-    seqlens_k: Optional[Tensor] = None,
-    window_size: tuple[int, int] = (-1, -1),
-    n_keys: Optional[Tensor] = None,
-) -> None:
-    """Zero-sum violation ρ_i = |r_i| / Σ_j |dS̃_ij| and leak ratio λ (DESIGN.md §8). ``n_keys``: the
-    number of keys each query row sees, when the caller knows it (packed sequences), else derived
-    from ``causal``, ``nk`` and ``seqlens_k``."""
+def _record_backward_stats(name: str, fix: str, dq: Tensor, extras: dict[str, Tensor], n_keys: Tensor) -> None:
+    """Zero-sum violation ρ_i = |r_i| / Σ_j |dS̃_ij| and leak ratio λ (DESIGN.md §8). dq (batch, seqlen_q,
+    nheads, headdim) (packed: (1, total_q, nheads, headdim)); ``n_keys``: the number of keys each query row
+    sees (:func:`_keys_seen`)."""
     r, abs_ds, leak = extras["r"], extras["abs_dS"], extras["leak"]
     # ρ_i is undefined where the row sees a single key (dS ≡ 0 in exact arithmetic, so any computed
     # value gives ρ_i = 1) and ill-conditioned where the row's exact dS is (near) zero for another
@@ -294,13 +335,6 @@ def _record_backward_stats(
     # and ρ_i → 1 again. Rows whose Σ_j |dS̃_ij| is under 10⁻⁴ of the largest row's are left out, so the
     # statistics describe real rows; the cut is relative to the largest row, not the median, because
     # most rows of a trained causal LM can be one-hot.
-    # n_keys: keys row i of batch row b sees, (batch, 1, nq) or (nq,).
-    nq = r.shape[-1]
-    if n_keys is None:
-        left, right = reference.normalize_window(causal, window_size)
-        n_keys = _visible_keys(torch.arange(nq, device=r.device), nq, nk, left, right)
-    if seqlens_k is not None:
-        n_keys = torch.minimum(n_keys[None, None, :], seqlens_k.to(device=r.device, dtype=torch.long)[:, None, None])
     defined = (abs_ds > 0) & (n_keys > 1)
     if defined.any():
         defined &= abs_ds >= 1e-4 * abs_ds[defined].amax()
@@ -316,6 +350,24 @@ def _record_backward_stats(
     RECORDER.record(name, **values)
 
 
+def _keys_seen(q: Tensor, k: Tensor, causal: bool, window_size: tuple[int, int], seqlens_k: Optional[Tensor],
+               cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor]) -> Tensor:
+    """The number of keys each query row sees (causal and window bottom-right aligned): (seqlen_q,), with
+    ``seqlens_k`` (batch, 1, seqlen_q); packed, (total_q,), within the row's own sequence."""
+    left, right = reference.normalize_window(causal, window_size)
+    if cu_seqlens_q is not None:
+        total_q = q.shape[0]
+        lens_q, lens_k = cu_seqlens_q.diff().long(), cu_seqlens_k.diff().long()
+        seq = torch.repeat_interleave(torch.arange(lens_q.numel(), device=lens_q.device), lens_q, output_size=total_q)
+        local = torch.arange(total_q, device=lens_q.device) - cu_seqlens_q.long()[seq]
+        return _visible_keys(local, lens_q[seq], lens_k[seq], left, right)
+    nq, nk = q.shape[1], k.shape[1]
+    n_keys = _visible_keys(torch.arange(nq, device=q.device), nq, nk, left, right)
+    if seqlens_k is not None:
+        n_keys = torch.minimum(n_keys[None, None, :], seqlens_k.to(device=q.device, dtype=torch.long)[:, None, None])
+    return n_keys
+
+
 def _visible_keys(i: Tensor, nq, nk, left: int, right: int) -> Tensor:
     """The number of keys query row i (of a sequence with nq queries, nk keys; ints or per-row tensors)
     sees under the bottom-right aligned window (left, right) (causal folded in, −1 unbounded)."""
@@ -327,11 +379,12 @@ def _visible_keys(i: Tensor, nq, nk, left: int, right: int) -> Tensor:
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k, compute_dtype, ds_format, wl, wr, softcap, dropout_p,
-     rng) = inputs
+    (q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+     max_seqlen_k, compute_dtype, ds_format, wl, wr, softcap, dropout_p, rng) = inputs
     o, m, log2l = output
     # rng (the Philox seed and offset) rides to the backward, which regenerates the forward's mask from it.
-    ctx.save_for_backward(q, k, v, o, m, log2l, seqlens_k, rng)
+    ctx.save_for_backward(q, k, v, o, m, log2l, seqlens_k, cu_seqlens_q, cu_seqlens_k, rng)
+    ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name = softmax_scale, causal, fix, stats_name
     ctx.compute_dtype, ctx.ds_format = compute_dtype, ds_format
     ctx.window_left, ctx.window_right, ctx.softcap, ctx.dropout_p = wl, wr, softcap, dropout_p
@@ -339,13 +392,15 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, _dm, _dlog2l):
     # m and log2l are row statistics for the backward; nothing differentiates through them.
-    q, k, v, o, m, log2l, seqlens_k, rng = ctx.saved_tensors
+    q, k, v, o, m, log2l, seqlens_k, cu_seqlens_q, cu_seqlens_k, rng = ctx.saved_tensors
     dq, dk, dv = _attn_bwd(
         do.contiguous(), q, k, v, o, m, log2l, ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name, seqlens_k,
-        ctx.compute_dtype, ctx.ds_format, ctx.window_left, ctx.window_right, ctx.softcap, ctx.dropout_p, rng,
+        cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.compute_dtype, ctx.ds_format,
+        ctx.window_left, ctx.window_right, ctx.softcap, ctx.dropout_p, rng,
     )
-    # Each gradient in its input's dtype (fp32 for an fp32 input, unrounded; see _attn_bwd).
-    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 12
+    # Each gradient in its input's dtype (fp32 for an fp32 input, unrounded; see _attn_bwd); none for
+    # the 16 other inputs.
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 16
 
 
 _attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -658,165 +713,16 @@ def gproj_attn_func(
     softcap = _check_softcap(softcap)
     with _autocast_off(device_type):
         o, _, _ = _attn_fwd(
-            q, k, v, float(softmax_scale), causal, fix, stats_name or "attention", seqlens_k, compute_dtype,
-            ds_format, window_left, window_right, softcap, dropout_p, _draw_rng(dropout_p),
+            q, k, v, float(softmax_scale), causal, fix, stats_name or "attention", seqlens_k=seqlens_k,
+            compute_dtype=compute_dtype, ds_format=ds_format, window_left=window_left, window_right=window_right,
+            softcap=softcap, dropout_p=dropout_p, rng=_draw_rng(dropout_p),
         )
     return o.transpose(1, 2) if layout == "bhsd" else o
 
 
 # ---------------------------------------------------------------------------------------------------
-# Packed sequences (flash-attn's varlen interface): the same kernels with cu_seqlens, as their own pair
-# of custom ops (the tensors are (total, nheads, headdim) and the row statistics (nheads, total_q)).
-
-
-def _check_varlen_values(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: int, total_k: int,
-                         max_seqlen_q: int, max_seqlen_k: int) -> None:
-    """Raise ValueError unless each cu_seqlens starts at 0, never decreases, ends at the total and has
-    no sequence longer than its max_seqlen (reads the values: one device sync). Runs inside the
-    forward op, so it also holds under ``torch.compile``."""
-    for name, cu, total, max_name, longest in (("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q),
-                                               ("cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k)):
-        values = cu.tolist()
-        lens = [b - a for a, b in zip(values, values[1:])]
-        if values[0] != 0:
-            raise ValueError(f"{name} must start at 0, got {values[0]}")
-        if min(lens) < 0:
-            b = next(i for i, n in enumerate(lens) if n < 0)
-            raise ValueError(f"{name} must not decrease (sequence lengths are its differences), got "
-                             f"{name}[{b}] = {values[b]} > {name}[{b + 1}] = {values[b + 1]}")
-        if values[-1] != total:
-            raise ValueError(f"{name} must end at the number of packed tokens {total} (the first dim of "
-                             f"{'q' if name == 'cu_seqlens_q' else 'k and v'}), got {values[-1]}")
-        if max(lens) > longest:
-            raise ValueError(f"{max_name} ({longest}) is smaller than the longest sequence of {name} ({max(lens)})")
-
-
-@torch.library.custom_op("lightning_gproj::attn_varlen_fwd", mutates_args=())
-def _attn_varlen_fwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool,
-    fix: str,
-    stats_name: str,
-    compute_dtype: Optional[torch.dtype] = None,
-    ds_format: str = "bf16",
-    window_left: int = -1,
-    window_right: int = -1,
-    softcap: float = 0.0,
-    dropout_p: float = 0.0,
-    rng: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    q, k, v = _cast(compute_dtype, q, k, v)
-    _check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
-    if RECORDER.enabled:
-        record_forward_stats(stats_name, q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                  max_seqlen_k=max_seqlen_k, window_size=(window_left, window_right), softcap=softcap,
-                  **_dropout_options(dropout_p, rng))
-    o, m, log2l = _kernel_forward(q, k, v, softmax_scale, causal, **varlen)
-    _record_max_logit(stats_name, m, log2l, softmax_scale, softcap)
-    return o.contiguous(), m, log2l
-
-
-@_attn_varlen_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, fix, stats_name,
-      compute_dtype=None, ds_format="bf16", window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0, rng=None):
-    dtype = compute_dtype or q.dtype
-    stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    row = q.new_empty((q.shape[1], q.shape[0]), dtype=stat_dtype)
-    return q.new_empty(q.shape[:-1] + (v.shape[-1],), dtype=dtype), row, torch.empty_like(row)
-
-
-def _varlen_n_keys(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, causal: bool, total_q: int,
-                   window_size: tuple[int, int]) -> Tensor:
-    """(total_q,) the number of keys each packed query row sees (its own sequence's, causal and window
-    bottom-right aligned per sequence)."""
-    lens_q, lens_k = cu_seqlens_q.diff().long(), cu_seqlens_k.diff().long()
-    seq = torch.repeat_interleave(torch.arange(lens_q.numel(), device=lens_q.device), lens_q, output_size=total_q)
-    local = torch.arange(total_q, device=lens_q.device) - cu_seqlens_q.long()[seq]
-    left, right = reference.normalize_window(causal, window_size)
-    return _visible_keys(local, lens_q[seq], lens_k[seq], left, right)
-
-
-@torch.library.custom_op("lightning_gproj::attn_varlen_bwd", mutates_args=())
-def _attn_varlen_bwd(
-    do: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
-    m: Tensor,
-    log2l: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool,
-    fix: str,
-    stats_name: str,
-    compute_dtype: Optional[torch.dtype] = None,
-    ds_format: str = "bf16",
-    window_left: int = -1,
-    window_right: int = -1,
-    softcap: float = 0.0,
-    dropout_p: float = 0.0,
-    rng: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    # As _attn_bwd: under autocast cast again and return the fp32 accumulators.
-    q, k, v = _cast(compute_dtype, q, k, v)
-    grad_dtype = None if compute_dtype is None else torch.float32
-    want_stats = RECORDER.enabled
-    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                  max_seqlen_k=max_seqlen_k, window_size=(window_left, window_right), softcap=softcap,
-                  **_dropout_options(dropout_p, rng))
-    dq, dk, dv, extras = _kernel_backward(
-        do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, grad_dtype=grad_dtype,
-        ds_format=ds_format, **varlen,
-    )
-    if want_stats:
-        n_keys = _varlen_n_keys(cu_seqlens_q, cu_seqlens_k, causal, q.shape[0], (window_left, window_right))
-        _record_backward_stats(stats_name, fix, causal, k.shape[0], dq[None], extras, n_keys=n_keys)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
-
-
-@_attn_varlen_bwd.register_fake
-def _(do, q, k, v, o, m, log2l, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, fix,
-      stats_name, compute_dtype=None, ds_format="bf16", window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0,
-      rng=None):
-    dtype = None if compute_dtype is None else torch.float32
-    return tuple(torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device) for x in (q, k, v))
-
-
-def _setup_varlen_context(ctx, inputs, output):
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, fix, stats_name,
-     compute_dtype, ds_format, wl, wr, softcap, dropout_p, rng) = inputs
-    o, m, log2l = output
-    ctx.save_for_backward(q, k, v, o, m, log2l, cu_seqlens_q, cu_seqlens_k, rng)
-    ctx.dropout_p = dropout_p
-    ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
-    ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name = softmax_scale, causal, fix, stats_name
-    ctx.compute_dtype, ctx.ds_format = compute_dtype, ds_format
-    ctx.window_left, ctx.window_right, ctx.softcap = wl, wr, softcap
-
-
-def _varlen_backward(ctx, do, _dm, _dlog2l):
-    q, k, v, o, m, log2l, cu_seqlens_q, cu_seqlens_k, rng = ctx.saved_tensors
-    dq, dk, dv = _attn_varlen_bwd(
-        do.contiguous(), q, k, v, o, m, log2l, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
-        ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name, ctx.compute_dtype, ctx.ds_format,
-        ctx.window_left, ctx.window_right, ctx.softcap, ctx.dropout_p, rng,
-    )
-    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 15
-
-
-_attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
+# Packed sequences (flash-attn's varlen interface): the same op with cu_seqlens (the tensors are
+# (total, nheads, headdim) and the row statistics (nheads, total_q)).
 
 
 def _check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, compute_dtype: Optional[torch.dtype]) -> None:
@@ -943,9 +849,10 @@ def gproj_attn_varlen_func(
     window_left, window_right = _check_window(window_size)
     softcap = _check_softcap(softcap)
     with _autocast_off(q.device.type):
-        o, _, _ = _attn_varlen_fwd(
-            q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
-            softmax_scale, causal, fix, stats_name or "attention", compute_dtype, ds_format, window_left,
-            window_right, softcap, dropout_p, _draw_rng(dropout_p),
+        o, _, _ = _attn_fwd(
+            q, k, v, softmax_scale, causal, fix, stats_name or "attention", cu_seqlens_q=cu_seqlens_q.contiguous(),
+            cu_seqlens_k=cu_seqlens_k.contiguous(), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            compute_dtype=compute_dtype, ds_format=ds_format, window_left=window_left, window_right=window_right,
+            softcap=softcap, dropout_p=dropout_p, rng=_draw_rng(dropout_p),
         )
     return o

@@ -271,8 +271,8 @@ def flash_forward(
     tau = _scale(query, scale)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     rng = ops._draw_rng(float(dropout_p))
-    o, m, log2l = ops._attn_fwd(q, k, v, tau, bool(is_causal), settings.fix, STATS_NAME, None, None, settings.ds_format,
-                                -1, -1, 0.0, float(dropout_p), rng)
+    o, m, log2l = ops._attn_fwd(q, k, v, tau, bool(is_causal), settings.fix, STATS_NAME, ds_format=settings.ds_format,
+                                dropout_p=float(dropout_p), rng=rng)
     # lse first, then m and log2l in the same allocation: autograd saves lse, and the backward finds the
     # exact row statistics behind it (see _row_stats).
     stats = torch.empty((3, *m.shape), dtype=torch.float32, device=m.device)
@@ -360,8 +360,8 @@ def flash_backward(
     # the op's autograd saves a contiguous o and hands the kernel a contiguous dO (ops._backward)
     rng = philox_seed.view(torch.int64).cpu() if dropout_p > 0 else None
     dq, dk, dv = ops._attn_bwd(
-        do.contiguous(), q, k, v, o.contiguous(), m, log2l, tau, bool(is_causal), settings.fix, STATS_NAME, None, None,
-        settings.ds_format, -1, -1, 0.0, float(dropout_p), rng,
+        do.contiguous(), q, k, v, o.contiguous(), m, log2l, tau, bool(is_causal), settings.fix, STATS_NAME,
+        ds_format=settings.ds_format, dropout_p=float(dropout_p), rng=rng,
     )
     with _lock:
         CALLS.backward += 1

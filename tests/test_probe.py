@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from lightning_gproj import GProjPlugin, gproj_attn_func
+from lightning_gproj import GProjPlugin, gproj_attn_func, gproj_attn_varlen_func
 from lightning_gproj.callbacks import ZeroSumMonitor, probe_backward, reference_dq
-from lightning_gproj.callbacks.capture import slice_call
+from lightning_gproj.callbacks.capture import AttentionCapture, slice_call
 
 #: Each test starts and ends with the global recorder off and empty (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("recorder_off")
@@ -200,6 +200,33 @@ def test_c2_residual_vanishes_in_float64_and_covers_the_op(tmp_path):
     model64.train_dataloader = lambda: torch.utils.data.DataLoader(list(torch.randn(4, B, N, E, dtype=torch.float64)), batch_size=None)
     logged = fit(model64, [ZeroSumMonitor(every_n_steps=1, probe_every_n_steps=None, print_summary=False)], tmp_path / "64", 2, precision="64-true")
     assert 0 <= max(logged["gproj/blocks.0.attn/c2_residual"].values()) < 1e-12
+
+
+def test_c2_hook_covers_dense_op_calls_only():
+    """The op also serves packed sequences; their k is (total_k, nheads_k, headdim), whose dim 1 holds
+    heads, not keys, so the C2 hook leaves those calls out. A dense call in the same capture gets its
+    term, ‖Σ_j dK_j‖ and ‖dK‖_F of the dK computed here."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 4, 16, generator=g).bfloat16()
+    k, v = (torch.randn(2, 6, 2, 16, generator=g).bfloat16().requires_grad_(True) for _ in range(2))
+    qp = torch.randn(10, 4, 16, generator=g).bfloat16()
+    kp, vp = (torch.randn(10, 2, 16, generator=g).bfloat16().requires_grad_(True) for _ in range(2))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    capture = AttentionCapture({}, [], c2=True)
+    capture.start()
+    try:
+        o = gproj_attn_func(q, k, v, causal=True, fix="none", stats_name="dense")
+        o_packed = gproj_attn_varlen_func(qp, kp, vp, cu, cu, 6, 6, causal=True, fix="none", stats_name="packed")
+    finally:
+        capture.stop()
+    (o.float().pow(2).sum() + o_packed.float().pow(2).sum()).backward()
+    assert kp.grad is not None
+    assert list(capture.c2_terms) == ["dense"]
+    ((key_sum, norm),) = capture.c2_terms["dense"]
+    dk = k.grad.double()
+    assert float(key_sum) == pytest.approx(float(dk.sum(dim=1).norm()), rel=1e-5)
+    assert float(norm) == pytest.approx(float(dk.norm()), rel=1e-5)
+    assert float(key_sum) > 1e-4 * float(norm)  # fix="none", bf16 dS: a residual to compare
 
 
 def test_slice_keeps_the_semantics_of_the_full_call():

@@ -414,13 +414,18 @@ def _check_tensors(q: object, k: object, v: object) -> None:
             raise TypeError(f"{name} must be a bf16, fp16, fp32 or fp64 tensor, got {x.dtype}")
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, compute_dtype: Optional[torch.dtype], layout: Optional[str]) -> None:
-    """Shapes, dtypes and devices of q, k, v in the op layout (batch, seqlen, nheads, headdim); the
-    shape errors say how the inputs were read (``layout``) and shapes are shown as read."""
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, compute_dtype: Optional[torch.dtype], layout: Optional[str] = None,
+                  packed: bool = False) -> None:
+    """Shapes, dtypes and devices of q, k, v in the op layout (batch, seqlen, nheads, headdim), or with
+    ``packed`` of q (total_q, nheads, headdim), k, v (total_k, nheads_k, headdim). The shape errors of
+    the op layout say how the inputs were read (``layout``) and shapes are shown as read."""
+    rank, dims = (3, "(total, nheads, headdim) packed tokens") if packed else (4, "(batch, seqlen, nheads, headdim)")
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, seqlen, nheads, headdim), got shape {tuple(x.shape)}")
-    if layout == "bhsd":
+        if x.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D {dims}, got shape {tuple(x.shape)}")
+    if packed:
+        reading = ""
+    elif layout == "bhsd":
         reading = "shapes shown as (batch, seqlen, nheads, headdim), read from layout='bhsd' inputs"
     else:
         reading = ("inputs read as (batch, seqlen, nheads, headdim); for (batch, nheads, seqlen, headdim) "
@@ -429,19 +434,21 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, compute_dtype: Optional[torch
         raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    batch, nq, nheads, d = q.shape
+    nheads, d = q.shape[-2:]
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)} ({reading})")
-    if k.shape[0] != batch:
-        raise ValueError(f"k and v must have q's batch size {batch}, got {k.shape[0]}")
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+                         + (f" ({reading})" if reading else ""))
+    if not packed and k.shape[0] != q.shape[0]:
+        raise ValueError(f"k and v must have q's batch size {q.shape[0]}, got {k.shape[0]}")
     if k.shape[-1] != d:
         raise ValueError(f"k and v must have q's head dim {d}, got {k.shape[-1]}")
-    nheads_k = k.shape[2]
+    nheads_k = k.shape[-2]
     if nheads_k == 0 or nheads % nheads_k != 0:
-        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k/v's nheads ({nheads_k}) (GQA/MQA; {reading})")
+        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k/v's nheads ({nheads_k}) (GQA/MQA"
+                         + (f"; {reading})" if reading else ")"))
     if d % 8 != 0 or not 8 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"headdim must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {d}")
-    if nq == 0 or k.shape[1] == 0 or batch == 0 or nheads == 0:
+    if q.numel() == 0 or k.numel() == 0:  # the checks above leave only batch, seqlen or q's nheads to be 0
         raise ValueError(f"q, k, v must be non-empty, got q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
@@ -725,29 +732,6 @@ def gproj_attn_func(
 # (total, nheads, headdim) and the row statistics (nheads, total_q)).
 
 
-def _check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, compute_dtype: Optional[torch.dtype]) -> None:
-    """Shapes, dtypes and devices of packed q (total_q, nheads, headdim), k, v (total_k, nheads_k, headdim)."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 3:
-            raise ValueError(f"{name} must be 3-D (total, nheads, headdim) packed tokens, got shape {tuple(x.shape)}")
-    if compute_dtype is None and not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    total_q, nheads, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[-1] != d:
-        raise ValueError(f"k and v must have q's head dim {d}, got {k.shape[-1]}")
-    nheads_k = k.shape[1]
-    if nheads_k == 0 or nheads % nheads_k != 0:
-        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k/v's nheads ({nheads_k}) (GQA/MQA)")
-    if d % 8 != 0 or not 8 <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"headdim must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {d}")
-    if total_q == 0 or k.shape[0] == 0 or nheads == 0:
-        raise ValueError(f"q, k, v must be non-empty, got q {tuple(q.shape)}, k {tuple(k.shape)}")
-
-
 def _check_cu_seqlens(cu_seqlens_q: object, cu_seqlens_k: object, device: torch.device) -> None:
     """Type, dtype, shape and device of cu_seqlens_q / cu_seqlens_k (the values are checked in the op)."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -840,7 +824,7 @@ def gproj_attn_varlen_func(
     """
     _check_tensors(q, k, v)
     compute_dtype = _autocast_dtype(q, k, v)
-    _check_varlen_inputs(q, k, v, compute_dtype)
+    _check_inputs(q, k, v, compute_dtype, packed=True)
     softmax_scale = _check_options(fix, ds_format, softmax_scale, stats_name, causal, q.shape[-1])
     dropout_p = _check_dropout(dropout_p)
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.device)

@@ -199,6 +199,34 @@ def test_max_logit_is_the_largest_scaled_score_of_a_visible_pair(nq, nk, causal,
     assert RECORDER.drain()["a"]["max_logit"] == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.parametrize("case", ["dense", "padded", "packed", "packed_dropout_autocast"])
+def test_custom_op_pair_passes_opcheck(case):
+    """torch.library.opcheck on lightning_gproj::attn_fwd (and through its autograd, attn_bwd) for each
+    kind of call the one op pair serves: its schema, autograd registration, and fake impl (the output
+    and row-statistics shapes and dtypes, dense (batch, nheads, seqlen_q) or packed (nheads, total_q),
+    must match the real kernels') under AOT dispatch."""
+    g = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g).to(torch.bfloat16).requires_grad_(True)
+
+    options = {}
+    if case in ("dense", "padded"):
+        q, k, v = leaf(2, 6, 4, 16), leaf(2, 7, 2, 16), leaf(2, 7, 2, 16)
+        if case == "padded":
+            options = dict(seqlens_k=torch.tensor([7, 3], dtype=torch.int32))
+    else:
+        q, k, v = leaf(10, 4, 16), leaf(9, 2, 16), leaf(9, 2, 16)
+        options = dict(cu_seqlens_q=torch.tensor([0, 4, 10], dtype=torch.int32),
+                       cu_seqlens_k=torch.tensor([0, 5, 9], dtype=torch.int32), max_seqlen_q=6, max_seqlen_k=5)
+        if case == "packed_dropout_autocast":
+            options.update(compute_dtype=torch.float16, window_left=2, dropout_p=0.1,
+                           rng=torch.tensor([123, 0], dtype=torch.int64))
+    result = torch.library.opcheck(torch.ops.lightning_gproj.attn_fwd.default, (q, k, v, 0.25, True, "gproj", "a"),
+                                   options)
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
 def test_compile_fullgraph_has_no_graph_break():
     torch.manual_seed(5)
     q, k, v = (x.requires_grad_() for x in _qkv(1, 24, 2, 16, dtype=torch.bfloat16))

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from lightning_gproj.kernels.reference import PHILOX_ROUNDS, dropout_threshold, normalize_window
+from lightning_gproj.kernels.reference import PHILOX_ROUNDS, dropout_scale, dropout_threshold, normalize_window
 
 LOG2E = math.log2(math.e)
 
@@ -371,14 +371,15 @@ def _i32(x: int) -> int:
 def dropout_args(dropout_p: float, seed: int, offset: int) -> dict:
     """Kernel arguments of attention dropout: DROPOUT (constexpr; False is the kernels' code without
     dropout), the 64-bit Philox key as two 32-bit halves, the counter offset, the 16-bit keep threshold
-    (kernels/reference.dropout_threshold) and the scale 1/(1 − p). The integers go in as int32 bit
-    patterns (the kernels reinterpret them as uint32), so every seed gives the same argument types."""
+    (kernels/reference.dropout_threshold) and the scale 1/(1 − p̂) of the kept weights
+    (kernels/reference.dropout_scale). The integers go in as int32 bit patterns (the kernels
+    reinterpret them as uint32), so every seed gives the same argument types."""
     if not dropout_p:
         return dict(DROPOUT=False, seed_lo=0, seed_hi=0, drop_off=0, drop_thr=0, drop_scale=1.0)
     seed = int(seed) & ((1 << 64) - 1)
     return dict(DROPOUT=True, seed_lo=_i32(seed & 0xFFFFFFFF), seed_hi=_i32(seed >> 32),
                 drop_off=_i32(int(offset) & 0xFFFFFFFF), drop_thr=dropout_threshold(dropout_p),
-                drop_scale=1.0 / (1.0 - float(dropout_p)))
+                drop_scale=dropout_scale(dropout_p))
 
 
 #: kernels/reference.PHILOX_ROUNDS as a constexpr global, the form a jitted function can read.

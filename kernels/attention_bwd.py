@@ -35,9 +35,10 @@ dK/dV pass skips key blocks wholly past it and zeroes the rows of padded keys be
 Attention dropout (``dropout_p`` > 0, a constexpr variant DROPOUT; without it the kernels are the code
 above): both passes regenerate the forward's Philox keep mask M per tile (kernels/_triton_utils.dropout_keep,
 the counters of kernels/reference.dropout_keep_mask; the dK/dV pass builds the [queries, keys] tile and
-transposes it), dP' = M ∘ dP/(1 − p) replaces dP, dV += (P̃ ∘ M)ᵀ·dO
-is scaled by 1/(1 − p) before its store, and everything else — D, dS = P ∘ (dP' − D) with the undropped P,
-r, the GProj direction P̃ — is unchanged: dS's rows still sum to zero (kernels/reference.py).
+transposes it), dP' = M ∘ dP/(1 − p̂) replaces dP (p̂ the drop probability of the 16-bit keep test,
+kernels/reference.dropout_scale), dV += (P̃ ∘ M)ᵀ·dO is scaled by 1/(1 − p̂) before its store, and
+everything else — D, dS = P ∘ (dP' − D) with the undropped P, r, the GProj direction P̃ — is unchanged:
+dS's rows still sum to zero (kernels/reference.py).
 
 Extra memory: D and r (B·H·Nq fp32 each); with want_stats also abs_dS (B·H·Nq) and the leak
 (B·H·Nq·d fp32). Never N×N.
@@ -651,7 +652,8 @@ def backward(
             gproj_uniform's dK correction act per sequence (Σ over each sequence's keys). A window
             and softcap apply within each sequence (bottom-right aligned per sequence).
         dropout_p, dropout_seed, dropout_offset: as the forward ran with: both passes regenerate its
-            keep mask M (constexpr DROPOUT), dV = ((P̃ ∘ M)/(1 − p))ᵀ dO, dP' = M ∘ dP/(1 − p),
+            keep mask M (constexpr DROPOUT), dV = ((P̃ ∘ M)/(1 − p̂))ᵀ dO, dP' = M ∘ dP/(1 − p̂) (p̂: p
+            rounded by the 16-bit keep test, kernels/reference.dropout_scale),
             dS = P ∘ (dP' − D) with the undropped P, whose rows still sum to zero
             (kernels/reference.py); r and the GProj direction P̃ are unchanged.
 

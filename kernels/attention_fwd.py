@@ -22,7 +22,7 @@ only the key blocks its rows' windows touch, masking the two edge ranges) and lo
 (SOFTCAP: the capped logits z = cap·tanh(τ s/cap) replace s, and m is their row max, so the row's
 maximum still gets exactly exp2(0)), and attention dropout (DROPOUT: the P·V operand is P̃ ∘ M with
 the Philox keep mask of kernels/reference.dropout_keep_mask, one Philox call per 8 keys of a row, and o
-is scaled by 1/(1 − p) at the end).
+is scaled by 1/(1 − p̂) at the end, p̂ the drop probability of the 16-bit keep test).
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def _fwd_kernel(
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     if DROPOUT:
-        o = o * drop_scale  # 1/(1 − p) on the fp32 output, after the undropped normalizer l
+        o = o * drop_scale  # 1/(1 − p̂) on the fp32 output, after the undropped normalizer l
     # Contract (kernels/reference.py): a row with no visible key has m = 0, log2l = +inf, o = 0.
     m_out = tl.where(empty, 0.0, m_i)
     log2l = tl.where(empty, float("inf"), tl.math.log2(tl.where(empty, 1.0, l_i)))
@@ -260,9 +260,9 @@ def forward(
             causal and window bottom-right aligned within it). The grid is (cdiv(max_seqlen_q,
             BLOCK_M), batch·nheads); query blocks past a sequence's end exit at once.
         dropout_p, dropout_seed, dropout_offset: attention dropout (0: off, the kernel without it), the
-            mask of :func:`lightning_gproj.kernels.reference.dropout_keep_mask` (p rounded to a
-            multiple of 2⁻¹⁶; packed: over the packed query rows and each sequence's own keys):
-            O = (P ∘ M) V / (1 − p); m and log2l are the undropped P's.
+            mask of :func:`lightning_gproj.kernels.reference.dropout_keep_mask` (packed: over the packed
+            query rows and each sequence's own keys): O = (P ∘ M) V / (1 − p̂), p̂ = p rounded to a
+            multiple of 2⁻¹⁶ (kernels/reference.dropout_scale); m and log2l are the undropped P's.
 
     Returns:
         o: (batch, seqlen_q, nheads, headdim) (packed: (total_q, nheads, headdim)), q's dtype, contiguous.

@@ -34,7 +34,9 @@ Sliding windows and logit softcapping (flash-attn's ``window_size=(left, right)`
 
 Attention dropout (flash-attn's ``dropout_p``, ``nn.MultiheadAttention(dropout=p)``, Hugging Face's
 ``attn_pdrop``): with the keep mask M ∈ {0, 1} (:func:`dropout_keep_mask`, kept with probability 1 − p,
-p rounded to a multiple of 2⁻¹⁶ by the 16-bit keep test: E[M] / (1 − p) = 1 within 2⁻¹⁷ / (1 − p))
+where p here is the probability the 16-bit keep test applies, the given one rounded to a multiple of
+2⁻¹⁶ (:func:`dropout_threshold`); the scale 1/(1 − p) uses the same p (:func:`dropout_scale`), so
+E[M] / (1 − p) = 1 exactly)
 
     O = (P ∘ M) V / (1 − p),   P = softmax(S) undropped (the row max m and the sum l are P's).
 
@@ -71,7 +73,7 @@ from torch import Tensor
 
 __all__ = [
     "forward", "backward", "FIXES", "DS_FORMATS", "round_significand", "normalize_window", "project_key_sum_",
-    "philox4x32", "PHILOX_ROUNDS", "dropout_threshold", "dropout_keep_mask",
+    "philox4x32", "PHILOX_ROUNDS", "dropout_threshold", "dropout_scale", "dropout_keep_mask",
 ]
 
 #: Accepted values of ``fix``.
@@ -127,10 +129,19 @@ def philox4x32(seed: int, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, rounds
 def dropout_threshold(dropout_p: float) -> int:
     """The 16-bit threshold of the keep test ``random >= threshold`` (:func:`dropout_keep_mask`):
     thr16 = min(round(p · 2¹⁶), 2¹⁶ − 1), round half to even. An element is dropped with probability
-    thr16 / 2¹⁶, i.e. p rounded to a multiple of 2⁻¹⁶: |error| <= 2⁻¹⁷ ≈ 7.6e-6 (<= 2⁻¹⁶ for
-    p > 1 − 2⁻¹⁶, where the threshold saturates; p <= 2⁻¹⁷ drops nothing). The output scale stays
-    1/(1 − p) of the p given. An integer comparison: exactly reproducible."""
+    p̂ = thr16 / 2¹⁶, p rounded to a multiple of 2⁻¹⁶: |p̂ − p| <= 2⁻¹⁷ ≈ 7.6e-6 for p < 1 − 2⁻¹⁷;
+    from there on the threshold saturates (p̂ = 1 − 2⁻¹⁶, |p̂ − p| < 2⁻¹⁶); p <= 2⁻¹⁷ drops nothing.
+    The kept weights are scaled by :func:`dropout_scale` = 1/(1 − p̂). An integer comparison: exactly
+    reproducible."""
     return min(round(float(dropout_p) * 2.0**16), 0xFFFF)
+
+
+def dropout_scale(dropout_p: float) -> float:
+    """1/(1 − p̂), the scale of the kept attention weights, p̂ = :func:`dropout_threshold` (p) / 2¹⁶ the
+    probability with which the keep test drops one: E[M] / (1 − p̂) = 1 exactly (dropout with p̂,
+    unbiased). 1/(1 − p) of the p given would bias the output by (1 − p̂)/(1 − p): up to 2⁻¹⁷/(1 − p)
+    relative, and 2⁻¹⁶ · 1e9 ≈ 15259× at p = 1 − 1e-9, where the threshold saturates."""
+    return 2.0**16 / (2**16 - dropout_threshold(dropout_p))
 
 
 def dropout_keep_mask(
@@ -395,7 +406,7 @@ def forward(
         empty = l_blk == 0
         o_blk = acc / l_blk[..., None]
         if drop is not None:
-            o_blk = o_blk * torch.tensor(1.0 / (1.0 - drop.p), dtype=cdt)
+            o_blk = o_blk * torch.tensor(dropout_scale(drop.p), dtype=cdt)
         o[:, :, i0:i1] = torch.where(empty[..., None], torch.zeros_like(acc), o_blk)
         m[:, :, i0:i1] = m_blk
         log2l[:, :, i0:i1] = torch.where(empty, torch.full_like(l_blk, float("inf")), torch.log2(l_blk))
@@ -554,7 +565,7 @@ def backward(
             # dV = ((P̃ ∘ M) / (1 − p))ᵀ dO (the scale after the sum, as the kernel); dP' = M ∘ dP / (1 − p).
             keep = drop.keep(batch, nheads, i0, i1, nk, cdt, q.device)
             dv += (p16 * keep).transpose(-1, -2) @ doh[:, :, i0:i1]
-            dp = torch.where(keep > 0, dp * torch.tensor(1.0 / (1.0 - drop.p), dtype=cdt), 0.0)
+            dp = torch.where(keep > 0, dp * torch.tensor(dropout_scale(drop.p), dtype=cdt), 0.0)
         ds = p * (dp - delta[:, :, i0:i1, None])  # w.r.t. the logits (capped ones with softcap)
         # Correction direction W̃ (P̃, or the visible-key mask for the in-loop uniform projection).
         w16 = p16 if not in_loop_uniform else (torch.ones_like(p16) if valid is None else valid.to(cdt).expand_as(p16))
@@ -609,7 +620,7 @@ def backward(
     dq *= softmax_scale
     dk *= softmax_scale
     if drop is not None:
-        dv *= torch.tensor(1.0 / (1.0 - drop.p), dtype=cdt)
+        dv *= torch.tensor(dropout_scale(drop.p), dtype=cdt)
 
     if nheads_k != nheads:
         group = nheads // nheads_k

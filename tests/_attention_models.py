@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _fp64 import dropout_scale
 
 
 def reference_attn(q, k, v, softmax_scale=None, causal=False, fix="gproj", dropout_p=0.0, stats_name=None,
@@ -15,7 +16,8 @@ def reference_attn(q, k, v, softmax_scale=None, causal=False, fix="gproj", dropo
     by repeating k/v heads, causal bottom-right aligned (j <= i + Nk - Nq), flash-attn's window
     i + Nk - Nq - left <= j <= i + Nk - Nq + right (-1 or None: unbounded), softcap
     cap·tanh(s/cap) on the scaled scores, rows with no visible key give 0. ``dropout_p`` > 0 needs the
-    boolean keep mask ``keep`` (batch, nheads, Nq, Nk): P ∘ keep / (1 − p) multiplies v."""
+    boolean keep mask ``keep`` (batch, nheads, Nq, Nk): P ∘ keep / (1 − p̂) multiplies v (p̂ the
+    rounded p, _fp64.dropout_scale)."""
     if dropout_p > 0 and keep is None:
         raise ValueError("dropout_p > 0 needs the keep mask")
     n_q, h, d = q.shape[1], q.shape[2], q.shape[3]
@@ -37,7 +39,7 @@ def reference_attn(q, k, v, softmax_scale=None, causal=False, fix="gproj", dropo
         s = s.masked_fill(j > i + right, float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     if dropout_p > 0:
-        p = p * keep.to(p.dtype) / (1 - dropout_p)
+        p = p * keep.to(p.dtype) * dropout_scale(dropout_p)
     return torch.einsum("bhqk,bkhd->bqhd", p, v)
 
 

@@ -9,6 +9,13 @@ import torch
 from torch import Tensor
 
 
+def dropout_scale(dropout_p: float) -> float:
+    """1 / (1 − p̂), the scale of the kept attention weights: p̂ = min(round(p · 2¹⁶), 2¹⁶ − 1) / 2¹⁶
+    (round half to even) is the probability with which the 16-bit keep test drops a weight, as
+    docs/architecture.md states it, written out here (so E[keep] · scale = 1)."""
+    return 1.0 / (1.0 - min(round(float(dropout_p) * 2**16), 2**16 - 1) / 2**16)
+
+
 def attention_fp64(
     q: Tensor, k: Tensor, v: Tensor, do: Tensor, softmax_scale: float, causal: bool, key_mask: Tensor | None = None,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, visible: Tensor | None = None,
@@ -24,8 +31,9 @@ def attention_fp64(
     visible key give 0 (not NaN), as flash-attn.
     ``visible``: optional boolean (Nq, Nk), True = query i sees key j (and-ed with the others).
     ``keep``, ``dropout_p``: attention dropout with an explicit boolean keep mask (batch, nheads, Nq, Nk):
-    o = (P ∘ keep / (1 − p)) V. dS is still taken w.r.t. the undropped P (its gradient dP flows back
-    through the mask), i.e. dS = P ∘ (dP − Σ_j P dP).
+    o = (P ∘ keep / (1 − p̂)) V, p̂ the drop probability of the 16-bit keep test (:func:`dropout_scale`).
+    dS is still taken w.r.t. the undropped P (its gradient dP flows back through the mask), i.e.
+    dS = P ∘ (dP − Σ_j P dP).
     """
     q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
     group = q.shape[2] // k.shape[2]
@@ -50,7 +58,7 @@ def attention_fp64(
     empty = torch.isinf(s).all(dim=-1, keepdim=True)
     p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     p.retain_grad()
-    pv = p if keep is None else p * keep.double() / (1.0 - dropout_p)
+    pv = p if keep is None else p * keep.double() * dropout_scale(dropout_p)
     o = torch.einsum("bhij,bjhd->bihd", pv, vv)
     o.backward(do.double())
     dp = p.grad

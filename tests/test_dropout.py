@@ -2,9 +2,10 @@
 kernels' DROPOUT variant under the interpreter, and the op's reproducibility.
 
 Ground truth is a float64 autograd attention with the keep mask of ``reference.dropout_keep_mask``
-applied explicitly (tests/_fp64.py): o = (P ∘ M / (1 − p)) V. The Triton measurements come from one
-subprocess run of tests/_triton_dropout_cases.py (~35 s on 2 CPU cores; see tests/test_triton_kernels.py
-for why a subprocess).
+applied explicitly (tests/_fp64.py): o = (P ∘ M / (1 − p̂)) V, p̂ the rounded p of the 16-bit keep test
+(_fp64.dropout_scale). The Triton measurements come from one subprocess run of
+tests/_triton_dropout_cases.py (~35 s on 2 CPU cores; see tests/test_triton_kernels.py for why a
+subprocess).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_gproj import gproj_attn_func, gproj_attn_varlen_func
 from lightning_gproj.kernels import reference as R
 from _attention_models import op_keep_mask
-from _fp64 import attention_fp64, median_head_error
+from _fp64 import attention_fp64, dropout_scale, median_head_error
 
 HERE = Path(__file__).resolve().parent
 GRADS = ("dq", "dk", "dv")
@@ -115,9 +116,9 @@ def test_mask_depends_on_seed_offset_and_position():
 
 
 def test_zero_sum_law_holds_for_the_undropped_p():
-    """With O = (P ∘ M) V / (1 − p): dS = P ∘ (dP' − D), dP' = ∂L/∂P (through the mask), D = Σ_j P dP'
+    """With O = (P ∘ M) V / (1 − p̂) (p̂ the rounded p, _fp64.dropout_scale): dS = P ∘ (dP' − D), dP' = ∂L/∂P (through the mask), D = Σ_j P dP'
     = rowsum(dO ∘ O). Each row of dS sums to zero (to float64 rounding) for the undropped P; the same
-    expression with the dropped P ∘ M / (1 − p) in its place does not sum to zero, and dS is not zero
+    expression with the dropped P ∘ M / (1 − p̂) in its place does not sum to zero, and dS is not zero
     on the dropped entries (−P_ij D_i)."""
     torch.manual_seed(0)
     b, n, h, d, p = 1, 48, 2, 16, 0.3
@@ -133,10 +134,10 @@ def test_zero_sum_law_holds_for_the_undropped_p():
     s = torch.einsum("bihd,bjhd->bhij", q, k) * d**-0.5
     s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
     P = torch.softmax(s, dim=-1)
-    dp_dropped = torch.einsum("bihd,bjhd->bhij", do, v) * keep / (1 - p)
+    dp_dropped = torch.einsum("bihd,bjhd->bhij", do, v) * keep * dropout_scale(p)
     D = (do * o).sum(dim=-1).transpose(1, 2)
     assert torch.allclose(D, (P * dp_dropped).sum(dim=-1), rtol=1e-12, atol=1e-12)
-    Pd = P * keep / (1 - p)
+    Pd = P * keep * dropout_scale(p)
     wrong = Pd * (dp_dropped - (Pd * dp_dropped).sum(dim=-1, keepdim=True))
     assert (wrong.sum(dim=-1)[live].abs() / scale[live]).median() >= 1e-2
     dropped = ~keep & (P > 0)
@@ -233,6 +234,42 @@ def test_dv_uses_the_forward_mask_and_numpy_p():
         got = _grads(q, k, v, do, "gproj", 9, p)
         for x, y in zip(got, ref):
             assert torch.allclose(x, y, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("p", [1e-6, 0.3, 0.9999])
+def test_kept_weights_are_scaled_by_one_over_the_kept_probability(p):
+    """fp64 through the op: o and every gradient equal float64 attention with the op's mask and the
+    kept weights scaled by 1/(1 − p̂), p̂ = min(round(p·2¹⁶), 2¹⁶ − 1)/2¹⁶ the drop probability of the
+    16-bit keep test (_fp64.dropout_scale), so E[M]/(1 − p̂) = 1. 1/(1 − p) would be off by
+    (1 − p̂)/(1 − p): 1 + 1e-6 at p = 1e-6 (p̂ = 0, nothing dropped), 1 − 4.4e-6 at 0.3, 1.068 at 0.9999."""
+    torch.manual_seed(0)
+    b, nq, nk, h, d = 2, 64, 130, 4, 16
+    q, do = (torch.randn(b, nq, h, d, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(b, nk, h, d, dtype=torch.float64) for _ in range(2))
+    keep = op_keep_mask(3, p, b, h, nq, nk)
+    assert keep.any() and (p < 2**-17) == bool(keep.all())  # p = 0.9999 keeps a few (~7) weights here
+    ref = attention_fp64(q, k, v, do, d**-0.5, True, keep=keep, dropout_p=p)[:4]
+    got = _grads(q, k, v, do, "gproj", 3, p, causal=True)
+    for x, y in zip(got, ref):
+        assert torch.allclose(x, y, rtol=1e-10, atol=1e-12)
+
+
+def test_saturated_threshold_is_still_unbiased():
+    """p = 1 − 1e-9: the 16-bit threshold saturates at 2¹⁶ − 1 (a weight is kept with probability
+    2⁻¹⁶, not 1e-9). q = k = 0 and v = 1 make each output element the kept share of its row times the
+    scale, so the mean over 2²² weights estimates E[M]·scale: within 5 binomial standard deviations of
+    1 (≈ 64 weights kept), where 1/(1 − p) would give 2⁻¹⁶ · 1e9 ≈ 15259; and exactly the mean of
+    the op's mask times 1/(1 − p̂)."""
+    p, nq, nk, h = 1 - 1e-9, 512, 1024, 8
+    q, k, v = torch.zeros(1, nq, h, 8), torch.zeros(1, nk, h, 8), torch.ones(1, nk, h, 8)
+    q, k, v = (x.double() for x in (q, k, v))
+    keep = op_keep_mask(5, p, 1, h, nq, nk)
+    torch.manual_seed(5)
+    o = gproj_attn_func(q, k, v, dropout_p=p)
+    mean = o[..., 0].mean().item()
+    kept = 2**-16  # the saturated threshold's keep probability
+    assert abs(mean - 1) <= 5 * math.sqrt((1 - kept) / (kept * keep.numel()))
+    assert mean == pytest.approx(keep.double().mean().item() * dropout_scale(p), rel=1e-12)
 
 
 def test_varlen_mask_is_over_packed_rows_and_each_sequences_keys():

@@ -214,8 +214,8 @@ def f64_reference(q, k, v, do, tau, causal, window_size=(-1, -1), softcap=0.0, d
 
     ``window_size``: flash-attn's sliding window (:func:`visible_mask`); ``softcap`` > 0: the logits are
     softcap · tanh(τ q·k / softcap); ``dropout_p`` > 0: P times the keep mask our kernels draw for
-    (``dropout_seed``, ``dropout_offset``) (kernels/reference.dropout_keep_mask), over 1 − p. A row that
-    sees no key gets o = 0 and zero gradients."""
+    (``dropout_seed``, ``dropout_offset``) (kernels/reference.dropout_keep_mask), over 1 − p̂
+    (kernels/reference.dropout_scale). A row that sees no key gets o = 0 and zero gradients."""
     b, nq, h, d = q.shape
     nk, hk = k.shape[1], k.shape[2]
     g = h // hk
@@ -230,9 +230,9 @@ def f64_reference(q, k, v, do, tau, causal, window_size=(-1, -1), softcap=0.0, d
     # a large finite fill, not −inf, then × seen: a row without keys gets P = 0 and finite gradients
     p = torch.softmax(s.masked_fill(~seen, -1e300), dim=-1) * seen
     if dropout_p:
-        from lightning_gproj.kernels.reference import dropout_keep_mask
+        from lightning_gproj.kernels.reference import dropout_keep_mask, dropout_scale
         keep = dropout_keep_mask(dropout_seed, dropout_offset, dropout_p, b, h, nk, (0, nq), (0, nk), q.device)
-        p = p * keep / (1.0 - dropout_p)
+        p = p * keep * dropout_scale(dropout_p)
     o = (p @ vh).transpose(1, 2)
     dq, dk, dv = torch.autograd.grad(o, (q64, k64, v64), do.double())
     return o.detach(), dq, dk, dv

@@ -496,8 +496,9 @@ def _check_window(window_size: object) -> tuple[int, int]:
 
 
 def _scalar(x: object) -> object:
-    """A one-element float tensor as a Python float (e.g. a buffer holding τ or a cap); anything else as is."""
-    if isinstance(x, Tensor) and x.numel() == 1 and x.dtype.is_floating_point:
+    """A one-element float tensor with data as a Python float (e.g. a buffer holding τ or a cap); anything
+    else as is, for the caller's check to refuse by name (a meta tensor has no value to read)."""
+    if isinstance(x, Tensor) and x.numel() == 1 and x.dtype.is_floating_point and not x.is_meta:
         return x.item()
     return x
 

@@ -276,6 +276,10 @@ def test_bad_input_names_the_argument(make, exc, words):
         ({"softmax_scale": 3e38}, "softmax_scale"),  # τ·log2e would overflow fp32: NaN, not an error, before
         ({"softmax_scale": torch.tensor([0.1, 0.2])}, "softmax_scale"),
         ({"softmax_scale": "0.1"}, "softmax_scale"),
+        # A meta tensor has no value to read: refused by name, not by Tensor.item()'s own error.
+        ({"dropout_p": torch.tensor(0.1, device="meta")}, r"dropout_p must be a float in \[0, 1\)"),
+        ({"softmax_scale": torch.tensor(0.1, device="meta")}, "softmax_scale"),
+        ({"softcap": torch.tensor(30.0, device="meta")}, "softcap must be a finite float"),
     ],
 )
 def test_bad_options_name_the_argument(kwargs, words):

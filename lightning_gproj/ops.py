@@ -362,19 +362,23 @@ def _keys_seen(q: Tensor, k: Tensor, causal: bool, window_size: tuple[int, int],
         local = torch.arange(total_q, device=lens_q.device) - cu_seqlens_q.long()[seq]
         return _visible_keys(local, lens_q[seq], lens_k[seq], left, right)
     nq, nk = q.shape[1], k.shape[1]
-    n_keys = _visible_keys(torch.arange(nq, device=q.device), nq, nk, left, right)
-    if seqlens_k is not None:
-        n_keys = torch.minimum(n_keys[None, None, :], seqlens_k.to(device=q.device, dtype=torch.long)[:, None, None])
-    return n_keys
+    i = torch.arange(nq, device=q.device)
+    if seqlens_k is None:
+        return _visible_keys(i, nq, nk, left, right)
+    # Padding cuts each row's window from above (not its count: a window past the padding sees fewer keys).
+    return _visible_keys(i[None, None, :], nq, nk, left, right,
+                         n_valid=seqlens_k.to(device=q.device, dtype=torch.long)[:, None, None])
 
 
-def _visible_keys(i: Tensor, nq, nk, left: int, right: int) -> Tensor:
+def _visible_keys(i: Tensor, nq, nk, left: int, right: int, n_valid: Optional[Tensor] = None) -> Tensor:
     """The number of keys query row i (of a sequence with nq queries, nk keys; ints or per-row tensors)
-    sees under the bottom-right aligned window (left, right) (causal folded in, −1 unbounded)."""
+    sees under the bottom-right aligned window (left, right) (causal folded in, −1 unbounded), among
+    its keys j < ``n_valid`` (right key padding, broadcast against i; default all nk)."""
     diag = i + (nk - nq)
-    last = torch.as_tensor(nk - 1, device=i.device).expand_as(i)
+    last = torch.as_tensor((nk if n_valid is None else n_valid) - 1, device=i.device)
+    diag, last = torch.broadcast_tensors(diag, last)
     hi = torch.minimum(diag + right, last) if right >= 0 else last
-    lo = (diag - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
+    lo = (diag - left).clamp(min=0) if left >= 0 else torch.zeros_like(diag)
     return (hi - lo + 1).clamp(min=0)
 
 

@@ -74,6 +74,47 @@ def test_stats_with_seqlens_k_exclude_single_key_rows():
     assert math.isnan(s["violation_median"]) and s["violation_max"] == 0.0
 
 
+def test_stats_with_window_and_seqlens_k_exclude_single_key_rows():
+    """Key padding cuts a sliding window from above: with Nq = 1, Nk = 6, causal and window (1, 0) each
+    row's window holds keys 4 and 5, and seqlens_k = 5 hides key 5, so every row sees key 4 alone
+    (float64 reference: o = v of key 4) and has dS ≡ 0. No row is then defined for ρ (median NaN, max
+    0), as with seqlens_k = 1 above; a row count min(window, seqlens_k) = 2 recorded ρ = 1 from the
+    rounding noise of the computed dS of those rows (16 rows, so that some have some)."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(8, n, 2, 64, generator=g).bfloat16().requires_grad_() for n in (1, 6, 6))
+    lens = torch.tensor([5] * 8)
+    RECORDER.drain()
+    with RECORDER.recording():
+        o = gproj_attn_func(q, k, v, causal=True, window_size=(1, 0), seqlens_k=lens, fix="none", stats_name="w")
+        o.float().square().sum().backward()
+    s = RECORDER.drain()["w"]
+    o64 = attention_fp64(q, k, v, torch.ones(8, 1, 2, 64), 0.125, True, key_mask=torch.arange(6)[None] < lens[:, None],
+                         window_size=(1, 0))[0]
+    assert torch.equal(o64, v.detach()[:, 4:5].double())  # the reference: key 4 alone, weight 1
+    assert torch.equal(o.detach().double(), o64)
+    assert math.isnan(s["violation_median"]) and s["violation_max"] == 0.0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_keys_seen_with_seqlens_k_counts_the_visible_keys(causal):
+    """The per-row key count behind the ρ statistics (rows seeing <= 1 key are left out) equals the
+    number of keys each row sees under the float64 reference's own mask (attention_fp64: causal,
+    window, key padding), for Nq < Nk, Nq == Nk, Nq > Nk and windows cut by the padding."""
+    from lightning_gproj.ops import _keys_seen
+
+    for nq, nk in ((3, 8), (8, 8), (9, 5)):
+        lens = torch.tensor([nk, max(nk - 3, 1), 1, 2])
+        for window in ((-1, -1), (1, 0), (2, 1), (0, 3), (-1, 2), (3, -1)):
+            q, k = torch.zeros(4, nq, 1, 8, dtype=torch.float64), torch.zeros(4, nk, 1, 8, dtype=torch.float64)
+            v = torch.eye(nk, dtype=torch.float64)[None, :, None, :].expand(4, nk, 1, nk)  # one-hot values
+            # Equal scores: o_i is the mean of the one-hot v_j over the keys row i sees; its nonzeros count them.
+            o = attention_fp64(q, k, v, torch.zeros(4, nq, 1, nk, dtype=torch.float64), 1.0, causal,
+                               key_mask=torch.arange(nk)[None] < lens[:, None], window_size=window)[0]
+            expected = (o[:, :, 0] > 0).sum(-1)[:, None, :]  # (batch, 1, Nq), as _keys_seen
+            got = _keys_seen(q, k, causal, window, lens.to(torch.int32), None, None)
+            assert torch.equal(got, expected), (nq, nk, window)
+
+
 def test_compile_fullgraph_with_seqlens_k():
     torch.manual_seed(8)
     q, k, v = (x.requires_grad_() for x in _qkv(2, 24, 2, 16, dtype=torch.bfloat16))

@@ -366,9 +366,8 @@ def _dkdv_inner(
                 winT = tl.trans(in_window(rows, cols, CAUSAL_OFF, WL, WR))
                 pT = tl.where(winT, pT, 0.0)
         p16 = to16(pT, k.dtype, INTERP)  # rounding point: P̃, the operand of P̃ᵀ·dO (and of the dK term)
-        # dV before dPᵀ, the order of the kernels before dropout was added: the build with dPᵀ first ran the
-        # backward without dropout 5% slower (H200, benchmarks/NOTES.md run 13; that this order is the
-        # cause is not yet measured).
+        # dV before dPᵀ, the order of the kernels before dropout was added: with dPᵀ first the backward
+        # without dropout ran slower; with this order it is as fast as before (benchmarks/NOTES.md, runs 13-14).
         if DROPOUT:
             # The forward's mask, transposed: dV += (P̃ ∘ M)ᵀ dO (scaled by 1/(1 − p) at the store),
             # dP' = M ∘ dP / (1 − p); the dK term's direction stays the undropped P̃.

@@ -90,8 +90,8 @@ _M32 = 0xFFFFFFFF
 #: Triton kernels (kernels/_triton_utils.dropout_keep): editing this one line changes both together.
 #: 7, as flash-attn's dropout (csrc/flash_attn/src/philox.cuh: 6 rounds + a final one); Salmon et al.
 #: (SC'11) give 7 as Philox4x32's fewest rounds that pass TestU01's BigCrush and add 3 as a safety margin
-#: in their default of 10. The mask generator is the kernels' ALU cost: 10 → 7 rounds made dropout's
-#: fwd+bwd 1.08–1.10× faster on the H200 (benchmarks/NOTES.md, run 14).
+#: in their default of 10. The mask generator is most of dropout's cost in the ALU-bound kernels, so the
+#: rounds are worth saving (measured in benchmarks/NOTES.md, run 14).
 PHILOX_ROUNDS = 7
 # Philox4x32 constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11), as in
 # triton.language.random.philox_impl.

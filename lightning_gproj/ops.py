@@ -507,12 +507,21 @@ def _scalar(x: object) -> object:
     return x
 
 
+def _real(x: object) -> object:
+    """A real number (Python or NumPy; under torch.compile(dynamic=True) a float argument stays a SymFloat,
+    which is why the checks below use comparisons: ``math.isfinite`` of one stops Dynamo's fullgraph trace)
+    as a float; a bool, None or anything else as is, for the caller to refuse by name."""
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        return float(x)
+    return x
+
+
 def _check_softcap(softcap: object) -> float:
     """``softcap`` as a float >= 0 (0: off), or ValueError naming it."""
-    softcap = _scalar(softcap)
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
+    softcap = _real(_scalar(softcap))
+    if not isinstance(softcap, float) or not 0.0 <= softcap < math.inf:  # refuses NaN too
         raise ValueError(f"softcap must be a finite float >= 0 (0: no capping), got {softcap!r}")
-    return float(softcap)
+    return softcap
 
 
 def _autocast_off(device_type: str):
@@ -548,11 +557,11 @@ def _autocast_dtype(q: Tensor, k: Tensor, v: Tensor) -> Optional[torch.dtype]:
 def _check_dropout(dropout_p: object) -> float:
     """``dropout_p`` as a float in [0, 1) (a Python or NumPy number, or a one-element float tensor), or
     ValueError naming it."""
-    dropout_p = _scalar(dropout_p)
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+    dropout_p = _real(_scalar(dropout_p))
+    if not isinstance(dropout_p, float) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1) (the probability of dropping an attention weight), "
                          f"got {dropout_p!r}")
-    return float(dropout_p)
+    return dropout_p
 
 
 def _check_options(
@@ -562,12 +571,10 @@ def _check_options(
     if fix not in FIXES:
         raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
     reference.check_ds_format(ds_format)
-    softmax_scale = _scalar(softmax_scale)
+    softmax_scale = _real(_scalar(softmax_scale))
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) or not (
-        math.isfinite(softmax_scale) and 0 < softmax_scale <= _MAX_SOFTMAX_SCALE
-    ):
+    elif not isinstance(softmax_scale, float) or not 0.0 < softmax_scale <= _MAX_SOFTMAX_SCALE:  # NaN too
         raise ValueError(
             f"softmax_scale must be a positive float ≤ {_MAX_SOFTMAX_SCALE:.3g} (τ·log2e finite in fp32) or None, "
             f"got {softmax_scale!r}"

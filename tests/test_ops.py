@@ -281,6 +281,27 @@ def test_compile_fullgraph_has_no_graph_break():
     assert torch.equal(dq, dq_eager)
 
 
+def test_compile_dynamic_float_arguments_match_eager():
+    """torch.compile(dynamic=True) passes softcap, softmax_scale and dropout_p as SymFloats: the op's
+    checks must trace them (math.isfinite of a SymFloat stopped the fullgraph trace) and the compiled
+    call must give the eager output for each value."""
+    torch.manual_seed(6)
+    q, k, v = _qkv(1, 24, 2, 16, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+
+    def f(q, k, v, cap, scale, p):
+        return gproj_attn_func(q, k, v, causal=True, softcap=cap, softmax_scale=scale, dropout_p=p)
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    for cap, scale, p in ((30.0, 0.25, 0.0), (5.0, 0.5, 0.1)):
+        torch.manual_seed(1)  # the dropout seed is drawn from torch's generator
+        got = compiled(q, k, v, cap, scale, p)
+        torch.manual_seed(1)
+        assert torch.equal(got, f(q, k, v, cap, scale, p))
+    # fullgraph: Dynamo reports the op's ValueError inside its own exception, message included.
+    with pytest.raises(Exception, match="softcap must be a finite float"):
+        compiled(q, k, v, float("nan"), 0.25, 0.0)
+
+
 @pytest.mark.parametrize(
     "make, exc, words",
     [

@@ -12,14 +12,15 @@ Three launches, rounding at the points of kernels/reference.py (DESIGN.md §3, �
    zero-sum law C1), dQ += dS̃·K, r_i += Σ_j dS̃_ij (fp32, from the very rounded values the GEMM
    consumed), and — for fix="gproj" or want_stats — PK += P̃·K with P̃ the rounded P.
    Also Σ_j P̃_ij, giving ρ_i = r_i / Σ_j P̃_ij (so that the corrected row Σ_j (dS̃_ij − ρ_i P̃_ij)
-   is exactly 0, as in kernels/reference.py). fix="gproj": dQ = τ (dQ − ρ∘PK). r and ρ are written
-   out (B·H·Nq fp32 each) for pass 3.
+   is exactly 0, as in kernels/reference.py). fix="gproj": dQ = τ (dQ − ρ∘PK). r is written out
+   (B·H·Nq fp32) for pass 3, and in the "gemm" schedule below −ρ∘Q rounded to the input dtype
+   (B·Nq·H·d, like q).
 3. dK/dV pass, one program per (key block, batch·kv-head), looping over the query heads of its GQA
    group and over query blocks: dV += P̃ᵀ·dO, dK += dS̃ᵀ·Q. For fix="gproj" the P-weighted dK term
    −P̃ᵀ(ρ∘Q) is either
-   * "gemm" (default): its own GEMM, bf16(−ρ∘P̃)ᵀ·Q, as in kernels/reference.py (rounding the
-     operand changes the *correction* by a relative 2^-9 only; rounding ρ∘P̃ rather than ρ∘Q keeps
-     Σ_j dK_j at the fp32 level, see the comment in _dkdv_inner), or
+   * "gemm" (default): its own GEMM, P̃ᵀ·bf16(−ρ∘Q), as in kernels/reference.py (rounding the
+     operand changes the *correction* by a relative 2^-9 only; an fp32 dk ends with the C2
+     projection anyway), with the operand formed once per query row by pass 2, or
    * "fold": folded into dS before its rounding, dS' = P∘(dP − (D + r)) — zero extra GEMMs
      (``dk_fold=True``; DESIGN.md §4.1 table: slightly less accurate dK).
    The choice of default is recorded in benchmarks/NOTES.md with the measurements behind it.
@@ -52,7 +53,7 @@ import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
     INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_groups,
-    dropout_keep, in_window, interpreting, load_pair, mma, padded_head_dim, rcp_ftz, round_ds, seq_bounds, supports,
+    dropout_keep, in_window, interpreting, load_pair, load_rows, mma, padded_head_dim, rcp_ftz, round_ds, seq_bounds, supports,
     tanh_and_grad_f32, to16, tune_lengths, visible, window_args, window_key_blocks, window_query_blocks,
 )
 from lightning_gproj.kernels.reference import FIXES, check_ds_format, project_key_sum_, sequences
@@ -198,22 +199,23 @@ def _dq_inner(
 
 @triton.autotune(configs=_candidates(_DQ_BY_HEAD_DIM, (16, 16)),
                  key=["TUNE_NQ", "TUNE_NK", "HEAD_DIM", "CAUSAL", "GROUP", "GPROJ", "NEED_R", "STATS", "HAS_SEQLENS",
-                      "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN", "DROPOUT"],
+                      "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN", "DROPOUT", "STORE_QR"],
                  prune_configs_by={"early_config_prune": _pruner(_DQ_BY_HEAD_DIM)})
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr", "TUNE_NQ", "TUNE_NK"])
 def _dq_kernel(
-    Q, K, V, DO, M, LOG2L, DELTA, DQ, R, RHO, ABS, LEAK, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, M, LOG2L, DELTA, DQ, R, QR, ABS, LEAK, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_dob, stride_don, stride_doh, stride_dod,
     stride_dqb, stride_dqn, stride_dqh, stride_dqd,
+    stride_qrb, stride_qrn, stride_qrh, stride_qrd,
     c, tau, H, N_Q, N_K, WL, WR, sc, cap, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, TUNE_NQ, TUNE_NK,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     GPROJ: tl.constexpr, NEED_R: tl.constexpr, STATS: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     DS_BITS: tl.constexpr, IS_VARLEN: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr, DROPOUT: tl.constexpr, STORE_QR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     NEED_PK: tl.constexpr = GPROJ or STATS
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -243,6 +245,7 @@ def _dq_kernel(
         Q += q_start.to(tl.int64) * stride_qn
         DO += q_start.to(tl.int64) * stride_don
         DQ += q_start.to(tl.int64) * stride_dqn
+        QR += q_start.to(tl.int64) * stride_qrn
         K += k_start.to(tl.int64) * stride_kn
         V += k_start.to(tl.int64) * stride_vn
     else:
@@ -320,8 +323,10 @@ def _dq_kernel(
              to16(dq, DQ.dtype.element_ty, INTERP), mask=tile_mask)
     if NEED_R:
         tl.store(R + rows, r, mask=row_mask)
-    if GPROJ:
-        tl.store(RHO + rows, rho, mask=row_mask)
+    if STORE_QR:
+        # −ρ∘Q rounded to the input dtype: the B operand of the dK/dV pass's dK term, P̃ᵀ(−ρ∘Q).
+        tl.store(QR + b64 * stride_qrb + h * stride_qrh + offs_m[:, None] * stride_qrn + offs_d[None, :] * stride_qrd,
+                 to16(q.to(tl.float32) * (-rho)[:, None], QR.dtype.element_ty, INTERP), mask=tile_mask)
     if STATS:
         tl.store(ABS + rows, a, mask=row_mask)
         leak = (tau * rho)[:, None] * pk
@@ -330,7 +335,8 @@ def _dq_kernel(
 
 @triton.jit
 def _dkdv_inner(
-    dk, dv, k, v, Qh, DOh, Mh, L2h, DELh, Rh, stride_qn, stride_don, offs_m, cols, offs_d, offs_dq, offs_ddo,
+    dk, dv, k, v, Qh, DOh, Mh, L2h, DELh, Rh, QRh, stride_qn, stride_don, stride_qrn, offs_m, cols, offs_d, offs_dq,
+    offs_ddo, offs_dqr,
     lo, hi, c, N_Q, CAUSAL_OFF, WL, WR, sc, cap, start_n, drow0, DG, bh, seed_lo, seed_hi, drop_off, drop_thr,
     drop_scale,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -346,13 +352,13 @@ def _dkdv_inner(
             m = tl.load(Mh + rows, mask=rmask, other=0.0)
             l2 = tl.load(L2h + rows, mask=rmask, other=float("inf"))  # P = 0 on rows past N_Q
             Di = tl.load(DELh + rows, mask=rmask, other=0.0)
-            if DK_MODE != 0:
+            if DK_MODE == 1:
                 r = tl.load(Rh + rows, mask=rmask, other=0.0)
         else:
             m = tl.load(Mh + rows)
             l2 = tl.load(L2h + rows)
             Di = tl.load(DELh + rows)
-            if DK_MODE != 0:
+            if DK_MODE == 1:
                 r = tl.load(Rh + rows)
         sT = mma(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), INTERP)
         if SOFTCAP:
@@ -387,12 +393,10 @@ def _dkdv_inner(
             dsT = dsT * gT  # the operand X = dZ∘g (kernels/reference.py)
         dk = mma(round_ds(dsT, k.dtype, DS_BITS, INTERP), q, dk, INTERP)
         if DK_MODE == 2:
-            # Own GEMM: −(ρ∘P̃)ᵀQ (here r holds ρ), with ρ∘P̃ rounded to the input dtype as the A operand.
-            # Its rounding errors change sign along the keys and mostly cancel in Σ_j dK_j (C2); rounding
-            # ρ∘Q instead leaves one error per query row, summed over keys with weight Σ_j P̃_ij, which
-            # does not cancel (measurements: benchmarks/NOTES.md). UNIFORM: 1 on visible keys instead
-            # of P̃; SOFTCAP: the direction is bf16(P̃∘g), as in the dQ pass.
-            w = p16.to(tl.float32)
+            # Own GEMM: P̃ᵀ(−ρ∘Q), its B operand −ρ∘Q rounded once per query row by the dQ pass (QR), so
+            # that the loop adds no per-score work for it (benchmarks/NOTES.md, run 15). UNIFORM: 1 on
+            # visible keys instead of P̃; SOFTCAP: the direction is bf16(P̃∘g), as in the dQ pass.
+            w16 = p16
             if UNIFORM:
                 w = tl.full([BLOCK_N, BLOCK_M], 1.0, tl.float32)
                 if MASKED:
@@ -400,10 +404,11 @@ def _dkdv_inner(
                         w = tl.where(cols[:, None] <= rows[None, :] + CAUSAL_OFF, w, 0.0)
                     if WINDOW:
                         w = tl.where(winT, w, 0.0)
+                w16 = w.to(k.dtype)  # exact: 0 and 1
             if SOFTCAP:
-                w = to16(w * gT, k.dtype, INTERP).to(tl.float32)
-            rp = to16(w * (-r)[None, :], k.dtype, INTERP)
-            dk = mma(rp, q, dk, INTERP)
+                w16 = to16(w16.to(tl.float32) * gT, k.dtype, INTERP)
+            qr = load_rows(QRh, rows, stride_qrn, offs_d, offs_dqr, N_Q, HEAD_DIM, MASKED, EVEN_D)
+            dk = mma(w16, qr, dk, INTERP)
     return dk, dv
 
 
@@ -413,13 +418,14 @@ def _dkdv_inner(
                  prune_configs_by={"early_config_prune": _pruner(_DKDV_BY_HEAD_DIM)})
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr", "TUNE_NQ", "TUNE_NK"])
 def _dkdv_kernel(
-    Q, K, V, DO, M, LOG2L, DELTA, R, DK, DV, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, M, LOG2L, DELTA, R, QR, DK, DV, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_dob, stride_don, stride_doh, stride_dod,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    stride_qrb, stride_qrn, stride_qrh, stride_qrd,
     c, tau, H, HK, N_Q, N_K, WL, WR, sc, cap, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, TUNE_NQ, TUNE_NK,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DK_MODE: tl.constexpr, HAS_SEQLENS: tl.constexpr, DS_BITS: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -451,6 +457,7 @@ def _dkdv_kernel(
             return
         Q += q_start.to(tl.int64) * stride_qn
         DO += q_start.to(tl.int64) * stride_don
+        QR += q_start.to(tl.int64) * stride_qrn
         K += k_start.to(tl.int64) * stride_kn
         V += k_start.to(tl.int64) * stride_vn
         DK += k_start.to(tl.int64) * stride_dkn
@@ -497,10 +504,12 @@ def _dkdv_kernel(
         lo_full = 0
     offs_dq = offs_d * stride_qd
     offs_ddo = offs_d * stride_dod
+    offs_dqr = offs_d * stride_qrd
     for g in range(GROUP):
         h = hk * GROUP + g
         Qh = Q + b64 * stride_qb + h * stride_qh
         DOh = DO + b64 * stride_dob + h * stride_doh
+        QRh = QR + b64 * stride_qrb + h * stride_qrh
         if IS_VARLEN:
             row0 = h.to(tl.int64) * ROWS + q_start
             bh = h
@@ -508,20 +517,20 @@ def _dkdv_kernel(
             row0 = (b64 * H + h) * N_Q
             bh = b64 * H + h
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
-            offs_m, cols, offs_d, offs_dq, offs_ddo, lo, tl.minimum(lo_full, q_end), c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
+            dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, QRh, stride_qn, stride_don,
+            stride_qrn, offs_m, cols, offs_d, offs_dq, offs_ddo, offs_dqr, lo, tl.minimum(lo_full, q_end), c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
             start_n, drow0, DG, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
             BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM, DROPOUT,
         )
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
-            offs_m, cols, offs_d, offs_dq, offs_ddo, lo_full, tl.minimum(nq_full, q_end), c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
+            dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, QRh, stride_qn, stride_don,
+            stride_qrn, offs_m, cols, offs_d, offs_dq, offs_ddo, offs_dqr, lo_full, tl.minimum(nq_full, q_end), c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
             start_n, drow0, DG, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
             BLOCK_M, False, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM, DROPOUT,
         )
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, stride_qn, stride_don,
-            offs_m, cols, offs_d, offs_dq, offs_ddo, tl.maximum(lo_full, nq_full), q_end, c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
+            dk, dv, k, v, Qh, DOh, M + row0, LOG2L + row0, DELTA + row0, R + row0, QRh, stride_qn, stride_don,
+            stride_qrn, offs_m, cols, offs_d, offs_dq, offs_ddo, offs_dqr, tl.maximum(lo_full, nq_full), q_end, c, N_Q, CAUSAL_OFF, WL, WR, sc, cap,
             start_n, drow0, DG, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
             BLOCK_M, True, CAUSAL, HEAD_DIM, EVEN_D, DK_MODE, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM, DROPOUT,
         )
@@ -761,27 +770,28 @@ def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fol
     need_r = fix != "none" or want_stats
     dq = torch.empty((b, nq, h, d), dtype=torch.float32 if out32 else q.dtype, device=dev)
     r = torch.empty((b, h, nq), dtype=torch.float32, device=dev) if need_r else delta
-    rho = torch.empty((b, h, nq), dtype=torch.float32, device=dev) if gproj else delta
+    dk_mode = (_DK_FOLD if dk_fold and not uniform else _DK_GEMM) if gproj else _DK_NONE
+    # −ρ∘Q in the input dtype (the dK term's B operand, written by the dQ pass); a dummy when unused.
+    qr = torch.empty((b, nq, h, d), dtype=q.dtype, device=dev) if dk_mode == _DK_GEMM else q
     abs_ds = torch.empty((b, h, nq), dtype=torch.float32, device=dev) if want_stats else delta
     leak = torch.empty((b, h, nq, d), dtype=torch.float32, device=dev) if want_stats else delta
 
     _dq_kernel[lambda meta: (triton.cdiv(grid_q, meta["BLOCK_M"]), nb * h)](
-        q, k, v, do, m, log2l, delta, dq, r, rho, abs_ds, leak, seqlens_arg, *cu_args,
+        q, k, v, do, m, log2l, delta, dq, r, qr, abs_ds, leak, seqlens_arg, *cu_args,
         *batch_strides(q, packed), *batch_strides(k, packed), *batch_strides(v, packed), *batch_strides(do, packed),
-        *batch_strides(dq, packed),
+        *batch_strides(dq, packed), *batch_strides(qr, packed),
         c, tau, h, nq, nk, *wargs,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal,
         GPROJ=gproj, NEED_R=need_r, STATS=want_stats, HAS_SEQLENS=has_seqlens, DS_BITS=ds_bits,
-        IS_VARLEN=packed, INTERP=INTERPRET, **wconst,
+        IS_VARLEN=packed, INTERP=INTERPRET, STORE_QR=dk_mode == _DK_GEMM, **wconst,
     )
 
-    dk_mode = (_DK_FOLD if dk_fold and not uniform else _DK_GEMM) if gproj else _DK_NONE
     dk = torch.empty((b, nk, hk, d), dtype=torch.float32 if out32 else k.dtype, device=dev)
     dv = torch.empty((b, nk, hk, d), dtype=gdt, device=dev)
     _dkdv_kernel[lambda meta: (triton.cdiv(grid_k, meta["BLOCK_N"]), nb * hk)](
-        q, k, v, do, m, log2l, delta, rho if dk_mode == _DK_GEMM else r, dk, dv, seqlens_arg, *cu_args,
+        q, k, v, do, m, log2l, delta, r, qr, dk, dv, seqlens_arg, *cu_args,
         *batch_strides(q, packed), *batch_strides(k, packed), *batch_strides(v, packed), *batch_strides(do, packed),
-        *batch_strides(dk, packed), *batch_strides(dv, packed),
+        *batch_strides(dk, packed), *batch_strides(dv, packed), *batch_strides(qr, packed),
         c, tau, h, hk, nq, nk, *wargs,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, DK_MODE=dk_mode, HAS_SEQLENS=has_seqlens,
         DS_BITS=ds_bits, IS_VARLEN=packed, INTERP=INTERPRET, **wconst,

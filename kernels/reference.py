@@ -30,7 +30,7 @@ Sliding windows and logit softcapping (flash-attn's ``window_size=(left, right)`
   correction only applies the same projected X̂ to dK as to dQ.
 * with a window or softcap, ``fix="gproj_uniform"`` runs the same in-loop projection with W = the
   visible-key mask instead of P̃ (W̃ = bf16(g); without softcap the uniform projection, with ρ_i = r_i/n_i
-  and the dK operand bf16(ρ_i) — the O(N·d) prefix-mean form needs constant weights and a causal band).
+  and the dK operand bf16(ρ_i q_i) — the O(N·d) prefix-mean form needs constant weights and a causal band).
 
 Attention dropout (flash-attn's ``dropout_p``, ``nn.MultiheadAttention(dropout=p)``, Hugging Face's
 ``attn_pdrop``): with the keep mask M ∈ {0, 1} (:func:`dropout_keep_mask`, kept with probability 1 − p,
@@ -598,8 +598,8 @@ def backward(
         else:
             dk += ds16.transpose(-1, -2) @ qh[:, :, i0:i1]
             if weighted:
-                # −(ρ∘W̃)ᵀQ with ρ∘W̃ rounded, as the kernel's A operand (kernels/attention_bwd.py).
-                dk -= rnd(rho_blk[..., None] * w16).transpose(-1, -2) @ qh[:, :, i0:i1]
+                # −W̃ᵀ(ρ∘Q) with ρ∘Q rounded, as the kernel's B operand (kernels/attention_bwd.py).
+                dk -= w16.transpose(-1, -2) @ rnd(rho_blk[..., None] * qh[:, :, i0:i1])
 
     extras: dict[str, Tensor] = {}
     if want_stats:

@@ -143,9 +143,14 @@ def _dq_inner(
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, NEED_R: tl.constexpr, NEED_PK: tl.constexpr, STATS: tl.constexpr,
     DS_BITS: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    UNIFORM: tl.constexpr, DROPOUT: tl.constexpr,
+    UNIFORM: tl.constexpr, DROPOUT: tl.constexpr, ROWSUM_N: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = q.shape[0]
+    # r and Σ_j P̃_ij are [BLOCK_M, ROWSUM_N] tiles whose column 0 holds the sum (the others stay 0): without
+    # softcap they are summed on the tensor cores, as the 16-bit tile times e0 = (1, 0, …, 0) per key,
+    # which takes the per-score convert-and-add off the ALUs (benchmarks/NOTES.md, run 16).
+    col0 = tl.arange(0, ROWSUM_N)[None, :] == 0
+    e0 = to16(tl.where(col0, 1.0, tl.zeros([BLOCK_N, ROWSUM_N], tl.float32)), K.dtype.element_ty, INTERP)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k, v = load_pair(K, V, cols, stride_kn, stride_vn, offs_d, offs_dk, offs_dv, N_K, HEAD_DIM, MASKED, EVEN_D)
@@ -178,7 +183,10 @@ def _dq_inner(
             dz = ds16.to(tl.float32)
         dq = mma(ds16, k, dq, INTERP)
         if NEED_R:
-            r += tl.sum(dz, 1)
+            if SOFTCAP:
+                r += tl.where(col0, tl.sum(dz, 1)[:, None], 0.0)
+            else:
+                r = mma(ds16, e0, r, INTERP)
         if STATS:
             a += tl.sum(tl.abs(dz), 1)
         if NEED_PK:
@@ -189,10 +197,10 @@ def _dq_inner(
                     p16 = tl.where(valid, p16, 0.0).to(k.dtype)
             if SOFTCAP:
                 p16 = to16(p16.to(tl.float32) * g, k.dtype, INTERP)
-                ps += tl.sum(p16.to(tl.float32) * inv_g, 1)
+                ps += tl.where(col0, tl.sum(p16.to(tl.float32) * inv_g, 1)[:, None], 0.0)
             else:
                 # Σ_j P̃_ij of the rounded P: ρ_i = r_i / Σ_j P̃_ij makes Σ_j (dS̃_ij − ρ_i P̃_ij) = 0.
-                ps += tl.sum(p16.to(tl.float32), 1)
+                ps = mma(p16, e0, ps, INTERP)
             pk = mma(p16, k, pk, INTERP)
     return dq, pk, r, a, ps
 
@@ -274,9 +282,10 @@ def _dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     pk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    r = tl.zeros([BLOCK_M], tl.float32)
+    ROWSUM_N: tl.constexpr = 16  # the narrowest tile the tensor-core dot takes
+    r = tl.zeros([BLOCK_M, ROWSUM_N], tl.float32)
     a = tl.zeros([BLOCK_M], tl.float32)
-    ps = tl.zeros([BLOCK_M], tl.float32)
+    ps = tl.zeros([BLOCK_M, ROWSUM_N], tl.float32)
 
     Kb = K + b64 * stride_kb + hk * stride_kh
     Vb = V + b64 * stride_vb + hk * stride_vh
@@ -291,7 +300,7 @@ def _dq_kernel(
             dq, pk, r, a, ps, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
             lo, lo_full, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap, drop_rows, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
             BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM,
-            DROPOUT,
+            DROPOUT, ROWSUM_N,
         )
     elif CAUSAL:
         hi = tl.minimum(K_LEN, tl.maximum(start_m + BLOCK_M + CAUSAL_OFF, 0))
@@ -304,17 +313,18 @@ def _dq_kernel(
         dq, pk, r, a, ps, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
         lo_full, hi_full, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap, drop_rows, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
         BLOCK_N, False, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM,
-        DROPOUT,
+        DROPOUT, ROWSUM_N,
     )
     dq, pk, r, a, ps = _dq_inner(
         dq, pk, r, a, ps, q, do, m, l2, Di, Kb, Vb, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
         hi_full, hi, c, K_LEN, CAUSAL_OFF, WL, WR, sc, cap, drop_rows, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
         BLOCK_N, True, CAUSAL, HEAD_DIM, EVEN_D, NEED_R, NEED_PK, STATS, DS_BITS, INTERP, WINDOW, SOFTCAP, UNIFORM,
-        DROPOUT,
+        DROPOUT, ROWSUM_N,
     )
+    r = tl.sum(r, 1)  # column 0: adding the zero columns is exact
     if NEED_PK:
         # ρ_i = r_i / Σ_j P̃_ij (kernels/reference.py); rows with no visible key have r = 0 and get ρ = 0.
-        rho = r / tl.maximum(ps, 1.1754943508222875e-38)
+        rho = r / tl.maximum(tl.sum(ps, 1), 1.1754943508222875e-38)
     if GPROJ:
         # P-weighted projection (DESIGN.md §4): dQ_i = τ (Σ_j dS̃_ij k_j − ρ_i (P̃K)_i), all fp32.
         dq = dq - rho[:, None] * pk

@@ -81,7 +81,7 @@ def test_backward_rounds_at_the_reference_points(measured):
     the fp32 accumulation order of the GEMM reductions. That perturbs the pre-rounding fp32 values by
     ~1e-7 relative, so a 16-bit rounding flips by one ulp only for the rare values within ~1e-7 of a
     rounding boundary; the gradients then agree to ~1e-5..1e-4 relative (measured ≤ 8e-5; fix="gproj"
-    dk also rounds the N×M tile ρ∘P̃, whose ρ comes from a differently ordered fp32 sum: ≤ 2e-4).
+    dk also rounds −ρ∘Q, whose ρ comes from a differently ordered fp32 sum: ≤ 2e-4).
     A kernel that rounded at a different point (e.g. kept dS or P in fp32, or rounded P·K) would differ
     from the reference by the order of the rounding error itself, i.e. ≳ 0.3× the error against
     float64. The bounds below — 5e-4 absolute and 0.15× the reference's own error against float64 —

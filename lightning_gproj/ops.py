@@ -342,11 +342,15 @@ def _record_backward_stats(name: str, fix: str, dq: Tensor, extras: dict[str, Te
     values = {"violation_median": rho.nanmedian(), "violation_max": rho.nan_to_num(0.0).amax()}
     if fix != "gproj_uniform":
         # λ = ‖dQ̃ − dQ_gproj‖ / ‖dQ_gproj‖; dQ_gproj = dQ̃ − leak, and the op returned dQ̃ or dQ_gproj.
+        # A row seeing one key has dQ ≡ 0 (its leak, e.g. from the rounding of o under dropout, is still
+        # an error of dQ̃ and counts); where every row sees one key, ‖dQ_gproj‖ is rounding noise or 0 and
+        # λ meaningless (it came out ~10²–10³³, a false alert): NaN then, which the detectors skip.
         # Logged as leak_ratio only where the leak stays in the returned gradient (fix="none"); where
         # GProj removed it, as leak_removed_ratio, so that an alert on leak_ratio is about the gradients.
         dq_gproj = dq.transpose(1, 2).float() - (leak if fix == "none" else 0.0)
+        ratio = leak.norm() / dq_gproj.norm().clamp(min=torch.finfo(torch.float32).tiny)
         stat = "leak_ratio" if fix == "none" else "leak_removed_ratio"
-        values[stat] = leak.norm() / dq_gproj.norm().clamp(min=torch.finfo(torch.float32).tiny)
+        values[stat] = torch.where((n_keys > 1).any(), ratio, float("nan"))
     RECORDER.record(name, **values)
 
 

@@ -72,6 +72,8 @@ def test_stats_with_seqlens_k_exclude_single_key_rows():
         o.float().square().sum().backward()
     s = RECORDER.drain()["one"]
     assert math.isnan(s["violation_median"]) and s["violation_max"] == 0.0
+    # Every row sees one key: the leak ratio λ is NaN (it was ~800, a false alert at the warn level 1e-2).
+    assert math.isnan(s["leak_ratio"])
 
 
 def test_stats_with_window_and_seqlens_k_exclude_single_key_rows():
@@ -93,6 +95,7 @@ def test_stats_with_window_and_seqlens_k_exclude_single_key_rows():
     assert torch.equal(o64, v.detach()[:, 4:5].double())  # the reference: key 4 alone, weight 1
     assert torch.equal(o.detach().double(), o64)
     assert math.isnan(s["violation_median"]) and s["violation_max"] == 0.0
+    assert math.isnan(s["leak_ratio"])  # was 2e33 from the rounding noise of dQ ≈ 0
 
 
 @pytest.mark.parametrize("causal", [False, True])

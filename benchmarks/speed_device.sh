@@ -4,8 +4,10 @@
 # check:     the backward against reference.py on the GPU (gpu_check.py)
 # attention: benchmarks/attention.py --json, every shape with and without the causal mask, gproj and none,
 #            cuDNN and SDPA-flash (autotuned)
-# train:     benchmarks/train_step.py, both Llama configurations, arms cudnn gproj none, then
-#            2 profiled steps per arm
+# train:     benchmarks/train_step.py, both Llama configurations, arms cudnn gproj none (PROFILE_STEPS=2:
+#            also 2 profiled steps per arm; their files can exceed what one device call returns)
+# Never start "train" while other processes use the GPU (run 16: compile processes beside it inflated
+# the cuDNN arm 3x): the phases here run one after another.
 # Each phase has its own time limit (140 + 230 + 190 s) so that "all" ends inside the device tool's 600 s;
 # the scripts write their JSON as they go, so a phase cut by its limit still returns what it measured.
 # Everything lands in $OUT: logs, results/speed_latest.json, results/train_step_latest.json, profiles.
@@ -35,7 +37,7 @@ if [[ $what == all || $what == attention ]]; then
 fi
 if [[ $what == all || $what == train ]]; then
   timeout 190 python3 benchmarks/train_step.py --out "$OUT/results/train_step_latest.json" \
-    --arms cudnn,gproj,none --warmup 5 --steps 15 --profile-steps 2 > "$OUT/train_step_run10.log" 2>&1
+    --arms cudnn,gproj,none --warmup 5 --steps 15 --profile-steps "${PROFILE_STEPS:-0}" > "$OUT/train_step_run10.log" 2>&1
   echo "train rc=$?"
 fi
 tail -n 5 "$OUT"/*_run10.log

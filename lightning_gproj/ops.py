@@ -45,6 +45,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _AUTOCAST_ELIGIBLE = (torch.bfloat16, torch.float16, torch.float32)
 #: τ·log2(e) must stay finite in fp32, where the kernels scale the exponent.
 _MAX_SOFTMAX_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)
+#: Its text for error messages, formatted here: under torch.compile(dynamic=True) Dynamo reads a float
+#: module constant as a SymFloat, and a format spec on one stops the trace before the ValueError is built.
+_MAX_SOFTMAX_SCALE_TEXT = f"{_MAX_SOFTMAX_SCALE:.3g}"
 
 _warned: set[str] = set()
 
@@ -520,11 +523,20 @@ def _real(x: object) -> object:
     return x
 
 
+def _shown(x: object) -> str:
+    """``x`` for an error message: a tensor by its rank, dtype and device, else its repr. Under
+    torch.compile a tensor's repr needs its values and its shape may be symbolic; Dynamo's own error
+    ("repr() on tensor") would then replace ours."""
+    if isinstance(x, Tensor):
+        return f"a {x.dim()}-D {x.dtype} tensor on {x.device}"
+    return f"{x!r}"  # not repr(x): Dynamo formats a SymFloat in an f-string, not through repr()
+
+
 def _check_softcap(softcap: object) -> float:
     """``softcap`` as a float >= 0 (0: off), or ValueError naming it."""
     softcap = _real(_scalar(softcap))
     if not isinstance(softcap, float) or not 0.0 <= softcap < math.inf:  # refuses NaN too
-        raise ValueError(f"softcap must be a finite float >= 0 (0: no capping), got {softcap!r}")
+        raise ValueError(f"softcap must be a finite float >= 0 (0: no capping), got {_shown(softcap)}")
     return softcap
 
 
@@ -564,7 +576,7 @@ def _check_dropout(dropout_p: object) -> float:
     dropout_p = _real(_scalar(dropout_p))
     if not isinstance(dropout_p, float) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1) (the probability of dropping an attention weight), "
-                         f"got {dropout_p!r}")
+                         f"got {_shown(dropout_p)}")
     return dropout_p
 
 
@@ -580,8 +592,8 @@ def _check_options(
         softmax_scale = 1.0 / math.sqrt(head_dim)
     elif not isinstance(softmax_scale, float) or not 0.0 < softmax_scale <= _MAX_SOFTMAX_SCALE:  # NaN too
         raise ValueError(
-            f"softmax_scale must be a positive float ≤ {_MAX_SOFTMAX_SCALE:.3g} (τ·log2e finite in fp32) or None, "
-            f"got {softmax_scale!r}"
+            f"softmax_scale must be a positive float ≤ {_MAX_SOFTMAX_SCALE_TEXT} (τ·log2e finite in fp32) or None, "
+            f"got {_shown(softmax_scale)}"
         )
     if stats_name is not None and not isinstance(stats_name, str):
         raise TypeError(f"stats_name must be a str or None, got {type(stats_name).__name__}")

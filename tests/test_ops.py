@@ -306,6 +306,37 @@ def test_compile_dynamic_float_arguments_match_eager():
 
 
 @pytest.mark.parametrize(
+    "cap, scale, p, words",
+    [
+        (0.0, -0.5, 0.0, r"softmax_scale must be a positive float ≤ 2.36e\+38 .* got -0.5"),
+        (0.0, float("nan"), 0.0, r"softmax_scale must be a positive float .* got nan"),
+        (0.0, True, 0.0, r"softmax_scale must be a positive float .* got True"),
+        (0.0, torch.tensor([0.25, 0.5]), 0.0, r"softmax_scale must be .* got a 1-D torch.float32 tensor on cpu"),
+        (-1.0, 0.25, 0.0, r"softcap must be a finite float >= 0 \(0: no capping\), got -1.0"),
+        (torch.tensor([5.0, 6.0]), 0.25, 0.0, r"softcap must be .* got a 1-D torch.float32 tensor on cpu"),
+        (0.0, 0.25, 1.0, r"dropout_p must be a float in \[0, 1\) .* got 1.0"),
+        (0.0, 0.25, torch.tensor([0.1, 0.2]), r"dropout_p must be .* got a 1-D torch.float32 tensor on cpu"),
+    ],
+)
+def test_compile_dynamic_bad_float_arguments_name_the_argument_and_value(cap, scale, p, words):
+    """Under torch.compile(dynamic=True, fullgraph=True) Dynamo wraps the op's ValueError in its own
+    exception; the message must still carry the op's text with the refused value (the value is not in
+    the source line Dynamo quotes, so a match proves the ValueError was built). Formatting a float
+    module constant with a format spec, or the repr of a tensor, is not traceable there and replaced
+    the op's message by Dynamo's own 'BUILD_STRING type error' / 'repr() on tensor'."""
+    q, k, v = _qkv(1, 24, 2, 16, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+
+    def f(q, k, v, cap, scale, p):
+        return gproj_attn_func(q, k, v, causal=True, softcap=cap, softmax_scale=scale, dropout_p=p)
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    with pytest.raises(Exception, match=words):
+        compiled(q, k, v, cap, scale, p)
+    with pytest.raises(ValueError, match=words):  # eager: the same message
+        f(q, k, v, cap, scale, p)
+
+
+@pytest.mark.parametrize(
     "make, exc, words",
     [
         (lambda q, k, v: (q, k[:, :, :1, :8], v[:, :, :1, :8]), ValueError, "head dim"),

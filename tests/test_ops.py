@@ -300,8 +300,9 @@ def test_compile_dynamic_float_arguments_match_eager():
         got = compiled(q, k, v, cap, scale, p)
         torch.manual_seed(1)
         assert torch.equal(got, f(q, k, v, cap, scale, p))
-    # fullgraph: Dynamo reports the op's ValueError inside its own exception, message included.
-    with pytest.raises(Exception, match="softcap must be a finite float"):
+    # fullgraph: Dynamo reports the op's ValueError inside its own exception, message and value included
+    # (the value is not in the source line Dynamo quotes, so this proves the message was built).
+    with pytest.raises(Exception, match="softcap must be a finite float .*got nan"):
         compiled(q, k, v, float("nan"), 0.25, 0.0)
 
 

@@ -46,9 +46,9 @@ def reduce_values(
     gather: RankRows, flat: torch.Tensor, names: Sequence[str], by_max: Sequence[bool], source: str
 ) -> tuple[torch.Tensor, bool]:
     """Every rank's ``flat`` (values named ``names``, same length) gathered through ``gather`` and
-    reduced: max over ranks where ``by_max``, mean elsewhere. Returns ``(values, True)``, identical on
-    every rank; ``(this rank's flat, False)`` when the ranks' name lists differ (warned once per
-    ``gather``). Collective: every rank must call it."""
+    reduced: max over ranks where ``by_max``, mean of the non-NaN values elsewhere (NaN where every rank
+    has NaN). Returns ``(values, True)``, identical on every rank; ``(this rank's flat, False)`` when the
+    ranks' name lists differ (warned once per ``gather``). Collective: every rank must call it."""
     device = flat.device
     gather = gather.to(device)
     n = len(names)
@@ -62,7 +62,8 @@ def reduce_values(
         if bool((rows[:, 0] == n).all()) and bool((rows[:, 1] == tag).all()):
             values = rows[:, 2:]
             is_max = torch.tensor(list(by_max), dtype=torch.bool, device=device)
-            return torch.where(is_max, values.max(dim=0).values, values.mean(dim=0)), True
+            # NaN marks a statistic undefined on that rank (e.g. λ where every row sees one key): left out
+            return torch.where(is_max, values.max(dim=0).values, values.nanmean(dim=0)), True
     if not gather.mismatch_warned:
         gather.mismatch_warned = True
         warnings.warn(

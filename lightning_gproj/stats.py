@@ -46,15 +46,17 @@ class StatsRecorder:
     def drain(self) -> dict[str, dict[str, float]]:
         """Return ``{layer: {statistic: value}}`` recorded since the last drain, and clear it.
 
-        Several calls of one layer (gradient accumulation, activation checkpointing) are averaged,
-        except the statistics in :data:`MAX_REDUCED`, which take the maximum.
+        Several calls of one layer (gradient accumulation, activation checkpointing, a shared module) are
+        averaged, except the statistics in :data:`MAX_REDUCED`, which take the maximum. A NaN marks a
+        statistic undefined for that call (e.g. λ where every query row sees one key) and is left out of
+        the mean; a statistic undefined in every call stays NaN.
         """
         out: dict[str, dict[str, float]] = {}
         for name, stats in self._values.items():
             out[name] = {}
             for key, values in stats.items():
                 stacked = torch.stack(values)
-                reduced = stacked.max() if key in MAX_REDUCED else stacked.mean()
+                reduced = stacked.max() if key in MAX_REDUCED else stacked.nanmean()
                 out[name][key] = float(reduced)
         self._values.clear()
         return out

@@ -98,6 +98,32 @@ def test_stats_with_window_and_seqlens_k_exclude_single_key_rows():
     assert math.isnan(s["leak_ratio"])  # was 2e33 from the rounding noise of dQ ≈ 0
 
 
+def test_stats_of_a_layer_called_twice_leave_out_an_undefined_call():
+    """A layer called several times in a step (a shared module, gradient accumulation) where one call has
+    every query row seeing one key (window (0, 0)): that call's violation median and λ are NaN (undefined)
+    and are left out of the step's mean, which was NaN before. Checked against the float64 mean of the
+    finite values of the calls, each recorded on its own."""
+    torch.manual_seed(3)
+    q, k, v = (x.requires_grad_() for x in _qkv(2, 32, 2, 32, dtype=torch.bfloat16))
+    calls = [dict(causal=True), dict(causal=True, window_size=(0, 0)), dict(causal=False)]
+
+    def run(kwargs_list):
+        RECORDER.drain()
+        with RECORDER.recording():
+            loss = sum(gproj_attn_func(q, k + 4, v, fix="none", stats_name="shared", **kw).float().square().sum()
+                       for kw in kwargs_list)
+            loss.backward()
+        return RECORDER.drain()["shared"]
+
+    alone = [run([kw]) for kw in calls]
+    assert math.isnan(alone[1]["violation_median"]) and math.isnan(alone[1]["leak_ratio"])
+    together = run(calls)
+    for stat in ("violation_median", "leak_ratio"):
+        finite = [a[stat] for a in alone if math.isfinite(a[stat])]
+        assert len(finite) == 2 and min(finite) > 0
+        assert together[stat] == pytest.approx(float(np.mean(np.array(finite, dtype=np.float64))), rel=1e-5)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_keys_seen_with_seqlens_k_counts_the_visible_keys(causal):
     """The per-row key count behind the ρ statistics (rows seeing <= 1 key are left out) equals the

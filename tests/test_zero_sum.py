@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 from dataclasses import replace
 
 import lightning.pytorch as pl
@@ -201,3 +202,27 @@ def test_zero_sum_reduces_over_ranks(tmp_path):
     assert sorted(seen) == ["rank0.txt", "rank1.txt"]
     assert seen["rank0.txt"] == seen["rank1.txt"] == "6 gproj/leak_ratio critical 0.505000 layer0\n"
     assert sorted(logged["grad_norm/global"]) == list(range(8))
+
+
+def test_rank_reduction_leaves_out_a_rank_where_a_statistic_is_undefined():
+    """``ranks.reduce_values`` over two ranks' rows (the other rank's row is put into the gather first, as
+    its all-gather would): a statistic NaN on one rank (undefined there, e.g. λ where every query row of
+    that rank's batch sees one key) is the other rank's value, not NaN; NaN on every rank stays NaN; the
+    mean and max of finite values are unchanged (float64 references)."""
+    from lightning_gproj.callbacks.ranks import RankRows, reduce_values
+
+    names = ["gproj/a/leak_ratio", "gproj/a/violation_max", "gproj/a/violation_median", "gproj/b/leak_ratio"]
+    by_max = [False, True, False, False]
+    other = [float("nan"), 0.25, 0.004, float("nan")]
+    mine = [0.003, 0.5, 0.002, float("nan")]
+    gather = RankRows()
+    # the other rank's row: its length and the tag reduce_values computes from the names
+    header = torch.tensor([float(len(names)), float(zlib.crc32("\n".join(names).encode()) % (1 << 24))])
+    gather.update(torch.cat([header, torch.tensor(other)]))
+    reduced, agreed = reduce_values(gather, torch.tensor(mine), names, by_max, "test")
+    assert agreed
+    got = reduced.tolist()
+    assert got[0] == pytest.approx(0.003, rel=1e-6)  # only this rank's λ is defined
+    assert got[1] == pytest.approx(max(0.25, 0.5), rel=1e-6)
+    assert got[2] == pytest.approx((0.004 + 0.002) / 2, rel=1e-6)
+    assert math.isnan(got[3])

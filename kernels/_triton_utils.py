@@ -261,14 +261,15 @@ def visible(offs_m, cols, N_K, CAUSAL_OFF, CAUSAL: tl.constexpr):
 def window_args(causal: bool, window_size, softcap: float, nq: int, nk: int) -> dict:
     """Kernel arguments for flash-attn's ``window_size=(left, right)`` (−1 unbounded; ``causal`` sets
     right = 0) and ``softcap``: CAUSAL (the plain causal mask, no window), WINDOW with WL, WR >= 0 (an
-    unbounded side becomes nq + nk, wider than any sequence), SOFTCAP with cap. No window and no
+    unbounded or wider side becomes nq + nk, wider than any sequence), SOFTCAP with cap. No window and no
     softcap give the constexpr variants WINDOW = SOFTCAP = False: the kernels' code without them."""
     left, right = normalize_window(causal, tuple(window_size))
     big = nq + nk
     window = not (left == -1 and right in (-1, 0))
     return dict(
         CAUSAL=(not window) and right == 0, WINDOW=window,
-        WL=left if left >= 0 else big, WR=right if right >= 0 else big,
+        # Clamped to nq + nk (the same mask): sizes near 2³¹ would overflow the kernels' int32 row + offset.
+        WL=min(left, big) if left >= 0 else big, WR=min(right, big) if right >= 0 else big,
         SOFTCAP=softcap > 0, cap=float(softcap) if softcap > 0 else 1.0,
     )
 

@@ -506,18 +506,13 @@ def _check_window(window_size: object) -> tuple[int, int]:
     return int(window_size[0]), int(window_size[1])
 
 
-def _scalar(x: object) -> object:
-    """A one-element float tensor with data as a Python float (e.g. a buffer holding τ or a cap); anything
-    else as is, for the caller's check to refuse by name (a meta tensor has no value to read)."""
-    if isinstance(x, Tensor) and x.numel() == 1 and x.dtype.is_floating_point and not x.is_meta:
-        return x.item()
-    return x
-
-
 def _real(x: object) -> object:
-    """A real number (Python or NumPy; under torch.compile(dynamic=True) a float argument stays a SymFloat,
-    which is why the checks below use comparisons: ``math.isfinite`` of one stops Dynamo's fullgraph trace)
-    as a float; a bool, None or anything else as is, for the caller to refuse by name."""
+    """A real number (Python or NumPy, or a one-element float tensor with data, e.g. a buffer holding τ or
+    a cap) as a float; a bool, None or anything else (a meta tensor has no value to read) as is, for the
+    caller's check to refuse by name. Under torch.compile(dynamic=True) a float argument stays a SymFloat,
+    which is why the checks below use comparisons: ``math.isfinite`` of one stops Dynamo's fullgraph trace."""
+    if isinstance(x, Tensor) and x.numel() == 1 and x.dtype.is_floating_point and not x.is_meta:
+        x = x.item()
     if isinstance(x, numbers.Real) and not isinstance(x, bool):
         return float(x)
     return x
@@ -534,7 +529,7 @@ def _shown(x: object) -> str:
 
 def _check_softcap(softcap: object) -> float:
     """``softcap`` as a float >= 0 (0: off), or ValueError naming it."""
-    softcap = _real(_scalar(softcap))
+    softcap = _real(softcap)
     if not isinstance(softcap, float) or not 0.0 <= softcap < math.inf:  # refuses NaN too
         raise ValueError(f"softcap must be a finite float >= 0 (0: no capping), got {_shown(softcap)}")
     return softcap
@@ -573,7 +568,7 @@ def _autocast_dtype(q: Tensor, k: Tensor, v: Tensor) -> Optional[torch.dtype]:
 def _check_dropout(dropout_p: object) -> float:
     """``dropout_p`` as a float in [0, 1) (a Python or NumPy number, or a one-element float tensor), or
     ValueError naming it."""
-    dropout_p = _real(_scalar(dropout_p))
+    dropout_p = _real(dropout_p)
     if not isinstance(dropout_p, float) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1) (the probability of dropping an attention weight), "
                          f"got {_shown(dropout_p)}")
@@ -587,7 +582,7 @@ def _check_options(
     if fix not in FIXES:
         raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
     reference.check_ds_format(ds_format)
-    softmax_scale = _real(_scalar(softmax_scale))
+    softmax_scale = _real(softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
     elif not isinstance(softmax_scale, float) or not 0.0 < softmax_scale <= _MAX_SOFTMAX_SCALE:  # NaN too
@@ -599,7 +594,7 @@ def _check_options(
         raise TypeError(f"stats_name must be a str or None, got {type(stats_name).__name__}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    return float(softmax_scale)
+    return softmax_scale
 
 
 def gproj_attn_func(

@@ -167,7 +167,7 @@ def _dq_inner(
             p = tl.where(valid, p, 0.0)
         dp = mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
         if DROPOUT:
-            # dP' = M ∘ dP / (1 − p); dS = P ∘ (dP' − D) with the undropped P still sums to zero per row.
+            # dP' = M ∘ dP / (1 − p̂); dS = P ∘ (dP' − D) with the undropped P still sums to zero per row.
             keep = dropout_keep(drop_rows, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, BLOCK_N)
             dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - Di[:, None])
@@ -385,8 +385,8 @@ def _dkdv_inner(
         # dV before dPᵀ, the order of the kernels before dropout was added: with dPᵀ first the backward
         # without dropout ran slower; with this order it is as fast as before (benchmarks/NOTES.md, runs 13-14).
         if DROPOUT:
-            # The forward's mask, transposed: dV += (P̃ ∘ M)ᵀ dO (scaled by 1/(1 − p) at the store),
-            # dP' = M ∘ dP / (1 − p); the dK term's direction stays the undropped P̃.
+            # The forward's mask, transposed: dV += (P̃ ∘ M)ᵀ dO (scaled by 1/(1 − p̂) at the store),
+            # dP' = M ∘ dP / (1 − p̂); the dK term's direction stays the undropped P̃.
             keepT = tl.trans(dropout_keep((drow0 + rows).to(tl.int64) * DG, start_n, bh, seed_lo, seed_hi, drop_off,
                                           drop_thr, BLOCK_N))
             dv = mma(tl.where(keepT, p16, 0.0).to(k.dtype), do, dv, INTERP)
@@ -404,7 +404,7 @@ def _dkdv_inner(
         dk = mma(round_ds(dsT, k.dtype, DS_BITS, INTERP), q, dk, INTERP)
         if DK_MODE == 2:
             # Own GEMM: P̃ᵀ(−ρ∘Q), its B operand −ρ∘Q rounded once per query row by the dQ pass (QR), so
-            # that the loop adds no per-score work for it (benchmarks/NOTES.md, run 15). UNIFORM: 1 on
+            # that the loop adds no per-score work for it (benchmarks/NOTES.md, run 16). UNIFORM: 1 on
             # visible keys instead of P̃; SOFTCAP: the direction is bf16(P̃∘g), as in the dQ pass.
             w16 = p16
             if UNIFORM:

@@ -56,7 +56,7 @@ from lightning_gproj.kernels._triton_utils import (
     dropout_keep, in_window, interpreting, load_pair, load_rows, mma, padded_head_dim, rcp_ftz, round_ds, seq_bounds, supports,
     tanh_and_grad_f32, to16, tune_lengths, visible, window_args, window_key_blocks, window_query_blocks,
 )
-from lightning_gproj.kernels.reference import FIXES, check_ds_format, project_key_sum_, sequences
+from lightning_gproj.kernels.reference import FIXES, check_ds_format, grad_dtypes, project_key_sum_, sequences
 
 __all__ = ["backward", "supports", "FIXES", "DEFAULT_DK_FOLD"]
 
@@ -428,7 +428,7 @@ def _dkdv_inner(
                  prune_configs_by={"early_config_prune": _pruner(_DKDV_BY_HEAD_DIM)})
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr", "TUNE_NQ", "TUNE_NK"])
 def _dkdv_kernel(
-    Q, K, V, DO, M, LOG2L, DELTA, R, QR, DK, DV, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, M, LOG2L, DELTA, R, QR, DK, DV, KS, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -436,11 +436,12 @@ def _dkdv_kernel(
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_qrb, stride_qrn, stride_qrh, stride_qrd,
-    c, tau, H, HK, N_Q, N_K, WL, WR, sc, cap, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, TUNE_NQ, TUNE_NK,
+    stride_ks, c, tau, H, HK, N_Q, N_K, WL, WR, sc, cap, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, TUNE_NQ,
+    TUNE_NK,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DK_MODE: tl.constexpr, HAS_SEQLENS: tl.constexpr, DS_BITS: tl.constexpr, IS_VARLEN: tl.constexpr,
     INTERP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr,
-    DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DROPOUT: tl.constexpr, KEY_SUMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_n = tl.program_id(0)
@@ -452,6 +453,11 @@ def _dkdv_kernel(
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    # KEY_SUMS: slot pid_n of KS (per batch row · kv head) gets Σ over this block's keys of the dk it
+    # stores (fp32), so that the C2 projection of an fp32 dk needs no pass over dk to sum it. Every
+    # program writes its slot (zeros where it has no keys), so slots left by another config's launch
+    # (autotuning) never count.
+    KS += pid_bh.to(tl.int64) * stride_ks + pid_n * HEAD_DIM
     # Dropout counters, as in attention_fwd._fwd_kernel: query row drow0 + i has group counters
     # (drow0 + i)·DG + g, DG = ⌈N_K / 8⌉ (packed: of total_k, rows packed, keys within the sequence).
     DG = dropout_groups(N_K)
@@ -464,6 +470,8 @@ def _dkdv_kernel(
         N_Q = n_q
         N_K = n_k
         if start_n >= N_K:
+            if KEY_SUMS:
+                tl.store(KS + offs_d, tl.zeros([BLOCK_D], tl.float32), mask=offs_d < HEAD_DIM)
             return
         Q += q_start.to(tl.int64) * stride_qn
         DO += q_start.to(tl.int64) * stride_don
@@ -552,8 +560,14 @@ def _dkdv_kernel(
         dv = tl.where(key_ok[:, None], dv, 0.0)
     tl.store(DK + b64 * stride_dkb + hk * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
              to16(dk, DK.dtype.element_ty, INTERP), mask=kv_mask)
+    if KEY_SUMS:  # dk is fp32 here: the sum is over the values just stored
+        tl.store(KS + offs_d, tl.sum(tl.where(cols[:, None] < N_K, dk, 0.0), axis=0), mask=offs_d < HEAD_DIM)
     tl.store(DV + b64 * stride_dvb + hk * stride_dvh + cols[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
              to16(dv, DV.dtype.element_ty, INTERP), mask=kv_mask)
+
+
+#: The smallest key block of any dK/dV config: the number of key-sum slots is counted in it.
+_MIN_BLOCK_N = min(cfg.kwargs["BLOCK_N"] for cfg in _dkdv_kernel.configs)
 
 
 def _cumsum_seq(x):
@@ -625,7 +639,7 @@ def backward(
     fix: str = "gproj",
     want_stats: bool = False,
     dk_fold: bool | None = None,
-    grad_dtype: torch.dtype | None = None,
+    grad_dtype: torch.dtype | tuple | None = None,
     seqlens_k: torch.Tensor | None = None,
     ds_format: str = "bf16",
     window_size: tuple[int, int] = (-1, -1),
@@ -651,8 +665,10 @@ def backward(
         dk_fold: fix="gproj" only: True folds the dK term into dS before its rounding, False runs it
             as its own GEMM; None takes :data:`DEFAULT_DK_FOLD`.
         grad_dtype: None (the input dtype, as stored by a kernel) or torch.float32 (the fp32
-            accumulators, where the conservation laws hold to fp32 rounding; with either projection dk
-            ends with :func:`~lightning_gproj.kernels.reference.project_key_sum_`, as in the reference).
+            accumulators, where the conservation laws hold to fp32 rounding; with either projection an
+            fp32 dk ends with :func:`~lightning_gproj.kernels.reference.project_key_sum_`, as in the
+            reference, its Σ_j dK_j summed by the dK/dV kernel), for all three gradients or as a
+            (dq, dk, dv) triple of those.
         seqlens_k: None, or the (batch,) int32/int64 key lengths the forward ran with (right
             padding, values in [1, seqlen_k], not checked). Masked keys get dk = dv = 0 exactly.
         ds_format: "bf16" (dS rounded to the input dtype), "e4m3" or "e5m2" (first to 4 / 3 significant
@@ -701,9 +717,10 @@ def backward(
         dk_fold = DEFAULT_DK_FOLD
     b, nq, h, d = q.shape
     dev = q.device
-    gdt = grad_dtype or q.dtype
-    if gdt not in (q.dtype, torch.float32):
-        raise ValueError(f"grad_dtype must be the input dtype or torch.float32, got {grad_dtype}")
+    gdq, gdk, gdv = grad_dtypes(grad_dtype, q.dtype)
+    if not {gdq, gdk, gdv} <= {q.dtype, torch.float32}:
+        raise ValueError(f"grad_dtype must be None, the input dtype, torch.float32 or a (dq, dk, dv) triple of "
+                         f"those, got {grad_dtype}")
 
     delta = torch.empty((b, h, nq), dtype=torch.float32, device=dev)
     pre_bm = 16 if interpreting() else 64
@@ -714,15 +731,18 @@ def backward(
     win = window_args(bool(causal), window_size, float(softcap), nq, nk)
     # Windows and softcap: the uniform projection runs in the kernels (its direction is not constant
     # along a row, or its rows are bands), so no PyTorch corrections afterwards.
-    in_kernel_uniform = fix == "gproj_uniform" and (win["WINDOW"] or win["SOFTCAP"])
+    torch_uniform = fix == "gproj_uniform" and not (win["WINDOW"] or win["SOFTCAP"])
     # Uniform corrections are applied in fp32 before the single final rounding.
-    out32 = (fix == "gproj_uniform" and not in_kernel_uniform) or gdt == torch.float32
-    dq, dk, dv, r, abs_ds, leak = _two_pass(
+    out32 = (torch_uniform or gdq == torch.float32, torch_uniform or gdk == torch.float32)
+    # The C2 projection of an fp32 dk (below) takes Σ_j dK_j from the dK/dV kernel, unless the PyTorch
+    # uniform corrections change dk after it.
+    c2 = fix != "none" and gdk == torch.float32 and not win["SOFTCAP"]
+    dq, dk, dv, r, abs_ds, leak, key_sums = _two_pass(
         do, q, k, v, m.contiguous(), log2l.contiguous(), delta, float(softmax_scale), win["CAUSAL"], fix,
-        bool(want_stats), dk_fold, out32, gdt, seqlens_k, ds_bits, varlen, win,
-        dropout_args(dropout_p, dropout_seed, dropout_offset),
+        bool(want_stats), dk_fold, out32, gdv, seqlens_k, ds_bits, varlen, win,
+        dropout_args(dropout_p, dropout_seed, dropout_offset), key_sums=c2 and not torch_uniform,
     )
-    if fix == "gproj_uniform" and not in_kernel_uniform:
+    if torch_uniform:
         if varlen:  # each sequence on its own: its rows see only its keys
             for q0, q1, k0, k1 in sequences(varlen[0], varlen[1]):
                 if q1 > q0 and k1 > k0:
@@ -730,17 +750,17 @@ def backward(
                                                float(softmax_scale), bool(causal))
         else:
             _apply_uniform_corrections(dq, dk, q, k, r, float(softmax_scale), bool(causal), seqlens_k)
-    if fix != "none" and gdt == torch.float32 and not win["SOFTCAP"]:
+    if c2:
         # C2 to fp32 rounding, as kernels/reference.py: it holds with a window (over the keys some query
         # sees), not with softcap; packed: per sequence, with each sequence's own alignment.
         left = tuple(window_size)[0]
         if varlen:
             cu_q, cu_k = varlen[0].long(), varlen[1].long()
             starts = (cu_k.diff() - cu_q.diff() - left).clamp(min=0) if left >= 0 else 0
-            project_key_sum_(dk[0], key_start=starts, cu_seqlens_k=cu_k)
+            project_key_sum_(dk[0], key_start=starts, cu_seqlens_k=cu_k, key_sums=key_sums)
         else:
-            project_key_sum_(dk, seqlens_k, key_start=max(0, nk - nq - left) if left >= 0 else 0)
-    dq, dk = dq.to(gdt), dk.to(gdt)
+            project_key_sum_(dk, seqlens_k, key_start=max(0, nk - nq - left) if left >= 0 else 0, key_sums=key_sums)
+    dq, dk = dq.to(gdq), dk.to(gdk)
 
     extras = {}
     if want_stats:
@@ -751,10 +771,12 @@ def backward(
     return dq, dk, dv, extras
 
 
-def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fold, out32, gdt, seqlens_k, ds_bits,
-              varlen, win, drop):
-    """dQ pass then dK/dV pass (module docstring). Returns dq, dk (fp32 if out32), dv, r, abs_dS, leak
-    (r None unless needed; abs_dS, leak None unless want_stats). ``varlen``: None, or (cu_seqlens_q,
+def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fold, out32, gdv, seqlens_k, ds_bits,
+              varlen, win, drop, key_sums):
+    """dQ pass then dK/dV pass (module docstring). Returns dq, dk (each fp32 where its flag in the pair
+    ``out32`` is set, else the input dtype), dv (``gdv``), r, abs_dS, leak,
+    Σ_j dK_j (r None unless needed; abs_dS, leak None unless want_stats; the key sums, (batch, nheads_k,
+    headdim) fp64, per sequence when packed, only with ``key_sums`` and an fp32 dk). ``varlen``: None, or (cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k) with the tensors as packed (1, total, ...) views. ``win``:
     the window / softcap arguments of :func:`~lightning_gproj.kernels._triton_utils.window_args`; ``drop``:
     those of :func:`~lightning_gproj.kernels._triton_utils.dropout_args`."""
@@ -778,7 +800,7 @@ def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fol
     nb, grid_q, grid_k = (varlen[0].numel() - 1, varlen[2], varlen[3]) if packed else (b, nq, nk)
     cu_args = varlen[:2] if packed else (m, m)
     need_r = fix != "none" or want_stats
-    dq = torch.empty((b, nq, h, d), dtype=torch.float32 if out32 else q.dtype, device=dev)
+    dq = torch.empty((b, nq, h, d), dtype=torch.float32 if out32[0] else q.dtype, device=dev)
     r = torch.empty((b, h, nq), dtype=torch.float32, device=dev) if need_r else delta
     dk_mode = (_DK_FOLD if dk_fold and not uniform else _DK_GEMM) if gproj else _DK_NONE
     # −ρ∘Q in the input dtype (the dK term's B operand, written by the dQ pass); a dummy when unused.
@@ -796,14 +818,22 @@ def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fol
         IS_VARLEN=packed, INTERP=INTERPRET, STORE_QR=dk_mode == _DK_GEMM, **wconst,
     )
 
-    dk = torch.empty((b, nk, hk, d), dtype=torch.float32 if out32 else k.dtype, device=dev)
-    dv = torch.empty((b, nk, hk, d), dtype=gdt, device=dev)
+    dk = torch.empty((b, nk, hk, d), dtype=torch.float32 if out32[1] else k.dtype, device=dev)
+    dv = torch.empty((b, nk, hk, d), dtype=gdv, device=dev)
+    key_sums = bool(key_sums and out32[1])
+    # Per-block key sums of dk: one slot per key block of the smallest BLOCK_N any config uses.
+    slots = triton.cdiv(grid_k, _MIN_BLOCK_N) if key_sums else 1
+    ks = torch.empty((nb, hk, slots, d), dtype=torch.float32, device=dev) if key_sums else delta
     _dkdv_kernel[lambda meta: (triton.cdiv(grid_k, meta["BLOCK_N"]), nb * hk)](
-        q, k, v, do, m, log2l, delta, r, qr, dk, dv, seqlens_arg, *cu_args,
+        q, k, v, do, m, log2l, delta, r, qr, dk, dv, ks, seqlens_arg, *cu_args,
         *batch_strides(q, packed), *batch_strides(k, packed), *batch_strides(v, packed), *batch_strides(do, packed),
         *batch_strides(dk, packed), *batch_strides(dv, packed), *batch_strides(qr, packed),
-        c, tau, h, hk, nq, nk, *wargs,
+        slots * d, c, tau, h, hk, nq, nk, *wargs,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, DK_MODE=dk_mode, HAS_SEQLENS=has_seqlens,
-        DS_BITS=ds_bits, IS_VARLEN=packed, INTERP=INTERPRET, **wconst,
+        DS_BITS=ds_bits, IS_VARLEN=packed, INTERP=INTERPRET, KEY_SUMS=key_sums, **wconst,
     )
-    return dq, dk, dv, (r if need_r else None), (abs_ds if want_stats else None), (leak if want_stats else None)
+    sums = None
+    if key_sums:  # the slots the launch's config wrote, summed in fp64
+        used = triton.cdiv(grid_k, _dkdv_kernel.best_config.kwargs["BLOCK_N"])
+        sums = ks[:, :, :used].sum(dim=2, dtype=torch.float64)
+    return dq, dk, dv, (r if need_r else None), (abs_ds if want_stats else None), (leak if want_stats else None), sums

@@ -453,7 +453,7 @@ def backward(
     fix: str = "gproj",
     want_stats: bool = False,
     dk_fold: bool = False,
-    grad_dtype: torch.dtype | None = None,
+    grad_dtype: torch.dtype | tuple | None = None,
     block_m: int = 256,
     seqlens_k: Tensor | None = None,
     ds_format: str = "bf16",
@@ -481,7 +481,8 @@ def backward(
             its dQ pass first can do) instead of the separate product P̃ᵀ(ρ ∘ Q) (DESIGN.md §4.1).
         grad_dtype: dtype dq, dk, dv are returned in (default: the input dtype, as a kernel stores them);
             ``torch.float32`` returns the fp32 accumulators, where the conservation laws can be checked
-            to fp32 rounding. With either projection (``fix != "none"``) an fp32 / fp64 dk ends with
+            to fp32 rounding; or a (dq, dk, dv) triple of dtypes (None: the input dtype), one per
+            gradient. With either projection (``fix != "none"``) an fp32 / fp64 dk ends with
             :func:`project_key_sum_`, so Σ_j dK_j = 0 (C2) holds to a few units of that dtype's
             rounding relative to ‖dK‖_F.
         block_m: query rows per chunk (memory knob only).
@@ -626,16 +627,23 @@ def backward(
         group = nheads // nheads_k
         dk = dk.view(batch, nheads_k, group, nk, d).sum(dim=2)
         dv = dv.view(batch, nheads_k, group, nk, dv.shape[-1]).sum(dim=2)
-    out = grad_dtype or dtype
-    dk = dk.transpose(1, 2).to(out)
-    if fix != "none" and out in (torch.float32, torch.float64) and softcap == 0:
+    out_q, out_k, out_v = grad_dtypes(grad_dtype, dtype)
+    dk = dk.transpose(1, 2).to(out_k)
+    if fix != "none" and out_k in (torch.float32, torch.float64) and softcap == 0:
         # C2 holds with a window (over the keys some query sees) but not with softcap (module docstring).
         project_key_sum_(dk, seqlens_k, key_start=max(0, nk - nq - left) if left >= 0 else 0)
-    return dq.transpose(1, 2).to(out), dk, dv.transpose(1, 2).to(out), extras
+    return dq.transpose(1, 2).to(out_q), dk, dv.transpose(1, 2).to(out_v), extras
+
+
+def grad_dtypes(grad_dtype, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    """(dq, dk, dv) dtypes of ``grad_dtype`` (None, a dtype, or a triple of those; None: ``dtype``)."""
+    triple = grad_dtype if isinstance(grad_dtype, tuple) else (grad_dtype,) * 3
+    return tuple(g or dtype for g in triple)
 
 
 def project_key_sum_(
     dk: Tensor, seqlens_k: Tensor | None = None, key_start: int = 0, cu_seqlens_k: Tensor | None = None,
+    key_sums: Tensor | None = None,
 ) -> Tensor:
     """In place: subtract from every valid key's gradient the mean over the valid keys, per batch row
     (per packed sequence) and kv head, so that Σ_j dK_j = 0 (C2, DESIGN.md §2) holds to the rounding
@@ -659,6 +667,10 @@ def project_key_sum_(
         cu_seqlens_k: None, or the (batch + 1,) cumulative key lengths of packed sequences: the mean
             is taken over each sequence's keys, so each sequence's Σ_j dK_j = 0 on its own (an empty
             sequence has nothing to project).
+        key_sums: None (summed here, in fp64), or Σ_j dK_j over the valid keys of ``dk`` as given,
+            (batch, nheads_k, headdim) (packed: per sequence), any float dtype — as the Triton dK/dV
+            kernel accumulates it while writing dk, which saves this step a pass over dk. Keys outside
+            the valid ones must hold 0 (as every path leaves them).
     """
     if cu_seqlens_k is not None:
         cu = cu_seqlens_k.to(device=dk.device, dtype=torch.long)
@@ -666,20 +678,23 @@ def project_key_sum_(
         seq = torch.repeat_interleave(torch.arange(lens.numel(), device=dk.device), lens, output_size=dk.shape[0])
         starts = torch.as_tensor(key_start, device=dk.device, dtype=torch.long).expand(lens.numel())
         valid = (torch.arange(dk.shape[0], device=dk.device) - cu[seq] >= starts[seq])[:, None, None]
-        total = torch.zeros((lens.numel(),) + dk.shape[1:], dtype=torch.float64, device=dk.device)
-        total.index_add_(0, seq, (dk * valid).double())
+        if key_sums is None:
+            total = torch.zeros((lens.numel(),) + dk.shape[1:], dtype=torch.float64, device=dk.device)
+            total.index_add_(0, seq, (dk * valid).double())
+        else:
+            total = key_sums.double()
         count = torch.zeros(lens.numel(), dtype=torch.float64, device=dk.device)
         count.index_add_(0, seq, valid[:, 0, 0].double())
         mean = total / count.clamp(min=1)[:, None, None]
         return dk.sub_(mean.to(dk.dtype)[seq] * valid)
     if seqlens_k is None and key_start == 0:
-        mean = dk.sum(dim=1, keepdim=True, dtype=torch.float64) / dk.shape[1]
-        return dk.sub_(mean.to(dk.dtype))
+        total = dk.sum(dim=1, keepdim=True, dtype=torch.float64) if key_sums is None else key_sums[:, None].double()
+        return dk.sub_((total / dk.shape[1]).to(dk.dtype))
     lens = torch.full((dk.shape[0],), dk.shape[1], device=dk.device) if seqlens_k is None else seqlens_k.to(dk.device)
     cols = torch.arange(dk.shape[1], device=dk.device)[None, :]
     valid = (cols < lens[:, None].long()) & (cols >= key_start)
     valid = valid[:, :, None, None]
-    total = (dk * valid).sum(dim=1, keepdim=True, dtype=torch.float64)
+    total = (dk * valid).sum(dim=1, keepdim=True, dtype=torch.float64) if key_sums is None else key_sums[:, None].double()
     count = valid.sum(dim=1, keepdim=True).to(torch.float64).clamp(min=1)
     return dk.sub_((total / count).to(dk.dtype) * valid)
 
@@ -688,11 +703,11 @@ def _backward_varlen(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_
                      block_m, ds_format, cu_seqlens_q, cu_seqlens_k, window_size, softcap, drop=None):
     """:func:`backward` over packed sequences, one sequence at a time: every correction (and the fp32
     dk projection) then acts within the sequence."""
-    out = grad_dtype or q.dtype
+    out_q, out_k, out_v = grad_dtypes(grad_dtype, q.dtype)
     nheads, d = q.shape[1], q.shape[2]
-    dq = torch.zeros(q.shape, dtype=out, device=q.device)
-    dk = torch.zeros(k.shape, dtype=out, device=q.device)
-    dv = torch.zeros(v.shape, dtype=out, device=q.device)
+    dq = torch.zeros(q.shape, dtype=out_q, device=q.device)
+    dk = torch.zeros(k.shape, dtype=out_k, device=q.device)
+    dv = torch.zeros(v.shape, dtype=out_v, device=q.device)
     stats = {"r": torch.zeros(nheads, q.shape[0], device=q.device), "abs_dS": torch.zeros(nheads, q.shape[0], device=q.device),
              "leak": torch.zeros(nheads, q.shape[0], d, device=q.device)} if want_stats else {}
     for q0, q1, k0, k1 in sequences(cu_seqlens_q, cu_seqlens_k):

@@ -18,7 +18,7 @@ import math
 import numbers
 import os
 import warnings
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -141,12 +141,15 @@ def _attn_fwd(
     softcap: float = 0.0,
     dropout_p: float = 0.0,
     rng: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(o, m, log2l) of :func:`gproj_attn_func` (q (batch, seqlen_q, nheads, headdim), k, v (batch,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o, m, log2l, q16, k16, v16) of :func:`gproj_attn_func` (q (batch, seqlen_q, nheads, headdim), k, v (batch,
     seqlen_k, nheads_k, headdim); m, log2l (batch, nheads, seqlen_q)) or, with ``cu_seqlens_q``,
     ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k`` (all four), of :func:`gproj_attn_varlen_func`
-    (q (total_q, nheads, headdim), k, v (total_k, nheads_k, headdim); m, log2l (nheads, total_q))."""
+    (q (total_q, nheads, headdim), k, v (total_k, nheads_k, headdim); m, log2l (nheads, total_q)).
+    q16, k16, v16: the inputs ``compute_dtype`` cast (the backward reads these, not the uncast inputs),
+    empty where an input was not cast (an op's output cannot be its input)."""
     # ``fix`` and ``ds_format`` do not change the forward; they are inputs so that the backward can read them.
+    inputs = (q, k, v)
     q, k, v = _cast(compute_dtype, q, k, v)
     if cu_seqlens_q is not None:
         _check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
@@ -158,7 +161,8 @@ def _attn_fwd(
                               window_right, softcap, dropout_p, rng)
     o, m, log2l = _kernel_forward(q, k, v, softmax_scale, causal, **options)
     _record_max_logit(stats_name, m, log2l, softmax_scale, softcap)
-    return o.contiguous(), m, log2l
+    casts = tuple(c if c.dtype != x.dtype else x.new_empty(0) for c, x in zip((q, k, v), inputs))
+    return (o.contiguous(), m, log2l) + casts
 
 
 def _kernel_options(seqlens_k: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
@@ -268,7 +272,9 @@ def _(q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k=None, cu_seqlen
     # Row statistics: packed (nheads, total_q), as flash-attn's varlen softmax_lse; else (batch, nheads, seqlen_q).
     rows = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
     row = q.new_empty(rows, dtype=stat_dtype)
-    return q.new_empty(q.shape[:-1] + (v.shape[-1],), dtype=dtype), row, torch.empty_like(row)
+    casts = tuple(x.new_empty(0) if compute_dtype in (None, x.dtype) else x.new_empty(x.shape, dtype=compute_dtype)
+                  for x in (q, k, v))
+    return (q.new_empty(q.shape[:-1] + (v.shape[-1],), dtype=dtype), row, torch.empty_like(row)) + casts
 
 
 def _cast(compute_dtype: Optional[torch.dtype], *tensors: Tensor) -> tuple[Tensor, ...]:
@@ -294,7 +300,7 @@ def _attn_bwd(
     cu_seqlens_k: Optional[Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
-    compute_dtype: Optional[torch.dtype] = None,
+    fp32_grads: Optional[Sequence[bool]] = None,
     ds_format: str = "bf16",
     window_left: int = -1,
     window_right: int = -1,
@@ -302,11 +308,11 @@ def _attn_bwd(
     dropout_p: float = 0.0,
     rng: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    # With compute_dtype set the forward cast the inputs (under autocast): cast them again, and return
-    # the fp32 accumulators, so that a gradient headed for an fp32 input is not rounded to 16 bits on
-    # the way (that rounding alone breaks Σ_j dK_j = 0 by ~√N·2⁻⁹); _backward casts to each input's dtype.
-    q, k, v = _cast(compute_dtype, q, k, v)
-    grad_dtype = None if compute_dtype is None else torch.float32
+    # q, k, v as the forward computed with (cast under autocast). fp32_grads (dq, dk, dv): return that
+    # gradient as the fp32 accumulator — for an input the forward cast, so that a gradient headed for
+    # an fp32 input is not rounded to 16 bits on the way (that rounding alone breaks Σ_j dK_j = 0 by
+    # ~√N·2⁻⁹); _backward casts to each input's dtype.
+    grad_dtype = None if fp32_grads is None else tuple(torch.float32 if f else None for f in fp32_grads)
     want_stats = RECORDER.enabled
     dq, dk, dv, extras = _kernel_backward(
         do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, grad_dtype=grad_dtype, ds_format=ds_format,
@@ -321,10 +327,10 @@ def _attn_bwd(
 
 @_attn_bwd.register_fake
 def _(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, stats_name, seqlens_k=None, cu_seqlens_q=None,
-      cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, compute_dtype=None, ds_format="bf16", window_left=-1,
+      cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, fp32_grads=None, ds_format="bf16", window_left=-1,
       window_right=-1, softcap=0.0, dropout_p=0.0, rng=None):
-    dtype = None if compute_dtype is None else torch.float32
-    return tuple(torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device) for x in (q, k, v))
+    flags = fp32_grads or (False,) * 3
+    return tuple(torch.empty(x.shape, dtype=torch.float32 if f else x.dtype, device=x.device) for x, f in zip((q, k, v), flags))
 
 
 def _record_backward_stats(name: str, fix: str, dq: Tensor, extras: dict[str, Tensor], n_keys: Tensor) -> None:
@@ -392,26 +398,37 @@ def _visible_keys(i: Tensor, nq, nk, left: int, right: int, n_valid: Optional[Te
 def _setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
      max_seqlen_k, compute_dtype, ds_format, wl, wr, softcap, dropout_p, rng) = inputs
-    o, m, log2l = output
+    o, m, log2l, *casts = output
+    # The backward reads the inputs as the forward computed with: the cast copies where it cast (not
+    # the wider originals), and records which gradients then come back as fp32 accumulators.
+    cast = [c.dtype != x.dtype for c, x in zip(casts, (q, k, v))]  # a placeholder has the input's dtype
+    ctx.mark_non_differentiable(*casts)
+    # No zero-filled gradients for the outputs only the backward reads (m, log2l, the copies): they are
+    # unused, and filling the copies' would cost a pass over two of them.
+    ctx.set_materialize_grads(False)
+    ctx.grad_dtypes, ctx.fp32_grads = (q.dtype, k.dtype, v.dtype), cast
+    q, k, v = (c if f else x for c, x, f in zip(casts, (q, k, v), cast))
     # rng (the Philox seed and offset) rides to the backward, which regenerates the forward's mask from it.
     ctx.save_for_backward(q, k, v, o, m, log2l, seqlens_k, cu_seqlens_q, cu_seqlens_k, rng)
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name = softmax_scale, causal, fix, stats_name
-    ctx.compute_dtype, ctx.ds_format = compute_dtype, ds_format
+    ctx.ds_format = ds_format
     ctx.window_left, ctx.window_right, ctx.softcap, ctx.dropout_p = wl, wr, softcap, dropout_p
 
 
-def _backward(ctx, do, _dm, _dlog2l):
-    # m and log2l are row statistics for the backward; nothing differentiates through them.
+def _backward(ctx, do, _dm, _dlog2l, _dq16, _dk16, _dv16):
+    # m, log2l and the cast copies are for the backward; nothing differentiates through them.
+    if do is None:  # a gradient for them alone (gradcheck asks): o's gradient is zero, and so are ours
+        return (None,) * 19
     q, k, v, o, m, log2l, seqlens_k, cu_seqlens_q, cu_seqlens_k, rng = ctx.saved_tensors
     dq, dk, dv = _attn_bwd(
         do.contiguous(), q, k, v, o, m, log2l, ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name, seqlens_k,
-        cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.compute_dtype, ctx.ds_format,
+        cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.fp32_grads, ctx.ds_format,
         ctx.window_left, ctx.window_right, ctx.softcap, ctx.dropout_p, rng,
     )
     # Each gradient in its input's dtype (fp32 for an fp32 input, unrounded; see _attn_bwd); none for
     # the 16 other inputs.
-    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 16
+    return tuple(g.to(dt) for g, dt in zip((dq, dk, dv), ctx.grad_dtypes)) + (None,) * 16
 
 
 _attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -712,7 +729,7 @@ def gproj_attn_func(
     gradients are returned in each input's own dtype, computed from the kernel's fp32 accumulators: for
     fp32 inputs they are those accumulators, never rounded to 16 bits (a bf16 copy of dK alone breaks
     Σ_j dK_j = 0 by ~√seqlen_k · 2⁻⁹ ‖dK‖, the residual that drove the key bias in
-    docs/reproduction.md). The op then keeps the uncast inputs for its backward, not 16-bit copies.
+    docs/reproduction.md). For its backward the op keeps the 16-bit copies it computed with, not the wider inputs.
 
     Raises:
         TypeError: q, k or v not a tensor, not floating point, or of different dtypes (under autocast:
@@ -744,11 +761,11 @@ def gproj_attn_func(
     window_left, window_right = _check_window(window_size)
     softcap = _check_softcap(softcap)
     with _autocast_off(device_type):
-        o, _, _ = _attn_fwd(
+        o = _attn_fwd(
             q, k, v, float(softmax_scale), causal, fix, stats_name or "attention", seqlens_k=seqlens_k,
             compute_dtype=compute_dtype, ds_format=ds_format, window_left=window_left, window_right=window_right,
             softcap=softcap, dropout_p=dropout_p, rng=_draw_rng(dropout_p),
-        )
+        )[0]
     return o.transpose(1, 2) if layout == "bhsd" else o
 
 
@@ -858,10 +875,10 @@ def gproj_attn_varlen_func(
     window_left, window_right = _check_window(window_size)
     softcap = _check_softcap(softcap)
     with _autocast_off(q.device.type):
-        o, _, _ = _attn_fwd(
+        o = _attn_fwd(
             q, k, v, softmax_scale, causal, fix, stats_name or "attention", cu_seqlens_q=cu_seqlens_q.contiguous(),
             cu_seqlens_k=cu_seqlens_k.contiguous(), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
             compute_dtype=compute_dtype, ds_format=ds_format, window_left=window_left, window_right=window_right,
             softcap=softcap, dropout_p=dropout_p, rng=_draw_rng(dropout_p),
-        )
+        )[0]
     return o

@@ -272,7 +272,7 @@ def flash_forward(
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     rng = ops._draw_rng(float(dropout_p))
     o, m, log2l = ops._attn_fwd(q, k, v, tau, bool(is_causal), settings.fix, STATS_NAME, ds_format=settings.ds_format,
-                                dropout_p=float(dropout_p), rng=rng)
+                                dropout_p=float(dropout_p), rng=rng)[:3]
     # lse first, then m and log2l in the same allocation: autograd saves lse, and the backward finds the
     # exact row statistics behind it (see _row_stats).
     stats = torch.empty((3, *m.shape), dtype=torch.float32, device=m.device)

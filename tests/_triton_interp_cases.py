@@ -132,6 +132,11 @@ def run_case(b, nq, nk, h, hk, d, causal, dtype, key_shift, strided, seed, seqle
                          grad_dtype=torch.float32, seqlens_k=sk)
         dk32 = g32[1].double()
         res["c2_residual_fp32"] = (dk32.sum(dim=1).norm() / dk32.norm()).item()
+        if name == "gproj":  # a (dq, dk, dv) dtype triple, as the op asks under autocast for fp32 q, k, bf16 v
+            gm = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, False, grad_dtype=(torch.float32, torch.float32, None),
+                            seqlens_k=sk)
+            res["grad_dtype_triple_matches"] = bool(
+                torch.equal(gm[0], g32[0]) and torch.equal(gm[1], g32[1]) and torch.equal(gm[2], g[2]))
         if sk is not None:  # gradients of padded keys: exactly 0 (dk, dv), in both dtypes
             pad = torch.arange(nk)[None, :] >= sk[:, None]
             res["padded_keys_zero"] = bool(all((x[pad] == 0).all().item() for x in (g[1], g[2], g32[1], g32[2])))

@@ -257,6 +257,9 @@ def test_project_key_sum_is_an_orthogonal_projection_onto_c2(batch, nk, hk, d, p
     dk = torch.randn(batch, nk, hk, d, generator=g_, dtype=torch.float64) * valid
     projected = reference.project_key_sum_(dk.clone(), lens)
     assert torch.allclose(projected, on_c2(dk), rtol=0, atol=1e-12)
+    # With the key sums handed in (as the Triton dK/dV kernel accumulates them): the same projection.
+    given = reference.project_key_sum_(dk.clone(), lens, key_sums=(dk * valid).sum(dim=1))
+    assert torch.allclose(given, on_c2(dk), rtol=0, atol=1e-12)
     assert (projected * ~valid).abs().max().item() == 0.0
     assert (projected.sum(dim=1).abs().max().item()) <= 1e-12 * max(1.0, dk.abs().sum().item())
     assert (projected - g).norm() <= (dk - g).norm() + 1e-12

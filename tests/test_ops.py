@@ -446,6 +446,32 @@ def test_stats_name_must_be_a_string():
         gproj_attn_func(q, k, v, stats_name=5)
 
 
+def test_autocast_saves_the_16_bit_copies():
+    """Under autocast the op keeps, for its backward, the bf16 copies it computed with — not the fp32
+    inputs (twice the memory, and a second cast in the backward) — and still returns the fp32 inputs
+    fp32 gradients equal to the reference's fp32 accumulators on those copies."""
+    torch.manual_seed(6)
+    q, k, v = (x.float().requires_grad_() for x in _qkv(1, 40, 2, 16))
+    saved = []
+
+    def pack(x):
+        saved.append((x.dtype, tuple(x.shape)))
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), torch.autocast("cpu", dtype=torch.bfloat16):
+        o = gproj_attn_func(q, k, v, causal=True, fix="gproj")
+    assert (torch.bfloat16, tuple(q.shape)) in saved
+    assert (torch.float32, tuple(q.shape)) not in saved, saved
+    do = torch.randn_like(o)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    assert dq.dtype == dk.dtype == dv.dtype == torch.float32
+    qb, kb, vb = (x.detach().bfloat16() for x in (q, k, v))
+    o_ref, m, log2l = reference.forward(qb, kb, vb, 16**-0.5, True)
+    ref = reference.backward(do, qb, kb, vb, o_ref, m, log2l, 16**-0.5, True, "gproj", grad_dtype=torch.float32)
+    for x, y in zip((dq, dk, dv), ref[:3]):
+        assert torch.allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
 def test_autocast_fp32_inputs_get_unrounded_fp32_gradients():
     """Under autocast an fp32 k gets the fp32 accumulators as its gradient: Σ_j dK_j = 0 (C2,
     DESIGN.md §2) holds to fp32 rounding with fix="gproj", where a bf16 copy of the same dK breaks it

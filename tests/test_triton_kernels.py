@@ -144,6 +144,14 @@ def test_conservation_of_key_gradient(measured):
                 assert b["c2_residual_fp32"] <= 4 * u, (c["shape"], fix)
 
 
+def test_grad_dtype_triple(measured):
+    """grad_dtype=(fp32, fp32, None) — what the op asks for under autocast with fp32 q, k and a bf16 v —
+    gives the fp32 run's dq and dk (its C2 projection included) and the default run's 16-bit dv, bit
+    for bit: the dtypes change only where each gradient is stored."""
+    for c in _cases(measured):
+        assert c["bwd"]["gproj"]["grad_dtype_triple_matches"], c["shape"]
+
+
 def test_padded_keys_get_zero_gradients(measured):
     """Keys j >= seqlens_k[b] are masked: their dk and dv are exactly 0 (16-bit and fp32 outputs)."""
     for c in measured["padded_cases"]:

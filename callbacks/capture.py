@@ -283,12 +283,15 @@ class AttentionCapture(TorchFunctionMode):
     # ------------------------------------------------------------------ results
 
     def c2_residuals(self) -> dict[str, torch.Tensor]:
-        """``{layer: mean over the calls of ‖Σ_j dK_j‖ / ‖dK‖_F}`` (0-dim tensors), and clears them."""
+        """``{layer: mean over the calls of ‖Σ_j dK_j‖ / ‖dK‖_F}`` (0-dim tensors), and clears them. A call
+        whose dK is all zero (every query row sees one key: dS ≡ 0) has no residual to speak of and is left
+        out of the mean (NaN when every call of the layer is such a call)."""
         out = {}
         for name, terms in self.c2_terms.items():
             if terms:
-                ratios = [num / den.clamp_min(torch.finfo(den.dtype).tiny) for num, den in terms]
-                out[name] = torch.stack(ratios).mean()
+                ratios = [torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), float("nan"))
+                          for num, den in terms]
+                out[name] = torch.stack(ratios).nanmean()
         self.c2_terms = {}
         return out
 

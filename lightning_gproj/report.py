@@ -142,7 +142,7 @@ def render(series: Series, out: str | os.PathLike, *, grad_prefix: str = "grad_n
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:  # pragma: no cover - matplotlib is a dependency of the report extra
-        raise RuntimeError("the dashboard needs matplotlib (pip install matplotlib)") from exc
+        raise RuntimeError("the dashboard needs matplotlib: pip install \"lightning-gproj[report]\" (or pip install matplotlib)") from exc
 
     panels = 2 + len(_LAYER_PANELS)
     fig, axes = plt.subplots(panels, 1, figsize=(11, 2.6 * panels), sharex=True, squeeze=False)

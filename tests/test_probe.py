@@ -229,6 +229,33 @@ def test_c2_hook_covers_dense_op_calls_only():
     assert float(key_sum) > 1e-4 * float(norm)  # fix="none", bf16 dS: a residual to compare
 
 
+def test_c2_residual_leaves_out_calls_with_zero_key_gradient():
+    """Two calls of one layer: one where every query row sees a single key (seqlen 1, so dS ≡ 0 and
+    dK ≡ 0: ‖Σ_j dK_j‖ / ‖dK‖_F is 0/0) and an ordinary one. The layer's residual is the ordinary
+    call's (computed here from its dK in float64), not half of it; the 0/0 call alone gives NaN."""
+    g = torch.Generator().manual_seed(2)
+    capture = AttentionCapture({}, [], c2=True)
+    ks = []
+    capture.start()
+    try:
+        outs = []
+        for n in (1, 8):
+            q = torch.randn(2, n, 2, 16, generator=g).bfloat16()
+            k, v = (torch.randn(2, n, 2, 16, generator=g).bfloat16().requires_grad_(True) for _ in range(2))
+            ks.append(k)
+            outs.append(gproj_attn_func(q, k, v, causal=True, fix="none", stats_name="layer"))
+    finally:
+        capture.stop()
+    sum(o.float().pow(2).sum() for o in outs).backward()
+    assert ks[0].grad.abs().max().item() == 0.0
+    dk = ks[1].grad.double()
+    (value,) = capture.c2_residuals().values()
+    assert float(value) == pytest.approx(float(dk.sum(dim=1).norm() / dk.norm()), rel=1e-5)
+    assert float(value) > 1e-4
+    capture.c2_terms = {"layer": [(torch.tensor(0.0), torch.tensor(0.0))]}
+    assert math.isnan(float(capture.c2_residuals()["layer"]))
+
+
 def test_slice_keeps_the_semantics_of_the_full_call():
     """GQA, a boolean padding mask and is_causal: the probe slice's float64 dQ equals the rows of the
     full call's float64 dQ (computed by autograd through SDPA in float64)."""

@@ -310,6 +310,28 @@ def test_compile_fullgraph_has_no_graph_break():
     assert torch.equal(dq, dq_eager)
 
 
+def test_compile_under_autocast_with_mixed_input_dtypes():
+    """fp32 q, k and a bf16 v under autocast, as a bf16-mixed Llama calls attention: the compiled op
+    (fullgraph; the cast copies are outputs the backward saves) gives eager's output and gradients, in
+    eager's dtypes."""
+    torch.manual_seed(7)
+    q, k = (x.float().requires_grad_() for x in _qkv(1, 24, 2, 16)[:2])
+    v = _qkv(1, 24, 2, 16, dtype=torch.bfloat16)[2].requires_grad_()
+
+    def f(q, k, v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return gproj_attn_func(q, k, v, causal=True)
+
+    eager = f(q, k, v)
+    grads_eager = torch.autograd.grad(eager.float().sum(), (q, k, v))
+    torch._dynamo.reset()
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert torch.equal(out, eager)
+    for x, y in zip(grads, grads_eager):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+
+
 def test_compile_dynamic_float_arguments_match_eager():
     """torch.compile(dynamic=True) passes softcap, softmax_scale and dropout_p as SymFloats: the op's
     checks must trace them (math.isfinite of a SymFloat stopped the fullgraph trace) and the compiled

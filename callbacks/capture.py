@@ -285,13 +285,15 @@ class AttentionCapture(TorchFunctionMode):
     def c2_residuals(self) -> dict[str, torch.Tensor]:
         """``{layer: mean over the calls of ‖Σ_j dK_j‖ / ‖dK‖_F}`` (0-dim tensors), and clears them. A call
         whose dK is all zero (every query row sees one key: dS ≡ 0) has no residual to speak of and is left
-        out of the mean (NaN when every call of the layer is such a call)."""
+        out of the mean (NaN when every call of the layer is such a call); a call whose dK holds a NaN is not
+        left out (the mean is then NaN)."""
         out = {}
         for name, terms in self.c2_terms.items():
             if terms:
-                ratios = [torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), float("nan"))
-                          for num, den in terms]
-                out[name] = torch.stack(ratios).nanmean()
+                num, den = (torch.stack(x) for x in zip(*terms))
+                kept = den != 0  # a NaN dK (den NaN) is kept: the layer's residual is then NaN, as it should read
+                ratios = torch.where(kept, num / den.clamp_min(torch.finfo(den.dtype).tiny), 0.0)
+                out[name] = ratios.sum() / kept.sum()
         self.c2_terms = {}
         return out
 

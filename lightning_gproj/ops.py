@@ -278,8 +278,13 @@ def _(q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k=None, cu_seqlen
 
 
 def _cast(compute_dtype: Optional[torch.dtype], *tensors: Tensor) -> tuple[Tensor, ...]:
-    """The tensors in ``compute_dtype`` (as they are when it is None)."""
-    return tensors if compute_dtype is None else tuple(t.to(compute_dtype) for t in tensors)
+    """The tensors in ``compute_dtype`` (as they are when it is None or their dtype). A cast copy is
+    contiguous, whatever its input's strides: the forward op returns it for the backward, and its fake
+    impl (which Inductor asserts the strides of) says so."""
+    if compute_dtype is None:
+        return tensors
+    return tuple(t if t.dtype == compute_dtype else t.to(compute_dtype, memory_format=torch.contiguous_format)
+                 for t in tensors)
 
 
 @torch.library.custom_op("lightning_gproj::attn_bwd", mutates_args=())

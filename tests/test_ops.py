@@ -269,7 +269,7 @@ def test_max_logit_is_the_largest_scaled_score_of_a_visible_pair(nq, nk, causal,
     assert RECORDER.drain()["a"]["max_logit"] == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize("case", ["dense", "padded", "packed", "packed_dropout_autocast"])
+@pytest.mark.parametrize("case", ["dense", "padded", "packed", "packed_dropout_autocast", "strided_autocast"])
 def test_custom_op_pair_passes_opcheck(case):
     """torch.library.opcheck on lightning_gproj::attn_fwd (and through its autograd, attn_bwd) for each
     kind of call the one op pair serves: its schema, autograd registration, and fake impl (the output
@@ -281,7 +281,11 @@ def test_custom_op_pair_passes_opcheck(case):
         return torch.randn(*shape, generator=g).to(torch.bfloat16).requires_grad_(True)
 
     options = {}
-    if case in ("dense", "padded"):
+    if case == "strided_autocast":  # fp32 q, k transposed from (batch, nheads, seqlen, headdim): cast copies keep the strides
+        q, k = (torch.randn(2, h, n, 16, generator=g).transpose(1, 2).requires_grad_(True) for h, n in ((4, 6), (2, 7)))
+        v = leaf(2, 7, 2, 16)
+        options = dict(compute_dtype=torch.bfloat16)
+    elif case in ("dense", "padded"):
         q, k, v = leaf(2, 6, 4, 16), leaf(2, 7, 2, 16), leaf(2, 7, 2, 16)
         if case == "padded":
             options = dict(seqlens_k=torch.tensor([7, 3], dtype=torch.int32))
@@ -330,6 +334,35 @@ def test_compile_under_autocast_with_mixed_input_dtypes():
     assert torch.equal(out, eager)
     for x, y in zip(grads, grads_eager):
         assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+def test_compile_under_autocast_with_sdpa_layout_inputs():
+    """fp32 q, k, v in the SDPA layout (``layout="bhsd"``: the op gets them transposed, not contiguous)
+    under autocast, compiled with Inductor (fullgraph): the 16-bit copies the op returns for its backward
+    keep the inputs' strides, as ``Tensor.to`` does, and the fake impl must say so (Inductor asserts
+    each output's strides). Output and gradients equal eager's, and both are within bf16 error of a
+    float64 reference on the bf16-rounded inputs."""
+    torch.manual_seed(11)
+    q, k, v = (x.requires_grad_() for x in _qkv(2, 2, 12, 16))  # (batch, nheads, seqlen, headdim)
+    do = torch.randn(2, 2, 12, 16)
+
+    def f(q, k, v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return gproj_attn_func(q, k, v, causal=True, layout="bhsd")
+
+    eager = f(q, k, v)
+    grads_eager = torch.autograd.grad(eager, (q, k, v), do.bfloat16())
+    torch._dynamo.reset()
+    out = torch.compile(f, fullgraph=True)(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), do.bfloat16())
+    assert torch.equal(out, eager)
+    for x, y in zip(grads, grads_eager):
+        assert x.dtype == y.dtype == torch.float32 and torch.equal(x, y)
+    o64, dq64, dk64, dv64, _ = attention_fp64(*(x.detach().transpose(1, 2).bfloat16() for x in (q, k, v)),
+                                              do.transpose(1, 2).bfloat16(), 16 ** -0.5, True)
+    for got, ref in zip((out, *grads), (o64, dq64, dk64, dv64)):
+        got = got.transpose(1, 2).double()
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-2
 
 
 def test_compile_dynamic_float_arguments_match_eager():

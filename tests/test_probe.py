@@ -256,6 +256,26 @@ def test_c2_residual_leaves_out_calls_with_zero_key_gradient():
     assert math.isnan(float(capture.c2_residuals()["layer"]))
 
 
+def test_c2_residual_keeps_a_call_with_non_finite_key_gradient():
+    """Only a call whose dK is all zero (0/0) is left out of the layer's mean: a call whose dK holds a
+    NaN (‖dK‖_F = NaN) makes the layer's residual NaN, as it did before the 0/0 rule, rather than being
+    dropped so that the layer looks healthy. Two ordinary calls of the same layer: the residual is the
+    mean of their ratios (computed here from their dK in float64)."""
+    g = torch.Generator().manual_seed(3)
+    dks = [torch.randn(2, 8, 2, 16, generator=g, dtype=torch.float64) for _ in range(2)]
+    dks[1][:, :, 0] += 0.5  # a key-sum residual to measure
+    terms = [(torch.linalg.vector_norm(dk.sum(dim=1)), torch.linalg.vector_norm(dk)) for dk in dks]
+    expected = sum(float(a / b) for a, b in terms) / 2
+    capture = AttentionCapture({}, [], c2=True)
+    capture.c2_terms = {"layer": list(terms) + [(torch.tensor(0.0, dtype=torch.float64),) * 2]}
+    assert float(capture.c2_residuals()["layer"]) == pytest.approx(expected, rel=1e-12)
+    nan_dk = dks[0].clone()
+    nan_dk[0, 3, 1, 5] = float("nan")
+    nan_term = (torch.linalg.vector_norm(nan_dk.sum(dim=1)), torch.linalg.vector_norm(nan_dk))
+    capture.c2_terms = {"layer": list(terms) + [nan_term]}
+    assert math.isnan(float(capture.c2_residuals()["layer"]))
+
+
 def test_slice_keeps_the_semantics_of_the_full_call():
     """GQA, a boolean padding mask and is_causal: the probe slice's float64 dQ equals the rows of the
     full call's float64 dQ (computed by autograd through SDPA in float64)."""

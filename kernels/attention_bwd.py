@@ -384,6 +384,10 @@ def _dkdv_inner(
         p16 = to16(pT, k.dtype, INTERP)  # rounding point: P̃, the operand of P̃ᵀ·dO (and of the dK term)
         # dV before dPᵀ, the order of the kernels before dropout was added: with dPᵀ first the backward
         # without dropout ran slower; with this order it is as fast as before (benchmarks/NOTES.md, runs 13-14).
+        # Softcap keeps dPᵀ first: with dV first its tanh derivative stays live across both GEMMs, and the
+        # compiled kernel spills about twice as much (benchmarks/NOTES.md, run 17).
+        if SOFTCAP:
+            dpT = mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), INTERP)
         if DROPOUT:
             # The forward's mask, transposed: dV += (P̃ ∘ M)ᵀ dO (scaled by 1/(1 − p̂) at the store),
             # dP' = M ∘ dP / (1 − p̂); the dK term's direction stays the undropped P̃.
@@ -392,7 +396,8 @@ def _dkdv_inner(
             dv = mma(tl.where(keepT, p16, 0.0).to(k.dtype), do, dv, INTERP)
         else:
             dv = mma(p16, do, dv, INTERP)
-        dpT = mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), INTERP)
+        if not SOFTCAP:
+            dpT = mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), INTERP)
         if DROPOUT:
             dpT = tl.where(keepT, dpT * drop_scale, 0.0)
         if DK_MODE == 1:

@@ -19,18 +19,16 @@ Usage: python benchmarks/gluon_dkdv_probe.py [--compile-only] [--shapes B,H,N,d,
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-# Triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; later
-# versions async_load / async_store (the old names raise there).
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _gluon import compile_sm90, probe_main, ring_load_pair, tensordesc, tma_load, tma_store  # noqa: E402
+
 
 LOG2E = 1.4426950408889634
 # Module constants: the partitions of gl.warp_specialize receive their arguments as IR values.
@@ -46,15 +44,11 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv
     # The program's K and V rows, once: two halves of 64 keys.
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     for half in gl.static_range(2):
-        _tma_load(k_desc, [kv_row + half * HALF_N, col], kv_bar, k_smem.index(half))
-        _tma_load(v_desc, [kv_row + half * HALF_N, col], kv_bar, v_smem.index(half))
+        tma_load(k_desc, [kv_row + half * HALF_N, col], kv_bar, k_smem.index(half))
+        tma_load(v_desc, [kv_row + half * HALF_N, col], kv_bar, v_smem.index(half))
     i = 0
     for start_m in range(lo, N_CTX, BLOCK_M):
-        s = i % NUM_STAGES
-        mbarrier.wait(empty.index(s), ((i // NUM_STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_row0 + start_m, col], ready.index(s), q_smem.index(s))
-        _tma_load(do_desc, [q_row0 + start_m, col], ready.index(s), do_smem.index(s))
+        ring_load_pair(q_desc, do_desc, q_smem, do_smem, ready, empty, i, q_row0 + start_m, col, NUM_STAGES)
         i += 1
 
 
@@ -103,11 +97,11 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, dk_desc, dv
     out = gl.allocate_shared_memory(gl.bfloat16, [HALF_N, HEAD_DIM], dk_desc.layout)
     out.store((dk * tau).to(gl.bfloat16))
     fence_async_shared()
-    _tma_store(dk_desc, [kv_row + half * HALF_N, col], out)
+    tma_store(dk_desc, [kv_row + half * HALF_N, col], out)
     tma.store_wait(pendings=0)
     out.store(dv.to(gl.bfloat16))
     fence_async_shared()
-    _tma_store(dv_desc, [kv_row + half * HALF_N, col], out)
+    tma_store(dv_desc, [kv_row + half * HALF_N, col], out)
     tma.store_wait(pendings=0)
 
 
@@ -190,56 +184,40 @@ def dkdv(q, k, v, do, m, log2l, delta, causal: bool):
 
 
 def compile_only(head_dim: int):
-    """Compile the kernel for sm_90 without a GPU (Triton's AOT path)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    def td(rows):
-        return f"tensordesc<bf16[{rows}, {head_dim}],{_layout(rows, head_dim)!r}>"
-
+    """Compile the kernel for sm_90 without a GPU: checks the Gluon code and the layouts."""
     bm, hn = BLOCK_M.value, HALF_N.value
-    sig = {"q_desc": td(bm), "do_desc": td(bm), "k_desc": td(hn), "v_desc": td(hn), "dk_desc": td(hn),
-           "dv_desc": td(hn), "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32", "tau": "fp32",
-           "H": "i32", "N_CTX": "i32", "causal": "i32"}
-    return triton.compile(GluonASTSource(_dkdv_kernel, sig, {}), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4})
+    tq, tk = tensordesc(bm, head_dim, _layout(bm, head_dim)), tensordesc(hn, head_dim, _layout(hn, head_dim))
+    sig = {"q_desc": tq, "do_desc": tq, "k_desc": tk, "v_desc": tk, "dk_desc": tk, "dv_desc": tk,
+           "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32", "tau": "fp32", "H": "i32", "N_CTX": "i32",
+           "causal": "i32"}
+    return compile_sm90(_dkdv_kernel, sig)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 (no GPU needed) and report")
-    ap.add_argument("--shapes", default="4,16,2048,128,0;4,16,2048,128,1;1,16,8192,128,1;2,16,4096,64,1")
-    args = ap.parse_args(argv)
-    if args.compile_only:
-        for d in (64, 128):
-            ck = compile_only(d)
-            print(f"d {d}: compiled for sm_90, shared memory {ck.metadata.shared} B", flush=True)
-        return 0
+def run_shape(b, h, n, d, causal):
+    """Check dk, dv against the package's fix="none" backward; time against its _dkdv_kernel."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from triton.testing import do_bench
     from lightning_gproj.kernels import attention_bwd, attention_fwd
 
-    for spec in args.shapes.split(";"):
-        b, h, n, d, causal = (int(x) for x in spec.split(","))
-        torch.manual_seed(0)
-        q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        tau = d ** -0.5
-        o, m, log2l = attention_fwd.forward(q, k, v, tau, bool(causal))
-        delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()  # D_i = Σ_d dO_id O_id
-        dk, dv = dkdv(q, k, v, do, m, log2l, delta, bool(causal))
-        _, dk_p, dv_p, _ = attention_bwd.backward(do, q, k, v, o, m, log2l, tau, bool(causal), "none")
-        err = max(((x.float() - y.float()).norm() / y.float().norm()).item() for x, y in ((dk, dk_p), (dv, dv_p)))
-        flops = 4 * 2 * b * h * n * n * d * (0.5 if causal else 1.0)  # S, dP, dV, dK
-        t_g = do_bench(lambda: dkdv(q, k, v, do, m, log2l, delta, bool(causal)))
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            attention_bwd.backward(do, q, k, v, o, m, log2l, tau, bool(causal), "none")
-            torch.cuda.synchronize()
-        t_p = sum(e.self_device_time_total for e in prof.key_averages() if e.key == "_dkdv_kernel") * 1e-3
-        print(f"{b}x{h}x{n}x{d} causal={causal}: dk/dv rel diff vs the package {err:.1e}; dK/dV pass TFLOP/s "
-              f"gluon {flops / t_g * 1e-9:.0f}, package {flops / t_p * 1e-9:.0f} (one profiled call)", flush=True)
-    return 0
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    tau = d ** -0.5
+    o, m, log2l = attention_fwd.forward(q, k, v, tau, causal)
+    delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()  # D_i = Σ_d dO_id O_id
+    dk, dv = dkdv(q, k, v, do, m, log2l, delta, causal)
+    _, dk_p, dv_p, _ = attention_bwd.backward(do, q, k, v, o, m, log2l, tau, causal, "none")
+    err = max(((x.float() - y.float()).norm() / y.float().norm()).item() for x, y in ((dk, dk_p), (dv, dv_p)))
+    flops = 4 * 2 * b * h * n * n * d * (0.5 if causal else 1.0)  # S, dP, dV, dK
+    t_g = do_bench(lambda: dkdv(q, k, v, do, m, log2l, delta, causal))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        attention_bwd.backward(do, q, k, v, o, m, log2l, tau, causal, "none")
+        torch.cuda.synchronize()
+    t_p = sum(e.self_device_time_total for e in prof.key_averages() if e.key == "_dkdv_kernel") * 1e-3
+    print(f"{b}x{h}x{n}x{d} causal={causal}: dk/dv rel diff vs the package {err:.1e}; dK/dV pass TFLOP/s "
+          f"gluon {flops / t_g * 1e-9:.0f}, package {flops / t_p * 1e-9:.0f} (one profiled call)", flush=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(probe_main(__doc__, "4,16,2048,128,0;4,16,2048,128,1;1,16,8192,128,1;2,16,4096,64,1", compile_only,
+                        run_shape))

@@ -22,19 +22,16 @@ Usage: python benchmarks/gluon_fwd_probe.py [--compile-only] [--shapes B,H,N,d[,
 
 from __future__ import annotations
 
-import argparse
-import math
+import os
 import sys
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-# Triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; later
-# versions async_load / async_store (the old names raise there).
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _gluon import compile_sm90, probe_main, ring_load_pair, tensordesc, tma_load, tma_store  # noqa: E402
+
 
 LOG2E = 1.4426950408889634
 # Tile sizes are module constants: the partitions of gl.warp_specialize receive their arguments as IR
@@ -48,16 +45,11 @@ NUM_STAGES = gl.constexpr(2)
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, kv_row, col, hi):
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    _tma_load(q_desc, [q_row, col], q_bar, q_smem.index(0))
-    _tma_load(q_desc, [q_row + q_desc.block_type.shape[0], col], q_bar, q_smem.index(1))
+    tma_load(q_desc, [q_row, col], q_bar, q_smem.index(0))
+    tma_load(q_desc, [q_row + q_desc.block_type.shape[0], col], q_bar, q_smem.index(1))
     i = 0
     for start_n in range(0, hi, BLOCK_N):
-        s = i % NUM_STAGES
-        # The slot is free once both consumers arrived on it; a fresh barrier passes the first round.
-        mbarrier.wait(empty.index(s), ((i // NUM_STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        _tma_load(k_desc, [kv_row + start_n, col], ready.index(s), k_smem.index(s))
-        _tma_load(v_desc, [kv_row + start_n, col], ready.index(s), v_smem.index(s))
+        ring_load_pair(k_desc, v_desc, k_smem, v_smem, ready, empty, i, kv_row + start_n, col, NUM_STAGES)
         i += 1
 
 
@@ -104,7 +96,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, hal
     o_smem = gl.allocate_shared_memory(gl.bfloat16, [HALF_M, HEAD_DIM], o_desc.layout)
     o_smem.store(o.to(gl.bfloat16))
     fence_async_shared()
-    _tma_store(o_desc, [q_row + half * HALF_M, col], o_smem)
+    tma_store(o_desc, [q_row + half * HALF_M, col], o_smem)
     gl.store(M + offs_m, m_i)
     gl.store(LOG2L + offs_m, gl.log2(l_i))
     tma.store_wait(pendings=0)
@@ -187,58 +179,41 @@ def forward(q, k, v, causal: bool):
 
 
 def compile_only(head_dim: int):
-    """Compile the kernel for sm_90 without a GPU (Triton's AOT path): checks the Gluon code and the layouts."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    """Compile the kernel for sm_90 without a GPU: checks the Gluon code and the layouts."""
     qo, kv = _layouts(head_dim)
     hm, bn = HALF_M.value, BLOCK_N.value
-    sig = {"q_desc": f"tensordesc<bf16[{hm}, {head_dim}],{qo!r}>",
-           "k_desc": f"tensordesc<bf16[{bn}, {head_dim}],{kv!r}>",
-           "v_desc": f"tensordesc<bf16[{bn}, {head_dim}],{kv!r}>",
-           "o_desc": f"tensordesc<bf16[{hm}, {head_dim}],{qo!r}>",
+    sig = {"q_desc": tensordesc(hm, head_dim, qo), "k_desc": tensordesc(bn, head_dim, kv),
+           "v_desc": tensordesc(bn, head_dim, kv), "o_desc": tensordesc(hm, head_dim, qo),
            "M": "*fp32", "LOG2L": "*fp32", "c": "fp32", "H": "i32", "N_CTX": "i32", "causal": "i32"}
-    src = GluonASTSource(_fwd_kernel, sig, {})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return compile_sm90(_fwd_kernel, sig)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 (no GPU needed) and report")
-    ap.add_argument("--shapes", default="4,16,2048,128,0;4,16,2048,128,1;1,16,8192,128,0;1,16,8192,128,1;"
-                    "2,16,4096,64,0;2,16,4096,64,1")
-    args = ap.parse_args(argv)
-    if args.compile_only:
-        for d in (64, 128):
-            ck = compile_only(d)
-            print(f"d {d}: compiled for sm_90, shared memory {ck.metadata.shared} B", flush=True)
-        return 0
+def run_shape(b, h, n, d, causal):
+    """Check against a float32 reference and the package's forward; time against the package and cuDNN."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
     from lightning_gproj.kernels import attention_fwd
 
-    for spec in args.shapes.split(";"):
-        b, h, n, d, causal = (int(x) for x in spec.split(","))
-        torch.manual_seed(0)
-        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        o, m, log2l = forward(q, k, v, bool(causal))
-        ref = F.scaled_dot_product_attention(*(x.transpose(1, 2).float() for x in (q, k, v)), is_causal=bool(causal))
-        err = ((o.float() - ref.transpose(1, 2)).norm() / ref.norm()).item()
-        o_p, m_p, l_p = attention_fwd.forward(q, k, v, d ** -0.5, bool(causal))
-        stats_err = max((m - m_p).abs().max().item(), (log2l - l_p).abs().max().item())
-        flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
-        t_g = do_bench(lambda: forward(q, k, v, bool(causal)))
-        t_p = do_bench(lambda: attention_fwd.forward(q, k, v, d ** -0.5, bool(causal)))
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            t_c = do_bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=bool(causal)))
-        print(f"{b}x{h}x{n}x{d} causal={causal}: o rel err vs fp32 {err:.1e}, m/log2l vs package {stats_err:.1e}; "
-              f"TFLOP/s gluon {flops / t_g * 1e-9:.0f}, package {flops / t_p * 1e-9:.0f}, cuDNN {flops / t_c * 1e-9:.0f}",
-              flush=True)
-    return 0
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    o, m, log2l = forward(q, k, v, causal)
+    ref = F.scaled_dot_product_attention(*(x.transpose(1, 2).float() for x in (q, k, v)), is_causal=causal)
+    err = ((o.float() - ref.transpose(1, 2)).norm() / ref.norm()).item()
+    o_p, m_p, l_p = attention_fwd.forward(q, k, v, d ** -0.5, causal)
+    stats_err = max((m - m_p).abs().max().item(), (log2l - l_p).abs().max().item())
+    flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+    t_g = do_bench(lambda: forward(q, k, v, causal))
+    t_p = do_bench(lambda: attention_fwd.forward(q, k, v, d ** -0.5, causal))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        t_c = do_bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+    print(f"{b}x{h}x{n}x{d} causal={causal}: o rel err vs fp32 {err:.1e}, m/log2l vs package {stats_err:.1e}; "
+          f"TFLOP/s gluon {flops / t_g * 1e-9:.0f}, package {flops / t_p * 1e-9:.0f}, cuDNN {flops / t_c * 1e-9:.0f}",
+          flush=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(probe_main(__doc__, "4,16,2048,128,0;4,16,2048,128,1;1,16,8192,128,0;1,16,8192,128,1;2,16,4096,64,0;"
+                        "2,16,4096,64,1", compile_only, run_shape))

@@ -439,6 +439,18 @@ def _backward(ctx, do, _dm, _dlog2l, _dq16, _dk16, _dv16):
 _attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "gproj_attn_func has no second derivative: a gradient of its gradients (double backward, e.g. a "
+        "gradient penalty taken with create_graph=True) is not supported; compute that term with "
+        "F.scaled_dot_product_attention"
+    )
+
+
+# The first backward with create_graph=True works; only differentiating its result again is refused.
+_attn_bwd.register_autograd(_no_double_backward)
+
+
 def _check_tensors(q: object, k: object, v: object) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Tensor):

@@ -501,6 +501,18 @@ def test_stats_name_must_be_a_string():
         gproj_attn_func(q, k, v, stats_name=5)
 
 
+def test_double_backward_is_refused_by_name():
+    """A gradient with create_graph=True works (and equals the plain one); differentiating it again raises
+    an error that says what is unsupported and what to use, not torch's generic missing-formula one."""
+    torch.manual_seed(8)
+    q, k, v = (x.requires_grad_() for x in _qkv(1, 8, 2, 16, dtype=torch.bfloat16))
+    (g,) = torch.autograd.grad(gproj_attn_func(q, k, v, causal=True).float().sum(), q, create_graph=True)
+    (g_plain,) = torch.autograd.grad(gproj_attn_func(q, k, v, causal=True).float().sum(), q)
+    assert torch.equal(g, g_plain)
+    with pytest.raises(RuntimeError, match="no second derivative.*create_graph=True"):
+        g.float().sum().backward()
+
+
 def test_autocast_saves_the_16_bit_copies():
     """Under autocast the op keeps, for its backward, the bf16 copies it computed with — not the fp32
     inputs (twice the memory, and a second cast in the backward) — and still returns the fp32 inputs

@@ -148,7 +148,8 @@ def _dq_inner(
     BLOCK_M: tl.constexpr = q.shape[0]
     # r and Σ_j P̃_ij are [BLOCK_M, ROWSUM_N] tiles whose column 0 holds the sum (the others stay 0): without
     # softcap they are summed on the tensor cores, as the 16-bit tile times e0 = (1, 0, …, 0) per key,
-    # which takes the per-score convert-and-add off the ALUs (benchmarks/NOTES.md, run 16).
+    # which takes the per-score convert-and-add off the ALUs (benchmarks/NOTES.md, run 16); softcap's r
+    # divides each score by g first, so it sums on the ALUs into a one-column tile.
     col0 = tl.arange(0, ROWSUM_N)[None, :] == 0
     e0 = to16(tl.where(col0, 1.0, tl.zeros([BLOCK_N, ROWSUM_N], tl.float32)), K.dtype.element_ty, INTERP)
     for start_n in range(lo, hi, BLOCK_N):
@@ -282,7 +283,8 @@ def _dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     pk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    ROWSUM_N: tl.constexpr = 16  # the narrowest tile the tensor-core dot takes
+    # 16: the narrowest tile the tensor-core dot takes; softcap sums on the ALUs, into its one column.
+    ROWSUM_N: tl.constexpr = 1 if SOFTCAP else 16
     r = tl.zeros([BLOCK_M, ROWSUM_N], tl.float32)
     a = tl.zeros([BLOCK_M], tl.float32)
     ps = tl.zeros([BLOCK_M, ROWSUM_N], tl.float32)
@@ -745,7 +747,7 @@ def backward(
     dq, dk, dv, r, abs_ds, leak, key_sums = _two_pass(
         do, q, k, v, m.contiguous(), log2l.contiguous(), delta, float(softmax_scale), win["CAUSAL"], fix,
         bool(want_stats), dk_fold, out32, gdv, seqlens_k, ds_bits, varlen, win,
-        dropout_args(dropout_p, dropout_seed, dropout_offset), key_sums=c2 and not torch_uniform,
+        dropout_args(dropout_p, dropout_seed, dropout_offset), want_key_sums=c2 and not torch_uniform,
     )
     if torch_uniform:
         if varlen:  # each sequence on its own: its rows see only its keys
@@ -777,11 +779,11 @@ def backward(
 
 
 def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fold, out32, gdv, seqlens_k, ds_bits,
-              varlen, win, drop, key_sums):
+              varlen, win, drop, want_key_sums):
     """dQ pass then dK/dV pass (module docstring). Returns dq, dk (each fp32 where its flag in the pair
-    ``out32`` is set, else the input dtype), dv (``gdv``), r, abs_dS, leak,
-    Σ_j dK_j (r None unless needed; abs_dS, leak None unless want_stats; the key sums, (batch, nheads_k,
-    headdim) fp64, per sequence when packed, only with ``key_sums`` and an fp32 dk). ``varlen``: None, or (cu_seqlens_q,
+    ``out32`` is set, else the input dtype), dv (``gdv``), r, abs_dS, leak, key_sums (r None unless
+    needed; abs_dS, leak None unless want_stats; key_sums, Σ_j dK_j of the fp32 dk as (batch, nheads_k,
+    headdim) fp64, per sequence when packed, None unless ``want_key_sums``). ``varlen``: None, or (cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k) with the tensors as packed (1, total, ...) views. ``win``:
     the window / softcap arguments of :func:`~lightning_gproj.kernels._triton_utils.window_args`; ``drop``:
     those of :func:`~lightning_gproj.kernels._triton_utils.dropout_args`."""
@@ -825,20 +827,20 @@ def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fol
 
     dk = torch.empty((b, nk, hk, d), dtype=torch.float32 if out32[1] else k.dtype, device=dev)
     dv = torch.empty((b, nk, hk, d), dtype=gdv, device=dev)
-    key_sums = bool(key_sums and out32[1])
     # Per-block key sums of dk: one slot per key block of the smallest BLOCK_N any config uses.
-    slots = triton.cdiv(grid_k, _MIN_BLOCK_N) if key_sums else 1
-    ks = torch.empty((nb, hk, slots, d), dtype=torch.float32, device=dev) if key_sums else delta
+    slots = triton.cdiv(grid_k, _MIN_BLOCK_N) if want_key_sums else 1
+    ks = torch.empty((nb, hk, slots, d), dtype=torch.float32, device=dev) if want_key_sums else delta
     _dkdv_kernel[lambda meta: (triton.cdiv(grid_k, meta["BLOCK_N"]), nb * hk)](
         q, k, v, do, m, log2l, delta, r, qr, dk, dv, ks, seqlens_arg, *cu_args,
         *batch_strides(q, packed), *batch_strides(k, packed), *batch_strides(v, packed), *batch_strides(do, packed),
         *batch_strides(dk, packed), *batch_strides(dv, packed), *batch_strides(qr, packed),
         slots * d, c, tau, h, hk, nq, nk, *wargs,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, DK_MODE=dk_mode, HAS_SEQLENS=has_seqlens,
-        DS_BITS=ds_bits, IS_VARLEN=packed, INTERP=INTERPRET, KEY_SUMS=key_sums, **wconst,
+        DS_BITS=ds_bits, IS_VARLEN=packed, INTERP=INTERPRET, KEY_SUMS=want_key_sums, **wconst,
     )
-    sums = None
-    if key_sums:  # the slots the launch's config wrote, summed in fp64
+    key_sums = None
+    if want_key_sums:  # the slots the launch's config wrote, summed in fp64
         used = triton.cdiv(grid_k, _dkdv_kernel.best_config.kwargs["BLOCK_N"])
-        sums = ks[:, :, :used].sum(dim=2, dtype=torch.float64)
-    return dq, dk, dv, (r if need_r else None), (abs_ds if want_stats else None), (leak if want_stats else None), sums
+        key_sums = ks[:, :, :used].sum(dim=2, dtype=torch.float64)
+    return (dq, dk, dv, (r if need_r else None), (abs_ds if want_stats else None), (leak if want_stats else None),
+            key_sums)

@@ -161,7 +161,7 @@ def _attn_fwd(
                               window_right, softcap, dropout_p, rng)
     o, m, log2l = _kernel_forward(q, k, v, softmax_scale, causal, **options)
     _record_max_logit(stats_name, m, log2l, softmax_scale, softcap)
-    casts = tuple(c if c.dtype != x.dtype else x.new_empty(0) for c, x in zip((q, k, v), inputs))
+    casts = tuple(c if _is_cast(compute_dtype, x) else x.new_empty(0) for c, x in zip((q, k, v), inputs))
     return (o.contiguous(), m, log2l) + casts
 
 
@@ -272,18 +272,21 @@ def _(q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k=None, cu_seqlen
     # Row statistics: packed (nheads, total_q), as flash-attn's varlen softmax_lse; else (batch, nheads, seqlen_q).
     rows = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
     row = q.new_empty(rows, dtype=stat_dtype)
-    casts = tuple(x.new_empty(0) if compute_dtype in (None, x.dtype) else x.new_empty(x.shape, dtype=compute_dtype)
+    casts = tuple(x.new_empty(x.shape, dtype=compute_dtype) if _is_cast(compute_dtype, x) else x.new_empty(0)
                   for x in (q, k, v))
     return (q.new_empty(q.shape[:-1] + (v.shape[-1],), dtype=dtype), row, torch.empty_like(row)) + casts
 
 
+def _is_cast(compute_dtype: Optional[torch.dtype], x: Tensor) -> bool:
+    """Whether the op computes with a cast copy of ``x`` (autocast set ``compute_dtype`` and ``x`` is in another)."""
+    return compute_dtype is not None and x.dtype != compute_dtype
+
+
 def _cast(compute_dtype: Optional[torch.dtype], *tensors: Tensor) -> tuple[Tensor, ...]:
-    """The tensors in ``compute_dtype`` (as they are when it is None or their dtype). A cast copy is
+    """The tensors in ``compute_dtype`` (as they are where :func:`_is_cast` says no). A cast copy is
     contiguous, whatever its input's strides: the forward op returns it for the backward, and its fake
     impl (which Inductor asserts the strides of) says so."""
-    if compute_dtype is None:
-        return tensors
-    return tuple(t if t.dtype == compute_dtype else t.to(compute_dtype, memory_format=torch.contiguous_format)
+    return tuple(t.to(compute_dtype, memory_format=torch.contiguous_format) if _is_cast(compute_dtype, t) else t
                  for t in tensors)
 
 
@@ -406,7 +409,7 @@ def _setup_context(ctx, inputs, output):
     o, m, log2l, *casts = output
     # The backward reads the inputs as the forward computed with: the cast copies where it cast (not
     # the wider originals), and records which gradients then come back as fp32 accumulators.
-    cast = [c.dtype != x.dtype for c, x in zip(casts, (q, k, v))]  # a placeholder has the input's dtype
+    cast = [_is_cast(compute_dtype, x) for x in (q, k, v)]
     ctx.mark_non_differentiable(*casts)
     # No zero-filled gradients for the outputs only the backward reads (m, log2l, the copies): they are
     # unused, and filling the copies' would cost a pass over two of them.

@@ -339,9 +339,9 @@ def test_compile_under_autocast_with_mixed_input_dtypes():
 def test_compile_under_autocast_with_sdpa_layout_inputs():
     """fp32 q, k, v in the SDPA layout (``layout="bhsd"``: the op gets them transposed, not contiguous)
     under autocast, compiled with Inductor (fullgraph): the 16-bit copies the op returns for its backward
-    keep the inputs' strides, as ``Tensor.to`` does, and the fake impl must say so (Inductor asserts
-    each output's strides). Output and gradients equal eager's, and both are within bf16 error of a
-    float64 reference on the bf16-rounded inputs."""
+    must have the strides its fake impl declares, contiguous (Inductor asserts each output's strides;
+    ``Tensor.to`` alone would keep the transposed ones). Output and gradients equal eager's, and both are
+    within bf16 error of a float64 reference on the bf16-rounded inputs."""
     torch.manual_seed(11)
     q, k, v = (x.requires_grad_() for x in _qkv(2, 2, 12, 16))  # (batch, nheads, seqlen, headdim)
     do = torch.randn(2, 2, 12, 16)

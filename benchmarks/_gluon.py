@@ -1,4 +1,4 @@
-"""Shared pieces of the Gluon probes (benchmarks/gluon_fwd_probe.py, gluon_dkdv_probe.py)."""
+"""Shared pieces of the Gluon dK/dV probe (benchmarks/gluon_dkdv_probe.py)."""
 
 from __future__ import annotations
 
@@ -7,23 +7,11 @@ import argparse
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-
-# Triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; later
-# versions async_load / async_store (the old names raise there).
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
-@gluon.jit
-def ring_load_pair(a_desc, b_desc, a_smem, b_smem, ready, empty, i, row, col, NUM_STAGES: gl.constexpr):
-    """Fill slot i % NUM_STAGES of a ring that two consumers share: wait until both released it (a fresh
-    barrier passes the first round), then TMA-load an a tile and a b tile at (row, col) into it."""
-    s = i % NUM_STAGES
-    mbarrier.wait(empty.index(s), ((i // NUM_STAGES) & 1) ^ 1)
-    mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-    tma_load(a_desc, [row, col], ready.index(s), a_smem.index(s))
-    tma_load(b_desc, [row, col], ready.index(s), b_smem.index(s))
+# The package's forward kernel (kernels/attention_fwd_hopper.py) holds the TMA copy aliases (Triton 3.6 and
+# later name them differently) and the ring loader both use.
+from lightning_gproj.kernels.attention_fwd_hopper import ring_load_pair, tma_load, tma_store  # noqa: E402,F401
 
 
 def tensordesc(rows: int, head_dim: int, layout) -> str:

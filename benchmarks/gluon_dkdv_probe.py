@@ -1,7 +1,7 @@
 """A warp-specialized Hopper dK/dV pass in Gluon (issue 12) — a probe, not package code.
 
 Status: written and compiled for sm_90 on a CPU machine (``--compile-only``, Triton 3.6 and 3.9); **never
-run on a GPU yet** (benchmarks/NOTES.md, run 17). Same partition pattern as benchmarks/gluon_fwd_probe.py.
+run on a GPU yet** (benchmarks/NOTES.md, run 17). Same partition pattern as kernels/attention_fwd_hopper.py.
 
 What it computes: the package's dK/dV pass for ``fix="none"`` (kernels/attention_bwd.py, pass 3), i.e.
 per key block Sᵀ = K Qᵀ, Pᵀ = exp2((Sᵀ − m)·τ·log2e − log2l) from the forward's row statistics, dV += P̃ᵀ dO,

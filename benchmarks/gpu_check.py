@@ -1,7 +1,7 @@
 """GPU smoke check of the Triton kernels against kernels/reference.py (run on the device machine).
 
 Usage: python benchmarks/gpu_check.py [--quick-speed] [--skip-cases] [--ds-formats bf16,e4m3,e5m2]
-       [--cases base,features,varlen]
+       [--cases base,features,dropout,varlen,hopper]
 (the cases include sliding windows and softcap, every fix, and their constant checks)
 
 Prints relative Frobenius differences Triton vs reference (same rounding points: expect <~1e-3,
@@ -21,6 +21,7 @@ import torch
 
 from lightning_gproj.kernels import attention_bwd as B
 from lightning_gproj.kernels import attention_fwd as F
+from lightning_gproj.kernels import attention_fwd_hopper as HF
 from lightning_gproj.kernels import reference as R
 
 
@@ -76,19 +77,56 @@ def varlen_check(dev):
         print(f"varlen causal={causal} {time.time() - t0:.1f}s", " ".join(row), f"independent={same}", flush=True)
 
 
+def hopper_check(dev):
+    """The sm_90 Gluon forward (kernels/attention_fwd_hopper.py) through attention_fwd.forward's dispatch:
+    o, m, log2l against reference.py and against the tl.dot forward (GPROJ_HOPPER_FWD=0), the backward fed
+    its m and log2l against reference.py's backward, and the constant checks of DESIGN.md §5 (o exact)."""
+    import os
+    worst = 0.0
+    for (b, n, h, hk, d, causal, dt) in [(2, 1024, 8, 2, 128, False, torch.bfloat16), (2, 1024, 8, 2, 128, True, torch.bfloat16),
+                                         (1, 512, 4, 4, 64, True, torch.float16), (2, 256, 4, 1, 128, False, torch.float16),
+                                         (1, 384, 2, 2, 64, False, torch.bfloat16)]:
+        q = torch.randn(b, n, h, d, device=dev, dtype=dt)
+        k = (torch.randn(b, n, hk, d, device=dev) + 2.0).to(dt)
+        v = torch.randn(b, n, hk, d, device=dev, dtype=dt)
+        do = torch.randn(b, n, h, d, device=dev, dtype=dt)
+        tau = d ** -0.5
+        served = HF.serves(q, k, v)
+        o, m, l2 = F.forward(q, k, v, tau, causal)
+        os.environ["GPROJ_HOPPER_FWD"] = "0"
+        o_t, m_t, l_t = F.forward(q, k, v, tau, causal)
+        del os.environ["GPROJ_HOPPER_FWD"]
+        o_r, m_r, l_r = R.forward(q, k, v, tau, causal)
+        g = B.backward(do, q, k, v, o, m, l2, tau, causal, "gproj", False)
+        g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, "gproj", False)
+        errs = [rel(x, y) for x, y in zip(g[:3], g_r[:3])]
+        worst = max(worst, rel(o, o_r), *errs)
+        print(f"hopper {(b, n, h, hk, d, causal, str(dt)[6:])} served={served}: vs reference o {rel(o, o_r):.1e} "
+              f"m {(m - m_r).abs().max().item():.1e} log2l {(l2 - l_r).abs().max().item():.1e}; vs tl.dot o "
+              f"{rel(o, o_t):.1e} m {(m - m_t).abs().max().item():.1e} log2l {(l2 - l_t).abs().max().item():.1e}; "
+              f"gproj backward from its m, log2l dq/dk/dv " + "/".join(f"{e:.1e}" for e in errs), flush=True)
+    for cval, dt in ((133120.0, torch.bfloat16), (1000.0, torch.bfloat16), (1000.0, torch.float16)):
+        for causal in (False, True):
+            x = torch.full((1, 1024, 2, 128), cval, device=dev, dtype=dt)
+            o, m, l2 = F.forward(x, x, x, 128 ** -0.5, causal)
+            print(f"hopper constant {cval} {str(dt)[6:]} causal={causal} served={HF.serves(x, x, x)}: "
+                  f"nan={torch.isnan(o).any().item()} exact={(o.float() == cval).all().item()}", flush=True)
+    print("hopper worst rel diff vs reference (o, grads):", worst, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick-speed", action="store_true")
     ap.add_argument("--skip-cases", action="store_true", help="skip the Triton-vs-reference cases")
     ap.add_argument("--ds-formats", default="bf16", help="ds_format values to check (FP8 ones with none/gproj only)")
-    ap.add_argument("--cases", default="base,features,varlen",
+    ap.add_argument("--cases", default="base,features,varlen,hopper",
                     help="which Triton-vs-reference groups to run: base (8 shapes, every fix), features (windows, "
                          "softcap), dropout (attention dropout, the reference drawing the kernels' mask), varlen "
-                         "(packed sequences)")
+                         "(packed sequences), hopper (the sm_90 Gluon forward)")
     args = ap.parse_args()
     groups = set(args.cases.split(","))
-    if not groups <= {"base", "features", "dropout", "varlen"}:
-        ap.error(f"--cases takes base, features, dropout, varlen; got {args.cases!r}")
+    if not groups <= {"base", "features", "dropout", "varlen", "hopper"}:
+        ap.error(f"--cases takes base, features, dropout, varlen, hopper; got {args.cases!r}")
     if args.skip_cases:
         groups = set()
     import triton
@@ -164,6 +202,8 @@ def main():
     print("worst grad rel diff vs reference:", worst)
     if "varlen" in groups:
         varlen_check(dev)
+    if "hopper" in groups:
+        hopper_check(dev)
     for cval in (133120.0, 1000.0):
         for causal in (False, True):
             x = torch.full((1, 1000, 2, 128), cval, device=dev, dtype=torch.bfloat16)

@@ -23,6 +23,10 @@ only the key blocks its rows' windows touch, masking the two edge ranges) and lo
 maximum still gets exactly exp2(0)), and attention dropout (DROPOUT: the P·V operand is P̃ ∘ M with
 the Philox keep mask of kernels/reference.dropout_keep_mask, one Philox call per 8 keys of a row, and o
 is scaled by 1/(1 − p̂) at the end, p̂ the drop probability of the 16-bit keep test).
+
+On an sm_90 GPU, dense unmasked-or-causal inputs with seqlen a multiple of 128 and head dim 64 / 128 go to
+the warp-specialized Gluon kernel of kernels/attention_fwd_hopper.py (same contract, same rounding
+points); everything else, and every interpreter run, uses the kernel below.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lightning_gproj.kernels import attention_fwd_hopper
 from lightning_gproj.kernels._triton_utils import (
     INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_groups,
     dropout_keep, in_window, interpreting, load_pair, mma, padded_head_dim, seq_bounds, supports, tanh_f32, to16,
@@ -292,6 +297,9 @@ def forward(
     c = (1.0 if win["SOFTCAP"] else float(softmax_scale)) * LOG2E
     sc = float(softmax_scale) / win["cap"]
     drop = dropout_args(dropout_p, dropout_seed, dropout_offset)
+    if (varlen is None and seqlens_k is None and not (win["WINDOW"] or win["SOFTCAP"] or drop["DROPOUT"])
+            and attention_fwd_hopper.serves(q, k, v)):
+        return attention_fwd_hopper.forward(q, k, v, softmax_scale, win["CAUSAL"])
     # Packed: one batch row per sequence, over the longest one (N_Q, N_K stay total_q, total_k).
     packed = varlen is not None
     nb, grid_q = (varlen[0].numel() - 1, varlen[2]) if packed else (b, nq)

@@ -1,0 +1,288 @@
+"""A warp-specialized attention forward for Hopper (sm_90), written in Gluon (issue 12, lever 4).
+
+The same contract and rounding points as :func:`lightning_gproj.kernels.attention_fwd.forward`, which
+dispatches here when :func:`serves` says so; every other input (and every machine that is not an sm_90
+GPU, CI's interpreter included) keeps the ``tl.dot`` kernel there.
+
+Layout (FA3's forward in Gluon's explicit partitions): one program per (128 query rows, batch·head); a
+1-warp loader partition streams K and V tiles (128 keys) by TMA into a ring of NUM_STAGES shared-memory
+slots (mbarriers ``ready`` / ``empty``); two 4-warp consumer partitions (the default partition and one
+worker) each own 64 of the 128 query rows, share every K/V slot (``empty`` counts both arrivals), and
+run S = Q Kᵀ, the online softmax and O += P V on asynchronous wgmma; the warp scheduler overlaps one
+consumer's softmax with the other's GEMMs. Causal grids run each (batch·head)'s query blocks heaviest
+first.
+
+FMA-safe (DESIGN.md §5): P = exp2((s − m)·τ·log2e) with s the raw fp32 scores and m their row max, so
+the row's maximum gets exp2(0) = 1 exactly (q = k = v = 133120 gives o = 133120). Rounding points as
+kernels/reference.py: P fp32, rounded to the input dtype as the A operand of P·V; l = Σ_j of the fp32 P;
+O = acc / l rounded once.
+
+Served (:func:`serves`): bf16 / fp16, (batch, seqlen, nheads, headdim) contiguous and 16-byte aligned,
+seqlen_q = seqlen_k a multiple of 128, head dim 64 or 128, GQA, causal or not; no key padding, window,
+softcap, dropout or packed sequences. Speed on the H200: benchmarks/NOTES.md (run 18).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from lightning_gproj.kernels._triton_utils import LOG2E, interpreting
+
+try:  # Gluon ships with Triton >= 3.4; the TMA copies were renamed after 3.6.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    )
+
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    GLUON_ERROR = None
+except Exception as exc:  # pragma: no cover - depends on the Triton build
+    GLUON_ERROR = f"{exc.__class__.__name__}: {exc}"
+
+__all__ = ["forward", "serves", "accepts", "compile_sm90", "BLOCK_M"]
+
+#: Query rows per program (two consumers of 64) and keys per K/V tile; the served seqlen's multiple.
+BLOCK_M = 128
+HEAD_DIMS = (64, 128)
+
+if GLUON_ERROR is None:
+    # Module constants: the partitions of gl.warp_specialize receive their arguments as IR values, so
+    # constexpr arguments would not stay constexpr there.
+    _BLOCK_M = gl.constexpr(BLOCK_M)
+    _HALF_M = gl.constexpr(BLOCK_M // 2)
+    _BLOCK_N = gl.constexpr(128)
+    _NUM_STAGES = gl.constexpr(2)
+
+    @gluon.jit
+    def ring_load_pair(a_desc, b_desc, a_smem, b_smem, ready, empty, i, row, col, NUM_STAGES: gl.constexpr):
+        """Fill slot i % NUM_STAGES of a ring that two consumers share: wait until both released it (a
+        fresh barrier passes the first round), then TMA-load an a tile and a b tile at (row, col) into it."""
+        s = i % NUM_STAGES
+        mbarrier.wait(empty.index(s), ((i // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma_load(a_desc, [row, col], ready.index(s), a_smem.index(s))
+        tma_load(b_desc, [row, col], ready.index(s), b_smem.index(s))
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, kv_row, q_col, kv_col, hi):
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma_load(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
+        tma_load(q_desc, [q_row + _HALF_M, q_col], q_bar, q_smem.index(1))
+        i = 0
+        for start_n in range(0, hi, _BLOCK_N):
+            ring_load_pair(k_desc, v_desc, k_smem, v_smem, ready, empty, i, kv_row + start_n, kv_col, _NUM_STAGES)
+            i += 1
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, half: gl.constexpr, q_row, row0,
+                  q_col, hi, c, causal):
+        HEAD_DIM: gl.constexpr = o_desc.block_type.shape[1]
+        dtype: gl.constexpr = o_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, _BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        offs_m = row0 + half * _HALF_M + gl.arange(0, _HALF_M, layout=row_s)  # query positions
+        m_i = gl.full([_HALF_M], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([_HALF_M], gl.float32, layout=row_s)
+        acc = gl.zeros([_HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([_HALF_M, _BLOCK_N], gl.float32, layout=s_layout)
+        q = q_smem.index(half)
+        mbarrier.wait(q_bar, 0)
+        i = 0
+        for start_n in range(0, hi, _BLOCK_N):
+            st = i % _NUM_STAGES
+            mbarrier.wait(ready.index(st), (i // _NUM_STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            if causal != 0:
+                if start_n + _BLOCK_N > row0 + half * _HALF_M:  # a tile on or past the diagonal
+                    offs_n = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                    s = gl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            # FMA-safe: (s − m) is exactly 0 at the row max, so that entry's weight is exactly 1.
+            alpha = gl.exp2((m_i - m_new) * c)
+            p = gl.exp2((s - m_new[:, None]) * c)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p16 = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(st), count=1)
+            m_i = m_new
+            i += 1
+        o = acc / gl.convert_layout(l_i, row_o)[:, None]
+        o_smem = gl.allocate_shared_memory(dtype, [_HALF_M, HEAD_DIM], o_desc.layout)
+        o_smem.store(o.to(dtype))
+        fence_async_shared()
+        tma_store(o_desc, [q_row + half * _HALF_M, q_col], o_smem)
+        gl.store(M + offs_m, m_i)
+        gl.store(LOG2L + offs_m, gl.log2(l_i))
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _consumer_worker(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, q_row, row0, q_col, hi, c,
+                         causal):
+        _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, 1, q_row, row0, q_col, hi, c, causal)
+
+    @gluon.jit
+    def _consumer_default(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, q_row, row0, q_col, hi, c,
+                          causal):
+        _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, 0, q_row, row0, q_col, hi, c, causal)
+
+    @gluon.jit
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, M, LOG2L, c, H, GROUP, N_CTX, causal):
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+        dtype: gl.constexpr = q_desc.dtype
+        pid_bh = gl.program_id(1)
+        pid_m = gl.program_id(0)
+        if causal != 0:  # heaviest query blocks (the most keys) first
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        b = pid_bh // H
+        h = pid_bh % H
+        row0 = pid_m * _BLOCK_M
+        q_row = b * N_CTX + row0  # row of the (batch·seqlen, nheads·headdim) view
+        kv_row = b * N_CTX
+        q_col = h * HEAD_DIM
+        kv_col = (h // GROUP) * HEAD_DIM
+        hi = N_CTX
+        if causal != 0:
+            hi = gl.minimum(N_CTX, row0 + _BLOCK_M)
+        stats = M + pid_bh.to(gl.int64) * N_CTX
+        stats2 = LOG2L + pid_bh.to(gl.int64) * N_CTX
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, _HALF_M, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [_NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [_NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for s in gl.static_range(_NUM_STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
+
+        consumer_args = (q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, stats, stats2, q_row, row0, q_col, hi, c,
+                         causal)
+        gl.warp_specialize([
+            (_consumer_default, consumer_args),
+            (_consumer_worker, consumer_args),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, kv_row, q_col, kv_col,
+                       hi)),
+        ], [4, 1], [232, 24])
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
+def _layouts(head_dim: int, dtype: torch.dtype):
+    """The shared-memory layouts of the q / o tiles (64 rows) and the k / v tiles (128 rows)."""
+    g = _gl_dtype(dtype)
+    return (gl.NVMMASharedLayout.get_default_for([_HALF_M.value, head_dim], g),
+            gl.NVMMASharedLayout.get_default_for([_BLOCK_N.value, head_dim], g))
+
+
+def enabled() -> bool:
+    """GPROJ_HOPPER_FWD=0 keeps every call on the ``tl.dot`` forward (for A/B timing and as an escape hatch)."""
+    return os.environ.get("GPROJ_HOPPER_FWD", "1") != "0"
+
+
+def _flat(x: torch.Tensor) -> bool:
+    """x (batch, seqlen, heads, headdim) is contiguous and 16-byte aligned, so its (batch·seqlen, heads·headdim)
+    view is a valid TMA tensor."""
+    return x.is_contiguous() and x.data_ptr() % 16 == 0
+
+
+def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether this forward serves the (already validated, dense, unmasked beyond ``causal``) inputs.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), as
+            :func:`lightning_gproj.kernels.attention_fwd.forward` takes them.
+
+    Returns:
+        True on an sm_90 GPU (not under the interpreter, Gluon importable, GPROJ_HOPPER_FWD not 0) for
+        bf16 / fp16 contiguous 16-byte-aligned tensors with seqlen_q = seqlen_k a multiple of 128 and head
+        dim 64 or 128. Never raises.
+    """
+    if GLUON_ERROR is not None or interpreting() or not enabled() or q.device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(q.device) == (9, 0) and accepts(q, k, v)
+
+
+def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The shape, dtype and layout half of :func:`serves` (any device): bf16 / fp16, contiguous, 16-byte
+    aligned, seqlen_q = seqlen_k a multiple of 128, head dim 64 or 128, nheads a multiple of nheads_k."""
+    b, n, h, d = q.shape
+    return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype and d in HEAD_DIMS
+            and k.shape == v.shape and k.shape[0] == b and k.shape[1] == n and k.shape[3] == d and h % k.shape[2] == 0
+            and n % BLOCK_M == 0 and all(_flat(x) for x in (q, k, v)))
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool):
+    """FMA-safe attention forward on Hopper; call only where :func:`serves` is True.
+
+    Args:
+        q: (batch, seqlen, nheads, headdim) bf16 / fp16, contiguous; k, v: (batch, seqlen, nheads_k,
+            headdim), same dtype, nheads % nheads_k == 0.
+        softmax_scale: τ, multiplies q·k inside the softmax.
+        causal: causal mask (seqlen_q = seqlen_k, so top-left and bottom-right alignment agree).
+
+    Returns:
+        o (batch, seqlen, nheads, headdim) in q's dtype; m, log2l (batch, nheads, seqlen) fp32: the row max
+        of the raw scores q·k and log2 Σ_j exp2((s_ij − m_i)·τ·log2e), as attention_fwd.forward.
+    """
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    b, n, h, d = q.shape
+    hk = k.shape[2]
+    o = torch.empty_like(q)
+    m = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
+    log2l = torch.empty_like(m)
+    qo_layout, kv_layout = _layouts(d, q.dtype)
+
+    def desc(x, rows, layout):
+        x2 = x.view(b * n, x.shape[2] * d)
+        return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, d], layout)
+
+    hm, bn = _HALF_M.value, _BLOCK_N.value
+    _fwd_kernel[(n // BLOCK_M, b * h)](
+        desc(q, hm, qo_layout), desc(k, bn, kv_layout), desc(v, bn, kv_layout), desc(o, hm, qo_layout),
+        m, log2l, float(softmax_scale) * LOG2E, h, h // hk, n, int(bool(causal)), num_warps=4,
+    )
+    return o, m, log2l
+
+
+def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16):
+    """Compile the kernel for sm_90 without a GPU (Triton's ahead-of-time path), as CI does.
+
+    Returns the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``). Raises RuntimeError if Gluon is
+    not importable.
+    """
+    if GLUON_ERROR is not None:
+        raise RuntimeError(f"Gluon is not available in this Triton: {GLUON_ERROR}")
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    qo_layout, kv_layout = _layouts(head_dim, dtype)
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+
+    def td(rows, layout):
+        return f"tensordesc<{name}[{rows}, {head_dim}],{layout!r}>"
+
+    hm, bn = _HALF_M.value, _BLOCK_N.value
+    sig = {"q_desc": td(hm, qo_layout), "k_desc": td(bn, kv_layout), "v_desc": td(bn, kv_layout),
+           "o_desc": td(hm, qo_layout), "M": "*fp32", "LOG2L": "*fp32", "c": "fp32", "H": "i32", "GROUP": "i32",
+           "N_CTX": "i32", "causal": "i32"}
+    return triton.compile(GluonASTSource(_fwd_kernel, sig, {}), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4})

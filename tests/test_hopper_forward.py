@@ -1,0 +1,73 @@
+"""The sm_90 Gluon forward (kernels/attention_fwd_hopper.py) on a machine without a GPU.
+
+Its numerics need an H200 (benchmarks/gpu_check.py --cases hopper: o, m, log2l against reference.py and
+the tl.dot forward, the backward fed its statistics, the constants of DESIGN.md §5); Gluon kernels do
+not run under Triton's interpreter. What CI can check: the kernel compiles for sm_90 with this Triton
+(ahead of time, Triton's bundled ptxas), its machine code uses the Hopper paths it was written for and
+fits the H100/H200 shared memory, and the dispatch predicate sends exactly the inputs the kernel
+handles (a wrongly accepted shape would run it on rows it cannot mask).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gproj.kernels import attention_fwd_hopper as H
+
+#: Shared memory one block may use on sm_90 (227 KB, the CUDA opt-in maximum on H100 / H200).
+SM90_SHARED_MAX = 232448
+
+
+@pytest.mark.parametrize("head_dim", H.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiles_for_sm90_with_wgmma_tma_and_register_split(head_dim, dtype):
+    kernel = H.compile_sm90(head_dim, dtype)
+    ptx = kernel.asm["ptx"]
+    assert ".target sm_90a" in ptx
+    # Two consumers × (QKᵀ + PV) per K/V tile, each an asynchronous warp-group MMA on 16-row slabs.
+    assert ptx.count("wgmma.mma_async") >= 4
+    assert "cp.async.bulk.tensor" in ptx  # TMA loads of q, k, v and the store of o
+    assert "mbarrier" in ptx
+    assert "setmaxnreg" in ptx  # the loader gives its registers to the consumers
+    assert 0 < kernel.metadata.shared <= SM90_SHARED_MAX
+
+
+def _qkv(b=2, n=256, h=4, hk=2, d=128, dtype=torch.bfloat16):
+    return (torch.zeros(b, n, h, d, dtype=dtype), torch.zeros(b, n, hk, d, dtype=dtype),
+            torch.zeros(b, n, hk, d, dtype=dtype))
+
+
+def test_accepts_the_shapes_it_is_written_for():
+    assert H.accepts(*_qkv())
+    assert H.accepts(*_qkv(d=64, dtype=torch.float16, hk=1))
+    assert H.accepts(*_qkv(n=128, hk=4))
+
+
+@pytest.mark.parametrize("why, q, k, v", [
+    ("seqlen not a multiple of 128", *_qkv(n=200)),
+    ("head dim 96", *_qkv(d=96)),
+    ("head dim 32", *_qkv(d=32)),
+    ("fp32", *_qkv(dtype=torch.float32)),
+    ("seqlen_q != seqlen_k", _qkv()[0][:, :128], *_qkv()[1:]),
+    ("nheads not a multiple of nheads_k", _qkv(h=4)[0], *_qkv(hk=3)[1:]),
+    ("k and v dtypes differ", *_qkv()[:2], _qkv()[2].half()),
+])
+def test_rejects_what_it_cannot_serve(why, q, k, v):
+    assert not H.accepts(q, k, v), why
+
+
+def test_rejects_non_contiguous_and_misaligned_layouts():
+    q, k, v = _qkv()
+    strided = torch.zeros(2, 256, 4, 144, dtype=torch.bfloat16)[..., :128]
+    assert not H.accepts(strided, k, v)
+    bhnd = torch.zeros(2, 4, 256, 128, dtype=torch.bfloat16).transpose(1, 2)  # (B, H, N, d) memory
+    assert not H.accepts(bhnd, k, v)
+    flat = torch.zeros(2 * 256 * 4 * 128 + 1, dtype=torch.bfloat16)
+    shifted = flat[1:].view(2, 256, 4, 128)  # contiguous, but 2 bytes off a 16-byte boundary
+    assert shifted.is_contiguous() and not H.accepts(shifted, k, v)
+
+
+def test_not_served_off_hopper():
+    """On CPU (and under the interpreter) every call keeps the tl.dot kernel."""
+    assert not H.serves(*_qkv())

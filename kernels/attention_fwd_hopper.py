@@ -140,7 +140,7 @@ if GLUON_ERROR is None:
         _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, 0, q_row, row0, q_col, hi, c, causal)
 
     @gluon.jit
-    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, M, LOG2L, c, H, GROUP, N_CTX, causal):
+    def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, M, LOG2L, c, H, GROUP, N_CTX, causal):
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         dtype: gl.constexpr = q_desc.dtype
         pid_bh = gl.program_id(1)
@@ -256,7 +256,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
         return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, d], layout)
 
     hm, bn = _HALF_M.value, _BLOCK_N.value
-    _fwd_kernel[(n // BLOCK_M, b * h)](
+    _hopper_fwd_kernel[(n // BLOCK_M, b * h)](
         desc(q, hm, qo_layout), desc(k, bn, kv_layout), desc(v, bn, kv_layout), desc(o, hm, qo_layout),
         m, log2l, float(softmax_scale) * LOG2E, h, h // hk, n, int(bool(causal)), num_warps=4,
     )
@@ -284,5 +284,5 @@ def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16):
     sig = {"q_desc": td(hm, qo_layout), "k_desc": td(bn, kv_layout), "v_desc": td(bn, kv_layout),
            "o_desc": td(hm, qo_layout), "M": "*fp32", "LOG2L": "*fp32", "c": "fp32", "H": "i32", "GROUP": "i32",
            "N_CTX": "i32", "causal": "i32"}
-    return triton.compile(GluonASTSource(_fwd_kernel, sig, {}), target=GPUTarget("cuda", 90, 32),
+    return triton.compile(GluonASTSource(_hopper_fwd_kernel, sig, {}), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4})

@@ -48,7 +48,8 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv
         tma_load(v_desc, [kv_row + half * HALF_N, col], kv_bar, v_smem.index(half))
     i = 0
     for start_m in range(lo, N_CTX, BLOCK_M):
-        ring_load_pair(q_desc, do_desc, q_smem, do_smem, ready, empty, i, q_row0 + start_m, col, NUM_STAGES)
+        ring_load_pair(q_desc, do_desc, q_smem, do_smem, ready, empty, i, q_row0 + start_m, col, q_row0 + start_m, col,
+                       NUM_STAGES)
         i += 1
 
 

@@ -85,10 +85,14 @@ def hopper_check(dev):
     worst = 0.0
     for (b, n, h, hk, d, causal, dt) in [(2, 1024, 8, 2, 128, False, torch.bfloat16), (2, 1024, 8, 2, 128, True, torch.bfloat16),
                                          (1, 512, 4, 4, 64, True, torch.float16), (2, 256, 4, 1, 128, False, torch.float16),
-                                         (1, 384, 2, 2, 64, False, torch.bfloat16)]:
+                                         (1, 384, 2, 2, 64, False, torch.bfloat16), (2, 1024, 8, 2, 128, True, "bhsd")]:
+        heads_major = dt == "bhsd"  # q, v in (B, H, N, d) memory, as Hugging Face models hand them over
+        dt = torch.bfloat16 if heads_major else dt
         q = torch.randn(b, n, h, d, device=dev, dtype=dt)
         k = (torch.randn(b, n, hk, d, device=dev) + 2.0).to(dt)
         v = torch.randn(b, n, hk, d, device=dev, dtype=dt)
+        if heads_major:
+            q, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, v))
         do = torch.randn(b, n, h, d, device=dev, dtype=dt)
         tau = d ** -0.5
         served = HF.serves(q, k, v)
@@ -101,7 +105,7 @@ def hopper_check(dev):
         g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, "gproj", False)
         errs = [rel(x, y) for x, y in zip(g[:3], g_r[:3])]
         worst = max(worst, rel(o, o_r), *errs)
-        print(f"hopper {(b, n, h, hk, d, causal, str(dt)[6:])} served={served}: vs reference o {rel(o, o_r):.1e} "
+        print(f"hopper {(b, n, h, hk, d, causal, str(dt)[6:], 'q,v (B,H,N,d) memory' if heads_major else '')} served={served}: vs reference o {rel(o, o_r):.1e} "
               f"m {(m - m_r).abs().max().item():.1e} log2l {(l2 - l_r).abs().max().item():.1e}; vs tl.dot o "
               f"{rel(o, o_t):.1e} m {(m - m_t).abs().max().item():.1e} log2l {(l2 - l_t).abs().max().item():.1e}; "
               f"gproj backward from its m, log2l dq/dk/dv " + "/".join(f"{e:.1e}" for e in errs), flush=True)

@@ -3,7 +3,8 @@
 kernels/attention_fwd_hopper.py runs a causal grid's query blocks of each (batch·head) heaviest first. This
 times it against the same kernel in launch order (a copy of the module with that one line removed, written
 to a temporary file) and cuDNN, forward only, bf16, interleaved rounds; and counts how many forward calls of
-one autocast Llama-style attention call (op_overhead.py's inputs: fp32 q, k, bf16 v, (B, H, N, d) views)
+one autocast Llama-style attention call (fp32 q, k as (B, H, N, d) views of (B, N, H, d) memory; bf16 v
+in (B, H, N, d) memory, as benchmarks/train_step.py's Llama hands it over)
 reach the Gluon kernel.
 
 Usage: python benchmarks/hopper_fwd_ab.py [--rounds 2]
@@ -67,12 +68,12 @@ def main():
     H.forward = lambda *a, **kw: calls.append(1) or real(*a, **kw)
     b, h, n, d = 4, 16, 4096, 128
     q, k = (torch.randn(b, n, h, d, device="cuda").transpose(1, 2).requires_grad_() for _ in range(2))
-    v = torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    v = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # as train_step's Llama
     with torch.autocast("cuda", dtype=torch.bfloat16):
         o = gproj_attn_func(q, k, v, causal=True, fix="gproj", layout="bhsd")
     o.float().sum().backward()
     H.forward = real
-    print(f"autocast Llama-style call (fp32 q, k; bf16 v; bhsd views): Gluon forward calls {len(calls)}", flush=True)
+    print(f"autocast Llama-style call (fp32 q, k; bf16 v in (B, H, N, d) memory): Gluon forward calls {len(calls)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ the row's maximum gets exp2(0) = 1 exactly (q = k = v = 133120 gives o = 133120)
 kernels/reference.py: P fp32, rounded to the input dtype as the A operand of P·V; l = Σ_j of the fp32 P;
 O = acc / l rounded once.
 
-Served (:func:`serves`): bf16 / fp16, (batch, seqlen, nheads, headdim) contiguous and 16-byte aligned,
+Served (:func:`serves`): bf16 / fp16, (batch, seqlen, nheads, headdim) tensors whose memory is contiguous
+in that order or in (batch, nheads, seqlen, headdim) order (each tensor its own), 16-byte aligned,
 seqlen_q = seqlen_k a multiple of 128, head dim 64 or 128, GQA, causal or not; no key padding, window,
 softcap, dropout or packed sequences. Speed on the H200: benchmarks/NOTES.md (run 18).
 """
@@ -59,28 +60,32 @@ if GLUON_ERROR is None:
     _NUM_STAGES = gl.constexpr(2)
 
     @gluon.jit
-    def ring_load_pair(a_desc, b_desc, a_smem, b_smem, ready, empty, i, row, col, NUM_STAGES: gl.constexpr):
+    def ring_load_pair(a_desc, b_desc, a_smem, b_smem, ready, empty, i, a_row, a_col, b_row, b_col,
+                       NUM_STAGES: gl.constexpr):
         """Fill slot i % NUM_STAGES of a ring that two consumers share: wait until both released it (a
-        fresh barrier passes the first round), then TMA-load an a tile and a b tile at (row, col) into it."""
+        fresh barrier passes the first round), then TMA-load an a tile at (a_row, a_col) and a b tile at
+        (b_row, b_col) into it."""
         s = i % NUM_STAGES
         mbarrier.wait(empty.index(s), ((i // NUM_STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-        tma_load(a_desc, [row, col], ready.index(s), a_smem.index(s))
-        tma_load(b_desc, [row, col], ready.index(s), b_smem.index(s))
+        tma_load(a_desc, [a_row, a_col], ready.index(s), a_smem.index(s))
+        tma_load(b_desc, [b_row, b_col], ready.index(s), b_smem.index(s))
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, kv_row, q_col, kv_col, hi):
+    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, q_col, k_row, k_col,
+                v_row, v_col, hi):
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
         tma_load(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
         tma_load(q_desc, [q_row + _HALF_M, q_col], q_bar, q_smem.index(1))
         i = 0
         for start_n in range(0, hi, _BLOCK_N):
-            ring_load_pair(k_desc, v_desc, k_smem, v_smem, ready, empty, i, kv_row + start_n, kv_col, _NUM_STAGES)
+            ring_load_pair(k_desc, v_desc, k_smem, v_smem, ready, empty, i, k_row + start_n, k_col, v_row + start_n, v_col,
+                           _NUM_STAGES)
             i += 1
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, half: gl.constexpr, q_row, row0,
-                  q_col, hi, c, causal):
+    def _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, half: gl.constexpr, o_row, row0,
+                  o_col, hi, c, causal):
         HEAD_DIM: gl.constexpr = o_desc.block_type.shape[1]
         dtype: gl.constexpr = o_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -124,23 +129,27 @@ if GLUON_ERROR is None:
         o_smem = gl.allocate_shared_memory(dtype, [_HALF_M, HEAD_DIM], o_desc.layout)
         o_smem.store(o.to(dtype))
         fence_async_shared()
-        tma_store(o_desc, [q_row + half * _HALF_M, q_col], o_smem)
+        tma_store(o_desc, [o_row + half * _HALF_M, o_col], o_smem)
         gl.store(M + offs_m, m_i)
         gl.store(LOG2L + offs_m, gl.log2(l_i))
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _consumer_worker(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, q_row, row0, q_col, hi, c,
+    def _consumer_worker(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, o_row, row0, o_col, hi, c,
                          causal):
-        _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, 1, q_row, row0, q_col, hi, c, causal)
+        _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, 1, o_row, row0, o_col, hi, c, causal)
 
     @gluon.jit
-    def _consumer_default(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, q_row, row0, q_col, hi, c,
+    def _consumer_default(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, o_row, row0, o_col, hi, c,
                           causal):
-        _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, 0, q_row, row0, q_col, hi, c, causal)
+        _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, 0, o_row, row0, o_col, hi, c, causal)
 
     @gluon.jit
-    def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, M, LOG2L, c, H, GROUP, N_CTX, causal):
+    def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, M, LOG2L, c, H, GROUP, N_CTX, causal,
+                           q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch):
+        # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch);
+        # (batch, seqlen, heads, headdim) memory has rb = seqlen, rh = 0, ch = headdim; (batch, heads,
+        # seqlen, headdim) memory rb = heads·seqlen, rh = seqlen, ch = 0 (see _tma_view).
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         dtype: gl.constexpr = q_desc.dtype
         pid_bh = gl.program_id(1)
@@ -149,11 +158,14 @@ if GLUON_ERROR is None:
             pid_m = gl.num_programs(0) - 1 - pid_m
         b = pid_bh // H
         h = pid_bh % H
+        hk = h // GROUP
         row0 = pid_m * _BLOCK_M
-        q_row = b * N_CTX + row0  # row of the (batch·seqlen, nheads·headdim) view
-        kv_row = b * N_CTX
-        q_col = h * HEAD_DIM
-        kv_col = (h // GROUP) * HEAD_DIM
+        q_row = b * q_rb + h * q_rh + row0
+        q_col = h * q_ch
+        k_row = b * k_rb + hk * k_rh
+        v_row = b * v_rb + hk * v_rh
+        o_row = b * N_CTX + row0  # o is (batch, seqlen, nheads, headdim) contiguous
+        o_col = h * HEAD_DIM
         hi = N_CTX
         if causal != 0:
             hi = gl.minimum(N_CTX, row0 + _BLOCK_M)
@@ -171,13 +183,13 @@ if GLUON_ERROR is None:
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
 
-        consumer_args = (q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, stats, stats2, q_row, row0, q_col, hi, c,
+        consumer_args = (q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, stats, stats2, o_row, row0, o_col, hi, c,
                          causal)
         gl.warp_specialize([
             (_consumer_default, consumer_args),
             (_consumer_worker, consumer_args),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, kv_row, q_col, kv_col,
-                       hi)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, q_col, k_row,
+                       hk * k_ch, v_row, hk * v_ch, hi)),
         ], [4, 1], [232, 24])
 
 
@@ -197,10 +209,19 @@ def enabled() -> bool:
     return os.environ.get("GPROJ_HOPPER_FWD", "1") != "0"
 
 
-def _flat(x: torch.Tensor) -> bool:
-    """x (batch, seqlen, heads, headdim) is contiguous and 16-byte aligned, so its (batch·seqlen, heads·headdim)
-    view is a valid TMA tensor."""
-    return x.is_contiguous() and x.data_ptr() % 16 == 0
+def _tma_view(x: torch.Tensor):
+    """x (batch, seqlen, heads, headdim) as a 2-D TMA tensor and the (rb, rh, ch) that locate its tiles, or
+    None. Served memory orders: (batch, seqlen, heads, headdim) contiguous (view (batch·seqlen,
+    heads·headdim)) and (batch, heads, seqlen, headdim) contiguous (view (batch·heads·seqlen, headdim)), the
+    layout Hugging Face models hand over q, k, v in; 16-byte aligned."""
+    b, n, h, d = x.shape
+    if x.data_ptr() % 16 != 0 or x.stride(3) != 1:
+        return None
+    if x.stride(2) == d and x.stride(1) == h * d and x.stride(0) == n * h * d:
+        return torch.as_strided(x, (b * n, h * d), (h * d, 1)), n, 0, d
+    if x.stride(1) == d and x.stride(2) == n * d and x.stride(0) == h * n * d:
+        return torch.as_strided(x, (b * h * n, d), (d, 1)), h * n, n, 0
+    return None
 
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -212,8 +233,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
     Returns:
         True on an sm_90 GPU (not under the interpreter, Gluon importable, GPROJ_HOPPER_FWD not 0) for
-        bf16 / fp16 contiguous 16-byte-aligned tensors with seqlen_q = seqlen_k a multiple of 128 and head
-        dim 64 or 128. Never raises.
+        the inputs of :func:`accepts`. Never raises.
     """
     if GLUON_ERROR is not None or interpreting() or not enabled() or q.device.type != "cuda":
         return False
@@ -221,20 +241,22 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """The shape, dtype and layout half of :func:`serves` (any device): bf16 / fp16, contiguous, 16-byte
-    aligned, seqlen_q = seqlen_k a multiple of 128, head dim 64 or 128, nheads a multiple of nheads_k."""
+    """The shape, dtype and layout half of :func:`serves` (any device): bf16 / fp16, each tensor in
+    (batch, seqlen, heads, headdim) or (batch, heads, seqlen, headdim) memory order, contiguous there and
+    16-byte aligned, seqlen_q = seqlen_k a multiple of 128, head dim 64 or 128, nheads a multiple of nheads_k."""
     b, n, h, d = q.shape
     return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype and d in HEAD_DIMS
             and k.shape == v.shape and k.shape[0] == b and k.shape[1] == n and k.shape[3] == d and h % k.shape[2] == 0
-            and n % BLOCK_M == 0 and all(_flat(x) for x in (q, k, v)))
+            and n % BLOCK_M == 0 and all(_tma_view(x) is not None for x in (q, k, v)))
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool):
     """FMA-safe attention forward on Hopper; call only where :func:`serves` is True.
 
     Args:
-        q: (batch, seqlen, nheads, headdim) bf16 / fp16, contiguous; k, v: (batch, seqlen, nheads_k,
-            headdim), same dtype, nheads % nheads_k == 0.
+        q: (batch, seqlen, nheads, headdim) bf16 / fp16; k, v: (batch, seqlen, nheads_k, headdim), same
+            dtype, nheads % nheads_k == 0; each contiguous in (batch, seqlen, heads, headdim) or (batch,
+            heads, seqlen, headdim) memory order (:func:`accepts`).
         softmax_scale: τ, multiplies q·k inside the softmax.
         causal: causal mask (seqlen_q = seqlen_k, so top-left and bottom-right alignment agree).
 
@@ -251,14 +273,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     log2l = torch.empty_like(m)
     qo_layout, kv_layout = _layouts(d, q.dtype)
 
-    def desc(x, rows, layout):
-        x2 = x.view(b * n, x.shape[2] * d)
-        return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, d], layout)
-
     hm, bn = _HALF_M.value, _BLOCK_N.value
+    descs, where = [], []
+    for x, rows, layout in ((q, hm, qo_layout), (k, bn, kv_layout), (v, bn, kv_layout), (o, hm, qo_layout)):
+        x2, rb, rh, ch = _tma_view(x)
+        descs.append(TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, d], layout))
+        if x is not o:  # o is ours, (batch, seqlen, nheads, headdim) contiguous: the kernel knows its tiles
+            where += [rb, rh, ch]
     _hopper_fwd_kernel[(n // BLOCK_M, b * h)](
-        desc(q, hm, qo_layout), desc(k, bn, kv_layout), desc(v, bn, kv_layout), desc(o, hm, qo_layout),
-        m, log2l, float(softmax_scale) * LOG2E, h, h // hk, n, int(bool(causal)), num_warps=4,
+        *descs, m, log2l, float(softmax_scale) * LOG2E, h, h // hk, n, int(bool(causal)), *where, num_warps=4,
     )
     return o, m, log2l
 
@@ -283,6 +306,6 @@ def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16):
     hm, bn = _HALF_M.value, _BLOCK_N.value
     sig = {"q_desc": td(hm, qo_layout), "k_desc": td(bn, kv_layout), "v_desc": td(bn, kv_layout),
            "o_desc": td(hm, qo_layout), "M": "*fp32", "LOG2L": "*fp32", "c": "fp32", "H": "i32", "GROUP": "i32",
-           "N_CTX": "i32", "causal": "i32"}
+           "N_CTX": "i32", "causal": "i32", **{f"{t}_{w}": "i32" for t in "qkv" for w in ("rb", "rh", "ch")}}
     return triton.compile(GluonASTSource(_hopper_fwd_kernel, sig, {}), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4})

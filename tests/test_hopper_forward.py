@@ -57,12 +57,22 @@ def test_rejects_what_it_cannot_serve(why, q, k, v):
     assert not H.accepts(q, k, v), why
 
 
+def test_accepts_heads_major_memory_per_tensor():
+    """Hugging Face models hand q, k, v over as (B, H, N, d) memory; each tensor may differ."""
+    q, k, v = _qkv()
+    bhsd = torch.zeros(2, 2, 256, 128, dtype=torch.bfloat16).transpose(1, 2)
+    assert H.accepts(q, k, bhsd) and H.accepts(q, bhsd, bhsd)
+    assert H.accepts(torch.zeros(2, 4, 256, 128, dtype=torch.bfloat16).transpose(1, 2), k, v)
+
+
 def test_rejects_non_contiguous_and_misaligned_layouts():
     q, k, v = _qkv()
     strided = torch.zeros(2, 256, 4, 144, dtype=torch.bfloat16)[..., :128]
     assert not H.accepts(strided, k, v)
-    bhnd = torch.zeros(2, 4, 256, 128, dtype=torch.bfloat16).transpose(1, 2)  # (B, H, N, d) memory
-    assert not H.accepts(bhnd, k, v)
+    seq_major = torch.zeros(256, 2, 4, 128, dtype=torch.bfloat16).transpose(0, 1)  # (N, B, H, d) memory
+    assert not H.accepts(seq_major, k, v)
+    sliced_heads = torch.zeros(2, 8, 256, 128, dtype=torch.bfloat16)[:, :4].transpose(1, 2)  # gaps between batches
+    assert not H.accepts(sliced_heads, k, v)
     flat = torch.zeros(2 * 256 * 4 * 128 + 1, dtype=torch.bfloat16)
     shifted = flat[1:].view(2, 256, 4, 128)  # contiguous, but 2 bytes off a 16-byte boundary
     assert shifted.is_contiguous() and not H.accepts(shifted, k, v)

@@ -3,29 +3,30 @@ docs/architecture.md:
 
     backward(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats) -> (dq, dk, dv, extras)
 
-Three launches, rounding at the points of kernels/reference.py (DESIGN.md §3, §4, §4.1):
+Two launches, rounding at the points of kernels/reference.py (DESIGN.md §3, §4, §4.1):
 
-1. preprocess: D_i = Σ_d do_id·o_id in fp32 from the *stored* 16-bit o and do.
-2. dQ pass, one program per (query block, batch·head), looping over key blocks:
+1. dQ pass, one program per (query block, batch·head), looping over key blocks. First
+   D_i = Σ_d do_id·o_id in fp32 from the *stored* 16-bit o and do of its query rows (written out,
+   B·H·Nq fp32, for pass 2); then
    P = exp2((s − m)·τ·log2e − log2l) (the forward's FMA-safe exponent, same fp32 s and m), dP = dO·Vᵀ,
    dS = P∘(dP − D) in fp32, dS̃ = dS rounded to the input dtype (the rounding point that breaks the
    zero-sum law C1), dQ += dS̃·K, r_i += Σ_j dS̃_ij (fp32, from the very rounded values the GEMM
    consumed), and — for fix="gproj" or want_stats — PK += P̃·K with P̃ the rounded P.
    Also Σ_j P̃_ij, giving ρ_i = r_i / Σ_j P̃_ij (so that the corrected row Σ_j (dS̃_ij − ρ_i P̃_ij)
    is exactly 0, as in kernels/reference.py). fix="gproj": dQ = τ (dQ − ρ∘PK). r is written out
-   (B·H·Nq fp32) for pass 3, and in the "gemm" schedule below −ρ∘Q rounded to the input dtype
+   (B·H·Nq fp32) for pass 2, and in the "gemm" schedule below −ρ∘Q rounded to the input dtype
    (B·Nq·H·d, like q).
-3. dK/dV pass, one program per (key block, batch·kv-head), looping over the query heads of its GQA
+2. dK/dV pass, one program per (key block, batch·kv-head), looping over the query heads of its GQA
    group and over query blocks: dV += P̃ᵀ·dO, dK += dS̃ᵀ·Q. For fix="gproj" the P-weighted dK term
    −P̃ᵀ(ρ∘Q) is either
    * "gemm" (default): its own GEMM, P̃ᵀ·bf16(−ρ∘Q), as in kernels/reference.py (rounding the
      operand changes the *correction* by a relative 2^-9 only; an fp32 dk ends with the C2
-     projection anyway), with the operand formed once per query row by pass 2, or
+     projection anyway), with the operand formed once per query row by pass 1, or
    * "fold": folded into dS before its rounding, dS' = P∘(dP − (D + r)) — zero extra GEMMs
      (``dk_fold=True``; DESIGN.md §4.1 table: slightly less accurate dK).
    The choice of default is recorded in benchmarks/NOTES.md with the measurements behind it.
 
-fix="gproj_uniform" (the orthogonal projection) runs passes 2-3 without corrections, with fp32 dq/dk
+fix="gproj_uniform" (the orthogonal projection) runs both passes without corrections, with fp32 dq/dk
 outputs, and applies the rank-one corrections in PyTorch (O(N·d): prefix means / suffix sums when
 causal), then rounds once.
 
@@ -113,30 +114,6 @@ _DKDV_BY_HEAD_DIM = {
 
 
 @triton.jit
-def _preprocess_kernel(
-    O, DO, DELTA,
-    stride_ob, stride_on, stride_oh, stride_od,
-    stride_dob, stride_don, stride_doh, stride_dod,
-    H, N_Q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """D[b, h, i] = Σ_d do·o in fp32 (products of 16-bit values are exact in fp32)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
-                + offs_d[None, :] * stride_od, mask=mask, other=0.0)
-    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + offs_m[:, None] * stride_don
-                 + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + pid_bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
-
-
-@triton.jit
 def _dq_inner(
     dq, pk, r, a, ps, q, do, m, l2, Di, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
     lo, hi, c, N_K, CAUSAL_OFF, WL, WR, sc, cap, drop_rows, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
@@ -212,11 +189,12 @@ def _dq_inner(
                  prune_configs_by={"early_config_prune": _pruner(_DQ_BY_HEAD_DIM)})
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr", "TUNE_NQ", "TUNE_NK"])
 def _dq_kernel(
-    Q, K, V, DO, M, LOG2L, DELTA, DQ, R, QR, ABS, LEAK, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, O, M, LOG2L, DELTA, DQ, R, QR, ABS, LEAK, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_dob, stride_don, stride_doh, stride_dod,
+    stride_ob, stride_on, stride_oh, stride_od,
     stride_dqb, stride_dqn, stride_dqh, stride_dqd,
     stride_qrb, stride_qrn, stride_qrh, stride_qrd,
     c, tau, H, N_Q, N_K, WL, WR, sc, cap, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, TUNE_NQ, TUNE_NK,
@@ -253,6 +231,7 @@ def _dq_kernel(
             return
         Q += q_start.to(tl.int64) * stride_qn
         DO += q_start.to(tl.int64) * stride_don
+        O += q_start.to(tl.int64) * stride_on
         DQ += q_start.to(tl.int64) * stride_dqn
         QR += q_start.to(tl.int64) * stride_qrn
         K += k_start.to(tl.int64) * stride_kn
@@ -279,7 +258,13 @@ def _dq_kernel(
     m = tl.load(M + rows, mask=row_mask, other=0.0)
     # Rows past N_Q get log2l = +inf, hence P = 0 (their gradients are never stored).
     l2 = tl.load(LOG2L + rows, mask=row_mask, other=float("inf"))
-    Di = tl.load(DELTA + rows, mask=row_mask, other=0.0)
+    # D_i = Σ_d do_id·o_id in fp32 from the stored 16-bit o and do (products of 16-bit values are exact
+    # in fp32), reduced before the key loop so that the o tile is dead there. Stored for the dK/dV pass;
+    # this launch never reads DELTA, so a repeated launch (autotuning) rewrites the same values.
+    o = tl.load(O + b64 * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+                mask=tile_mask, other=0.0)
+    Di = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + rows, Di, mask=row_mask)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     pk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -729,11 +714,7 @@ def backward(
         raise ValueError(f"grad_dtype must be None, the input dtype, torch.float32 or a (dq, dk, dv) triple of "
                          f"those, got {grad_dtype}")
 
-    delta = torch.empty((b, h, nq), dtype=torch.float32, device=dev)
-    pre_bm = 16 if interpreting() else 64
-    _preprocess_kernel[(triton.cdiv(nq, pre_bm), b * h)](
-        o, do, delta, *o.stride(), *do.stride(), h, nq, HEAD_DIM=d, BLOCK_D=padded_head_dim(d), BLOCK_M=pre_bm,
-    )
+    delta = torch.empty((b, h, nq), dtype=torch.float32, device=dev)  # D, written by the dQ pass
     nk = k.shape[1]
     win = window_args(bool(causal), window_size, float(softcap), nq, nk)
     # Windows and softcap: the uniform projection runs in the kernels (its direction is not constant
@@ -745,7 +726,7 @@ def backward(
     # uniform corrections change dk after it.
     c2 = fix != "none" and gdk == torch.float32 and not win["SOFTCAP"]
     dq, dk, dv, r, abs_ds, leak, key_sums = _two_pass(
-        do, q, k, v, m.contiguous(), log2l.contiguous(), delta, float(softmax_scale), win["CAUSAL"], fix,
+        do, q, k, v, o, m.contiguous(), log2l.contiguous(), delta, float(softmax_scale), win["CAUSAL"], fix,
         bool(want_stats), dk_fold, out32, gdv, seqlens_k, ds_bits, varlen, win,
         dropout_args(dropout_p, dropout_seed, dropout_offset), want_key_sums=c2 and not torch_uniform,
     )
@@ -778,7 +759,7 @@ def backward(
     return dq, dk, dv, extras
 
 
-def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fold, out32, gdv, seqlens_k, ds_bits,
+def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_fold, out32, gdv, seqlens_k, ds_bits,
               varlen, win, drop, want_key_sums):
     """dQ pass then dK/dV pass (module docstring). Returns dq, dk (each fp32 where its flag in the pair
     ``out32`` is set, else the input dtype), dv (``gdv``), r, abs_dS, leak, key_sums (r None unless
@@ -816,9 +797,9 @@ def _two_pass(do, q, k, v, m, log2l, delta, tau, causal, fix, want_stats, dk_fol
     leak = torch.empty((b, h, nq, d), dtype=torch.float32, device=dev) if want_stats else delta
 
     _dq_kernel[lambda meta: (triton.cdiv(grid_q, meta["BLOCK_M"]), nb * h)](
-        q, k, v, do, m, log2l, delta, dq, r, qr, abs_ds, leak, seqlens_arg, *cu_args,
+        q, k, v, do, o, m, log2l, delta, dq, r, qr, abs_ds, leak, seqlens_arg, *cu_args,
         *batch_strides(q, packed), *batch_strides(k, packed), *batch_strides(v, packed), *batch_strides(do, packed),
-        *batch_strides(dq, packed), *batch_strides(qr, packed),
+        *batch_strides(o, packed), *batch_strides(dq, packed), *batch_strides(qr, packed),
         c, tau, h, nq, nk, *wargs,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal,
         GPROJ=gproj, NEED_R=need_r, STATS=want_stats, HAS_SEQLENS=has_seqlens, DS_BITS=ds_bits,

@@ -44,7 +44,7 @@ Its backward, with dP' = ∂L/∂P = (M / (1 − p)) ∘ (dO Vᵀ):
 
     dV = ((P ∘ M) / (1 − p))ᵀ dO
     D_i = Σ_j P_ij dP'_ij = Σ_j P_ij M_ij (dO_i·v_j) / (1 − p) = dO_i·O_i = rowsum(dO ∘ O)
-          (O the dropped output: the preprocess is unchanged)
+          (O the dropped output: D is computed as without dropout)
     dS = P ∘ (dP' − D)    (softmax's Jacobian acts on the undropped P)
     Σ_j dS_ij = Σ_j P_ij dP'_ij − D_i Σ_j P_ij = D_i − D_i · 1 = 0.
 

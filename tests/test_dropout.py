@@ -130,7 +130,7 @@ def test_zero_sum_law_holds_for_the_undropped_p():
     live = scale > 0
     assert live.sum() >= 0.9 * live.numel()
     assert (ds.sum(dim=-1)[live].abs() / scale[live]).max() <= 1e-12
-    # D from the dropped output equals Σ_j P_ij dP'_ij: the preprocess needs no change
+    # D from the dropped output equals Σ_j P_ij dP'_ij: D = rowsum(dO ∘ O) needs no change
     s = torch.einsum("bihd,bjhd->bhij", q, k) * d**-0.5
     s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
     P = torch.softmax(s, dim=-1)

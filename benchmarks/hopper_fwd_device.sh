@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The sm_90 Gluon forward (kernels/attention_fwd_hopper.py) on one H200, one device call, nothing to carry:
-#   bash benchmarks/hopper_fwd_device.sh [phase ...]     (default: check base ab train)
+#   bash benchmarks/hopper_fwd_device.sh [phase ...]     (default: check c2 base ab train)
 # check: gpu_check.py --cases hopper: the Gluon forward against reference.py and the tl.dot forward, the
 #        backward fed its statistics, a heads-major case, the constants of DESIGN.md §5;
+# c2:    gpu_check.py --skip-cases, autotuned: the constants and the op under autocast with an fp32 k, whose
+#        C2 (Σ_j dK_j = 0 to fp32 rounding) the dK/dV kernel now enforces with the dQ pass's predicted sum;
 # base:  gpu_check.py --cases base: the 8 base cases, every fix, Triton against reference.py (AUTOTUNE=0);
 # ab:    forward A/B on the 8 shapes of attention.py, fix none, AUTOTUNE=0: GPROJ_HOPPER_FWD=0 (tl.dot)
 #        against the default (Gluon where served), cuDNN in the second run;
 # train: train_step.py, both Llama configurations, arms cudnn / gproj / none (nothing else on the GPU).
-# Each phase has its own limit (100, 200, 2×100, 200 s): pick phases so that they end inside 600 s.
+# Each phase has its own limit (100, 120, 150, 2×100, 200 s): pick phases so that they end inside 600 s.
 set -u
-phases=${*:-check base ab train}
+phases=${*:-check c2 base ab train}
 rm -rf /tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -19,8 +21,11 @@ for phase in $phases; do
     check)
       GPROJ_TRITON_AUTOTUNE=0 timeout 100 python3 benchmarks/gpu_check.py --cases hopper > "$OUT/gpu_check_hopper.log" 2>&1
       echo "check rc=$?"; grep -E "hopper" "$OUT/gpu_check_hopper.log" ;;
+    c2)
+      timeout 120 python3 benchmarks/gpu_check.py --skip-cases > "$OUT/gpu_check_c2.log" 2>&1
+      echo "c2 rc=$?"; grep -E "constant|autocast" "$OUT/gpu_check_c2.log" ;;
     base)
-      GPROJ_TRITON_AUTOTUNE=0 timeout 200 python3 benchmarks/gpu_check.py --cases base > "$OUT/gpu_check_base.log" 2>&1
+      GPROJ_TRITON_AUTOTUNE=0 timeout 150 python3 benchmarks/gpu_check.py --cases base > "$OUT/gpu_check_base.log" 2>&1
       echo "base rc=$?"; grep -E "worst|^\(" "$OUT/gpu_check_base.log" ;;
     ab)
       for f in 0 1; do
@@ -34,6 +39,6 @@ for phase in $phases; do
       timeout 200 python3 benchmarks/train_step.py --out "$OUT/results/train_step_latest.json" --arms cudnn,gproj,none \
         --warmup 5 --steps 15 > "$OUT/train_step.log" 2>&1
       echo "train rc=$?"; grep -E "step .* ms" "$OUT/train_step.log"; tail -n 12 "$OUT/train_step.log" ;;
-    *) echo "unknown phase $phase (check, base, ab, train)"; exit 2 ;;
+    *) echo "unknown phase $phase (check, c2, base, ab, train)"; exit 2 ;;
   esac
 done

@@ -268,7 +268,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
 
     b, n, h, d = q.shape
     hk = k.shape[2]
-    o = torch.empty_like(q)
+    o = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device)  # not empty_like: q may be heads-major
     m = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
     log2l = torch.empty_like(m)
     qo_layout, kv_layout = _layouts(d, q.dtype)

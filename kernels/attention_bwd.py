@@ -440,7 +440,7 @@ def _dkdv_inner(
                  key=["TUNE_NQ", "TUNE_NK", "HEAD_DIM", "CAUSAL", "GROUP", "DK_MODE", "HAS_SEQLENS", "DS_BITS",
                       "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN", "DROPOUT"],
                  prune_configs_by={"early_config_prune": _pruner(_DKDV_BY_HEAD_DIM)})
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr", "TUNE_NQ", "TUNE_NK", "KP_USED"])
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr", "TUNE_NQ", "TUNE_NK"])
 def _dkdv_kernel(
     Q, K, V, DO, M, LOG2L, DELTA, R, QR, DK, DV, KS, KP, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,

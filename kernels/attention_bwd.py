@@ -26,12 +26,6 @@ Two launches, rounding at the points of kernels/reference.py (DESIGN.md §3, §4
      (``dk_fold=True``; DESIGN.md §4.1 table: slightly less accurate dK).
    The choice of default is recorded in benchmarks/NOTES.md with the measurements behind it.
 
-C2 projection of an fp32 dk (kernels/reference.project_key_sum_: dK_j −= the mean of dK over the valid
-keys): in the "gemm" schedule the dQ pass also writes, per query block, Σ_i (r_i q_i + s_i (−ρ∘Q)̃_i)
-with s_i = Σ_j P̃_ij — which is Σ_j dK_j / τ as far as the dK/dV pass rounds dS̃ and P̃ as the dQ pass
-did — and the dK/dV kernel subtracts that mean before storing dk (no pass over dk afterwards); with
-"fold" it sums dk per key block and project_key_sum_ subtracts afterwards.
-
 fix="gproj_uniform" (the orthogonal projection) runs both passes without corrections, with fp32 dq/dk
 outputs, and applies the rank-one corrections in PyTorch (O(N·d): prefix means / suffix sums when
 causal), then rounds once.
@@ -73,10 +67,6 @@ __all__ = ["backward", "supports", "FIXES", "DEFAULT_DK_FOLD"]
 DEFAULT_DK_FOLD = False
 
 _DK_NONE, _DK_FOLD, _DK_GEMM = 0, 1, 2
-# The C2 projection of an fp32 dk (kernels/reference.project_key_sum_): none; the dK/dV kernel sums dk
-# per key block for project_key_sum_ (fold schedule); or the dK/dV kernel subtracts the mean key
-# gradient predicted by the dQ pass before it stores dk (gemm schedule: no pass over dk afterwards).
-_C2_NONE, _C2_SUMS, _C2_KERNEL = 0, 1, 2
 
 
 def _entry(c) -> tuple[int, int, int, int]:
@@ -195,11 +185,11 @@ def _dq_inner(
 
 @triton.autotune(configs=_candidates(_DQ_BY_HEAD_DIM, (16, 16)),
                  key=["TUNE_NQ", "TUNE_NK", "HEAD_DIM", "CAUSAL", "GROUP", "GPROJ", "NEED_R", "STATS", "HAS_SEQLENS",
-                      "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN", "DROPOUT", "STORE_QR", "KEY_PRED"],
+                      "DS_BITS", "WINDOW", "SOFTCAP", "UNIFORM", "IS_VARLEN", "DROPOUT", "STORE_QR"],
                  prune_configs_by={"early_config_prune": _pruner(_DQ_BY_HEAD_DIM)})
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr", "TUNE_NQ", "TUNE_NK"])
 def _dq_kernel(
-    Q, K, V, DO, O, M, LOG2L, DELTA, DQ, R, QR, ABS, LEAK, KP, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, O, M, LOG2L, DELTA, DQ, R, QR, ABS, LEAK, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -207,12 +197,12 @@ def _dq_kernel(
     stride_ob, stride_on, stride_oh, stride_od,
     stride_dqb, stride_dqn, stride_dqh, stride_dqd,
     stride_qrb, stride_qrn, stride_qrh, stride_qrd,
-    stride_kp, c, tau, H, N_Q, N_K, WL, WR, sc, cap, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, TUNE_NQ, TUNE_NK,
+    c, tau, H, N_Q, N_K, WL, WR, sc, cap, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, TUNE_NQ, TUNE_NK,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     GPROJ: tl.constexpr, NEED_R: tl.constexpr, STATS: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     DS_BITS: tl.constexpr, IS_VARLEN: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr, DROPOUT: tl.constexpr, STORE_QR: tl.constexpr,
-    KEY_PRED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     NEED_PK: tl.constexpr = GPROJ or STATS
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -228,9 +218,6 @@ def _dq_kernel(
     # Dropout counters, as in attention_fwd._fwd_kernel.
     drop_rows = offs_m.to(tl.int64) * dropout_groups(N_K)
     bh = pid_bh
-    # KEY_PRED: slot pid_m of KP (per batch row · head) gets this block's share of Σ_j dK_j / τ (below);
-    # every program writes its slot, so the dK/dV kernel reads only slots of this launch's config.
-    KP += pid_bh.to(tl.int64) * stride_kp + pid_m * HEAD_DIM
     if IS_VARLEN:
         # Packed sequences, as in attention_fwd._fwd_kernel: batch strides are 0, N_Q and N_K arrive as
         # total_q, total_k (row statistics are (H, total_q)) and become this sequence's lengths.
@@ -241,8 +228,6 @@ def _dq_kernel(
         N_Q = n_q
         N_K = n_k
         if start_m >= N_Q:
-            if KEY_PRED:
-                tl.store(KP + offs_d, tl.zeros([BLOCK_D], tl.float32), mask=offs_d < HEAD_DIM)
             return
         Q += q_start.to(tl.int64) * stride_qn
         DO += q_start.to(tl.int64) * stride_don
@@ -337,15 +322,8 @@ def _dq_kernel(
         tl.store(R + rows, r, mask=row_mask)
     if STORE_QR:
         # −ρ∘Q rounded to the input dtype: the B operand of the dK/dV pass's dK term, P̃ᵀ(−ρ∘Q).
-        qr16 = to16(q.to(tl.float32) * (-rho)[:, None], QR.dtype.element_ty, INTERP)
         tl.store(QR + b64 * stride_qrb + h * stride_qrh + offs_m[:, None] * stride_qrn + offs_d[None, :] * stride_qrd,
-                 qr16, mask=tile_mask)
-        if KEY_PRED:
-            # The dK/dV pass adds τ Σ_i (dS̃_ij q_i + P̃_ij QR_i) to key j, so Σ_j dK_j = τ Σ_i (r_i q_i + s_i QR_i)
-            # with s_i = Σ_j P̃_ij, from the values this pass summed (the dK/dV pass recomputes dS̃ and P̃;
-            # where it rounds one differently, that difference stays in Σ_j dK_j).
-            kp = tl.sum(r[:, None] * q.to(tl.float32) + tl.sum(ps, 1)[:, None] * qr16.to(tl.float32), 0)
-            tl.store(KP + offs_d, kp, mask=offs_d < HEAD_DIM)
+                 to16(q.to(tl.float32) * (-rho)[:, None], QR.dtype.element_ty, INTERP), mask=tile_mask)
     if STATS:
         tl.store(ABS + rows, a, mask=row_mask)
         leak = (tau * rho)[:, None] * pk
@@ -442,7 +420,7 @@ def _dkdv_inner(
                  prune_configs_by={"early_config_prune": _pruner(_DKDV_BY_HEAD_DIM)})
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "drop_off", "drop_thr", "TUNE_NQ", "TUNE_NK"])
 def _dkdv_kernel(
-    Q, K, V, DO, M, LOG2L, DELTA, R, QR, DK, DV, KS, KP, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, M, LOG2L, DELTA, R, QR, DK, DV, KS, SEQLENS, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -450,12 +428,12 @@ def _dkdv_kernel(
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_qrb, stride_qrn, stride_qrh, stride_qrd,
-    stride_ks, stride_kp, KP_USED, c, tau, H, HK, N_Q, N_K, WL, WR, sc, cap, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, TUNE_NQ,
+    stride_ks, c, tau, H, HK, N_Q, N_K, WL, WR, sc, cap, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, TUNE_NQ,
     TUNE_NK,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DK_MODE: tl.constexpr, HAS_SEQLENS: tl.constexpr, DS_BITS: tl.constexpr, IS_VARLEN: tl.constexpr,
     INTERP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr,
-    DROPOUT: tl.constexpr, C2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DROPOUT: tl.constexpr, KEY_SUMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_n = tl.program_id(0)
@@ -467,8 +445,8 @@ def _dkdv_kernel(
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    # C2 = 1 (_C2_SUMS): slot pid_n of KS (per batch row · kv head) gets Σ over this block's keys of the
-    # dk it stores (fp32), so that the C2 projection of an fp32 dk needs no pass over dk to sum it. Every
+    # KEY_SUMS: slot pid_n of KS (per batch row · kv head) gets Σ over this block's keys of the dk it
+    # stores (fp32), so that the C2 projection of an fp32 dk needs no pass over dk to sum it. Every
     # program writes its slot (zeros where it has no keys), so slots left by another config's launch
     # (autotuning) never count.
     KS += pid_bh.to(tl.int64) * stride_ks + pid_n * HEAD_DIM
@@ -484,7 +462,7 @@ def _dkdv_kernel(
         N_Q = n_q
         N_K = n_k
         if start_n >= N_K:
-            if C2 == 1:
+            if KEY_SUMS:
                 tl.store(KS + offs_d, tl.zeros([BLOCK_D], tl.float32), mask=offs_d < HEAD_DIM)
             return
         Q += q_start.to(tl.int64) * stride_qn
@@ -572,29 +550,9 @@ def _dkdv_kernel(
     if HAS_SEQLENS:
         dk = tl.where(key_ok[:, None], dk, 0.0)
         dv = tl.where(key_ok[:, None], dv, 0.0)
-    if C2 == 2:
-        # C2 = 2 (_C2_KERNEL): the projection of kernels/reference.project_key_sum_, dK_j −= mean of dK over
-        # the valid keys [key_start, K_LEN) of this batch row (sequence) and kv head, with Σ_j dK_j the dQ
-        # pass's prediction: its KP_USED slots per query head of the GQA group, summed in a fixed order.
-        k_len = N_K
-        if HAS_SEQLENS:
-            k_len = K_LEN
-        key_start = 0
-        if WINDOW:  # keys before the first row's window are seen by no query: they keep dk = 0
-            key_start = tl.maximum(CAUSAL_OFF - WL, 0)
-        KPg = KP + pid_bh.to(tl.int64) * GROUP * stride_kp
-        total = tl.zeros([BLOCK_D], tl.float32)
-        SLOTS: tl.constexpr = 16
-        for g in range(GROUP):
-            for s0 in range(0, KP_USED, SLOTS):
-                sl = s0 + tl.arange(0, SLOTS)
-                total += tl.sum(tl.load(KPg + g * stride_kp + sl[:, None] * HEAD_DIM + offs_d[None, :],
-                                        mask=(sl[:, None] < KP_USED) & (offs_d[None, :] < HEAD_DIM), other=0.0), 0)
-        mean = total * tau / tl.maximum(k_len - key_start, 1).to(tl.float32)
-        dk = dk - tl.where(((cols >= key_start) & (cols < k_len))[:, None], mean[None, :], 0.0)
     tl.store(DK + b64 * stride_dkb + hk * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
              to16(dk, DK.dtype.element_ty, INTERP), mask=kv_mask)
-    if C2 == 1:  # dk is fp32 here: the sum is over the values just stored
+    if KEY_SUMS:  # dk is fp32 here: the sum is over the values just stored
         tl.store(KS + offs_d, tl.sum(tl.where(cols[:, None] < N_K, dk, 0.0), axis=0), mask=offs_d < HEAD_DIM)
     tl.store(DV + b64 * stride_dvb + hk * stride_dvh + cols[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
              to16(dv, DV.dtype.element_ty, INTERP), mask=kv_mask)
@@ -602,8 +560,6 @@ def _dkdv_kernel(
 
 #: The smallest key block of any dK/dV config: the number of key-sum slots is counted in it.
 _MIN_BLOCK_N = min(cfg.kwargs["BLOCK_N"] for cfg in _dkdv_kernel.configs)
-#: The smallest query block of any dQ config: the number of key-sum prediction slots is counted in it.
-_MIN_BLOCK_M = min(cfg.kwargs["BLOCK_M"] for cfg in _dq_kernel.configs)
 
 
 def _cumsum_seq(x):
@@ -702,9 +658,8 @@ def backward(
             as its own GEMM; None takes :data:`DEFAULT_DK_FOLD`.
         grad_dtype: None (the input dtype, as stored by a kernel) or torch.float32 (the fp32
             accumulators, where the conservation laws hold to fp32 rounding; with either projection an
-            fp32 dk ends with the projection of :func:`~lightning_gproj.kernels.reference.project_key_sum_`,
-            as in the reference: in the dK/dV kernel with Σ_j dK_j predicted by the dQ pass, or, with
-            dk_fold, in PyTorch with Σ_j dK_j summed by the dK/dV kernel), for all three gradients or as a
+            fp32 dk ends with :func:`~lightning_gproj.kernels.reference.project_key_sum_`, as in the
+            reference, its Σ_j dK_j summed by the dK/dV kernel), for all three gradients or as a
             (dq, dk, dv) triple of those.
         seqlens_k: None, or the (batch,) int32/int64 key lengths the forward ran with (right
             padding, values in [1, seqlen_k], not checked). Masked keys get dk = dv = 0 exactly.
@@ -767,16 +722,13 @@ def backward(
     torch_uniform = fix == "gproj_uniform" and not (win["WINDOW"] or win["SOFTCAP"])
     # Uniform corrections are applied in fp32 before the single final rounding.
     out32 = (torch_uniform or gdq == torch.float32, torch_uniform or gdk == torch.float32)
-    # The C2 projection of an fp32 dk: in the dK/dV kernel with the dK term's own GEMM (Σ_j dK_j predicted
-    # by the dQ pass); with the fold (whose row sums the dQ pass does not know) by project_key_sum_ below,
-    # Σ_j dK_j summed by the dK/dV kernel; after the PyTorch uniform corrections, which change dk, by
-    # project_key_sum_ alone.
+    # The C2 projection of an fp32 dk (below) takes Σ_j dK_j from the dK/dV kernel, unless the PyTorch
+    # uniform corrections change dk after it.
     c2 = fix != "none" and gdk == torch.float32 and not win["SOFTCAP"]
-    c2_mode = _C2_NONE if not c2 or torch_uniform else _C2_SUMS if fix == "gproj" and dk_fold else _C2_KERNEL
     dq, dk, dv, r, abs_ds, leak, key_sums = _two_pass(
         do, q, k, v, o, m.contiguous(), log2l.contiguous(), delta, float(softmax_scale), win["CAUSAL"], fix,
         bool(want_stats), dk_fold, out32, gdv, seqlens_k, ds_bits, varlen, win,
-        dropout_args(dropout_p, dropout_seed, dropout_offset), c2_mode,
+        dropout_args(dropout_p, dropout_seed, dropout_offset), want_key_sums=c2 and not torch_uniform,
     )
     if torch_uniform:
         if varlen:  # each sequence on its own: its rows see only its keys
@@ -786,7 +738,7 @@ def backward(
                                                float(softmax_scale), bool(causal))
         else:
             _apply_uniform_corrections(dq, dk, q, k, r, float(softmax_scale), bool(causal), seqlens_k)
-    if c2 and c2_mode != _C2_KERNEL:
+    if c2:
         # C2 to fp32 rounding, as kernels/reference.py: it holds with a window (over the keys some query
         # sees), not with softcap; packed: per sequence, with each sequence's own alignment.
         left = tuple(window_size)[0]
@@ -808,12 +760,11 @@ def backward(
 
 
 def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_fold, out32, gdv, seqlens_k, ds_bits,
-              varlen, win, drop, c2_mode):
+              varlen, win, drop, want_key_sums):
     """dQ pass then dK/dV pass (module docstring). Returns dq, dk (each fp32 where its flag in the pair
     ``out32`` is set, else the input dtype), dv (``gdv``), r, abs_dS, leak, key_sums (r None unless
     needed; abs_dS, leak None unless want_stats; key_sums, Σ_j dK_j of the fp32 dk as (batch, nheads_k,
-    headdim) fp64, per sequence when packed, None unless ``c2_mode`` is _C2_SUMS; with _C2_KERNEL the
-    kernels project the fp32 dk themselves). ``varlen``: None, or (cu_seqlens_q,
+    headdim) fp64, per sequence when packed, None unless ``want_key_sums``). ``varlen``: None, or (cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k) with the tensors as packed (1, total, ...) views. ``win``:
     the window / softcap arguments of :func:`~lightning_gproj.kernels._triton_utils.window_args`; ``drop``:
     those of :func:`~lightning_gproj.kernels._triton_utils.dropout_args`."""
@@ -845,16 +796,12 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     abs_ds = torch.empty((b, h, nq), dtype=torch.float32, device=dev) if want_stats else delta
     leak = torch.empty((b, h, nq, d), dtype=torch.float32, device=dev) if want_stats else delta
 
-    key_pred = c2_mode == _C2_KERNEL
-    # The dQ pass's prediction of Σ_j dK_j / τ: one slot per query block of the smallest BLOCK_M any config uses.
-    kslots = triton.cdiv(grid_q, _MIN_BLOCK_M) if key_pred else 1
-    kp = torch.empty((nb, h, kslots, d), dtype=torch.float32, device=dev) if key_pred else delta
     _dq_kernel[lambda meta: (triton.cdiv(grid_q, meta["BLOCK_M"]), nb * h)](
-        q, k, v, do, o, m, log2l, delta, dq, r, qr, abs_ds, leak, kp, seqlens_arg, *cu_args,
+        q, k, v, do, o, m, log2l, delta, dq, r, qr, abs_ds, leak, seqlens_arg, *cu_args,
         *batch_strides(q, packed), *batch_strides(k, packed), *batch_strides(v, packed), *batch_strides(do, packed),
         *batch_strides(o, packed), *batch_strides(dq, packed), *batch_strides(qr, packed),
-        kslots * d, c, tau, h, nq, nk, *wargs,
-        GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, KEY_PRED=key_pred,
+        c, tau, h, nq, nk, *wargs,
+        GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal,
         GPROJ=gproj, NEED_R=need_r, STATS=want_stats, HAS_SEQLENS=has_seqlens, DS_BITS=ds_bits,
         IS_VARLEN=packed, INTERP=INTERPRET, STORE_QR=dk_mode == _DK_GEMM, **wconst,
     )
@@ -862,17 +809,15 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     dk = torch.empty((b, nk, hk, d), dtype=torch.float32 if out32[1] else k.dtype, device=dev)
     dv = torch.empty((b, nk, hk, d), dtype=gdv, device=dev)
     # Per-block key sums of dk: one slot per key block of the smallest BLOCK_N any config uses.
-    want_key_sums = c2_mode == _C2_SUMS
     slots = triton.cdiv(grid_k, _MIN_BLOCK_N) if want_key_sums else 1
     ks = torch.empty((nb, hk, slots, d), dtype=torch.float32, device=dev) if want_key_sums else delta
-    kp_used = triton.cdiv(grid_q, _dq_kernel.best_config.kwargs["BLOCK_M"]) if key_pred else 0  # this launch's slots
     _dkdv_kernel[lambda meta: (triton.cdiv(grid_k, meta["BLOCK_N"]), nb * hk)](
-        q, k, v, do, m, log2l, delta, r, qr, dk, dv, ks, kp, seqlens_arg, *cu_args,
+        q, k, v, do, m, log2l, delta, r, qr, dk, dv, ks, seqlens_arg, *cu_args,
         *batch_strides(q, packed), *batch_strides(k, packed), *batch_strides(v, packed), *batch_strides(do, packed),
         *batch_strides(dk, packed), *batch_strides(dv, packed), *batch_strides(qr, packed),
-        slots * d, kslots * d, kp_used, c, tau, h, hk, nq, nk, *wargs,
+        slots * d, c, tau, h, hk, nq, nk, *wargs,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, DK_MODE=dk_mode, HAS_SEQLENS=has_seqlens,
-        DS_BITS=ds_bits, IS_VARLEN=packed, INTERP=INTERPRET, C2=c2_mode, **wconst,
+        DS_BITS=ds_bits, IS_VARLEN=packed, INTERP=INTERPRET, KEY_SUMS=want_key_sums, **wconst,
     )
     key_sums = None
     if want_key_sums:  # the slots the launch's config wrote, summed in fp64

@@ -125,10 +125,8 @@ def test_conservation_of_key_gradient(measured):
     """C2 (DESIGN.md §2): ‖Σ_j dK_j‖ / ‖dK‖_F of the fp32 accumulators (grad_dtype=torch.float32).
 
     The projections make every corrected row of dS sum to zero, and both (gproj, fold or not, and
-    gproj_uniform) end an fp32 dk with the projection of reference.project_key_sum_ (in the dK/dV
-    kernel with Σ_j dK_j predicted by the dQ pass, except for the fold), so dK sums to zero up to the
-    fp32 rounding of that last subtraction and of the prediction: a few u = 2⁻²⁴ ≈ 6e-8 (the
-    interpreter takes each tile product in fp64, so its two passes round dS̃ and P̃ alike). Without that last step the residual is
+    gproj_uniform) end an fp32 dk with reference.project_key_sum_, so dK sums to zero up to the fp32
+    rounding of that last subtraction: a few u = 2⁻²⁴ ≈ 6e-8. Without that last step the residual is
     whatever the two passes disagree on: the 16-bit correction operand (gproj: 1.3–3.8e-6) and any dS
     element the dK pass rounds one ulp away from the dQ pass that summed r (gproj_uniform, fp16 case:
     1.0e-5 when the interpreter's GEMMs summed in the FMA-kernel order of OpenBLAS, ~1e-7 in another

@@ -74,7 +74,7 @@ def test_backward_matches_reference_and_fp64(measured):
 
 def test_key_gradients_sum_to_zero_per_sequence(measured):
     """C2 per sequence on the fp32 accumulators: max over sequences and kv heads of ‖Σ_{j in b} dK_j‖ /
-    ‖dK_b‖_F within 4 fp32 u for both projections (the projection of project_key_sum_ per sequence);
+    ‖dK_b‖_F within 4 fp32 u for both projections (project_key_sum_ per sequence);
     the uncorrected kernel leaves the bf16 rounding of dS there (≥ 1e-4)."""
     for c in measured["cases"]:
         for fix, b in c["bwd"].items():

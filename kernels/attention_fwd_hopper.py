@@ -245,7 +245,7 @@ def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     (batch, seqlen, heads, headdim) or (batch, heads, seqlen, headdim) memory order, contiguous there and
     16-byte aligned, seqlen_q = seqlen_k a multiple of 128, head dim 64 or 128, nheads a multiple of nheads_k."""
     b, n, h, d = q.shape
-    return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype and d in HEAD_DIMS
+    return (q.numel() > 0 and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype and d in HEAD_DIMS
             and k.shape == v.shape and k.shape[0] == b and k.shape[1] == n and k.shape[3] == d and h % k.shape[2] == 0
             and n % BLOCK_M == 0 and all(_tma_view(x) is not None for x in (q, k, v)))
 

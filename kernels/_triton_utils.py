@@ -9,6 +9,7 @@ configuration keeps the run short. ``triton.jit`` decides between the two when a
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -21,6 +22,21 @@ LOG2E = math.log2(math.e)
 #: Head dimensions the kernels are built and tested for (DESIGN / issue 3). Others in (16, 256] that
 #: are multiples of 8 also run (padded to the next power of two with masked loads), untested.
 TESTED_HEAD_DIMS = (32, 64, 96, 128, 256)
+
+
+def on_input_device(fn):
+    """Run ``fn(x, ...)`` with x's CUDA device current. Triton launches a kernel on the *current* device, so
+    without this, tensors on another GPU than the current one (``model.to("cuda:1")`` without
+    ``torch.cuda.set_device``) would be handed to a kernel running on the wrong device."""
+
+    @functools.wraps(fn)
+    def wrapper(x, *args, **kwargs):
+        if x.is_cuda:
+            with torch.cuda.device(x.device):
+                return fn(x, *args, **kwargs)
+        return fn(x, *args, **kwargs)
+
+    return wrapper
 
 
 def interpreting() -> bool:

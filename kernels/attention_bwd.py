@@ -54,8 +54,8 @@ import triton.language as tl
 
 from lightning_gproj.kernels._triton_utils import (
     INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_groups,
-    dropout_keep, in_window, interpreting, load_pair, load_rows, mma, padded_head_dim, rcp_ftz, round_ds, seq_bounds, supports,
-    tanh_and_grad_f32, to16, tune_lengths, visible, window_args, window_key_blocks, window_query_blocks,
+    dropout_keep, in_window, interpreting, load_pair, load_rows, mma, on_input_device, padded_head_dim, rcp_ftz,
+    round_ds, seq_bounds, supports, tanh_and_grad_f32, to16, tune_lengths, visible, window_args, window_key_blocks, window_query_blocks,
 )
 from lightning_gproj.kernels.reference import FIXES, check_ds_format, grad_dtypes, project_key_sum_, sequences
 
@@ -618,6 +618,7 @@ def _apply_uniform_corrections(dq, dk, q, k, r, tau, causal, seqlens_k=None):
     dk.sub_(tau * corr * key_ok[:, :, None, None])
 
 
+@on_input_device
 def backward(
     do: torch.Tensor,
     q: torch.Tensor,

@@ -38,8 +38,8 @@ import triton.language as tl
 from lightning_gproj.kernels import attention_fwd_hopper
 from lightning_gproj.kernels._triton_utils import (
     INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_groups,
-    dropout_keep, in_window, interpreting, load_pair, mma, padded_head_dim, seq_bounds, supports, tanh_f32, to16,
-    tune_lengths, visible, window_args, window_key_blocks,
+    dropout_keep, in_window, interpreting, load_pair, mma, on_input_device, padded_head_dim, seq_bounds, supports,
+    tanh_f32, to16, tune_lengths, visible, window_args, window_key_blocks,
 )
 
 __all__ = ["forward", "supports"]
@@ -227,6 +227,7 @@ def _fwd_kernel(
     tl.store(LOG2L + row, log2l, mask=offs_m < N_Q)
 
 
+@on_input_device
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -36,7 +36,7 @@ for phase in $phases; do
         grep -A12 "### fwd TFLOP" "$OUT/fwd_hopper$f/attention.md"
       done ;;
     train)
-      timeout 200 python3 benchmarks/train_step.py --out "$OUT/results/train_step_latest.json" --arms cudnn,gproj,none \
+      timeout 200 python3 benchmarks/train_step.py --out "$OUT/results/train_step_latest.json" --arms cudnn,gproj,none ${ROUNDS:+--rounds $ROUNDS} \
         --warmup 5 --steps 15 > "$OUT/train_step.log" 2>&1
       echo "train rc=$?"; grep -E "step .* ms" "$OUT/train_step.log"; tail -n 12 "$OUT/train_step.log" ;;
     *) echo "unknown phase $phase (check, c2, base, ab, train)"; exit 2 ;;

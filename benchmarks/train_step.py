@@ -22,8 +22,13 @@ timed steps. A step is timed from Lightning's ``on_train_batch_start`` to ``on_t
 ``--profile-steps N``, N more steps per arm run under torch.profiler (not timed) and its kernel table
 lands beside the JSON: where a gproj step's extra time goes, kernels or the code around them.
 
+``--rounds R`` runs the arms R times per configuration, alternating their order (cudnn, gproj, none, then
+none, gproj, cudnn, ...), so that drift over the process (clocks, temperature) falls on every arm alike; the
+ratio to cudnn is then the median over rounds of each round's ratio, and every round's ratios are kept
+(``ratio_rounds``). Run 18 saw the cuDNN arm alone move 1.3% between device calls.
+
 Usage: python benchmarks/train_step.py [--out PATH] [--configs a,b] [--arms a,b] [--warmup N] [--steps N]
-                                      [--profile-steps N]
+                                      [--profile-steps N] [--rounds R]
        python benchmarks/train_step.py --smoke --out PATH   (CPU, a 2-layer hidden-64 Llama, a few steps)
 Writes PATH (default benchmarks/results/train_step_latest.json). ``--smoke`` times nothing meaningful
 (CPU, SDPA's default backend for the cudnn arm, the op's PyTorch reference for the others); it lets a
@@ -230,6 +235,21 @@ def env_info(smoke: bool) -> dict:
     return info
 
 
+def _ratios(res: dict, config: str) -> None:
+    """Each round's step-time medians over that round's cudnn arm (``ratio_rounds``), and their median over
+    the rounds (``ratio_to_cudnn``); rounds without a cudnn measurement are left out."""
+    rows = [r for r in res["results"] if r["config"] == config and "error" not in r]
+    per_round = []
+    for rnd in sorted({r["round"] for r in rows}):
+        base = next((r for r in rows if r["round"] == rnd and r["arm"] == "cudnn"), None)
+        if base is not None:
+            per_round.append({r["arm"]: r["step_ms_median"] / base["step_ms_median"] for r in rows if r["round"] == rnd})
+    if per_round:
+        res["ratio_rounds"][config] = per_round
+        arms = {a for rr in per_round for a in rr}
+        res["ratio_to_cudnn"][config] = {a: statistics.median(rr[a] for rr in per_round if a in rr) for a in arms}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=DEFAULT_OUT)
@@ -240,8 +260,11 @@ def main(argv=None):
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after the timed steps, this many more under torch.profiler; kernel table per arm in "
                          "OUT.profile_CONFIG_ARM.txt")
+    ap.add_argument("--rounds", type=int, default=1, help="run the arms this many times, alternating their order")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny Llama: checks the script, times nothing")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     table = SMOKE_CONFIGS if args.smoke else CONFIGS
     configs = args.configs.split(",") if args.configs else list(table)
     arms = args.arms.split(",")
@@ -253,25 +276,25 @@ def main(argv=None):
     warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 10)
     steps = args.steps if args.steps is not None else (2 if args.smoke else 30)
     res = {"env": env_info(args.smoke), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "smoke": args.smoke, "results": [], "ratio_to_cudnn": {}}
+           "smoke": args.smoke, "rounds": args.rounds, "results": [], "ratio_to_cudnn": {}, "ratio_rounds": {}}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for c in configs:
-        for arm in arms:
-            t0 = time.time()
-            prof = f"{os.path.splitext(args.out)[0]}.profile_{c}_{arm}.txt" if args.profile_steps else None
-            row = run_arm(c, table[c], arm, warmup, steps, args.smoke, profile_steps=args.profile_steps, profile_path=prof)
-            res["results"].append(row)
-            print(f"[{time.time() - t0:.0f}s] {c} {arm}: " + (row["error"] if "error" in row else
-                  f"step {row['step_ms_median']:.1f} ms (p10 {row['step_ms_p10']:.1f}, p90 {row['step_ms_p90']:.1f}), "
-                  f"{row['tokens_per_s']:.0f} tokens/s, loss {row['loss_first']:.3f} -> {row['loss_last']:.3f}"),
-                  flush=True)
-            base = next((r for r in res["results"] if r["config"] == c and r["arm"] == "cudnn" and "error" not in r),
-                        None)
-            if base is not None:
-                res["ratio_to_cudnn"][c] = {r["arm"]: r["step_ms_median"] / base["step_ms_median"]
-                                            for r in res["results"] if r["config"] == c and "error" not in r}
-            with open(args.out, "w") as f:  # after every arm: a run cut short keeps what it measured
-                json.dump(res, f, indent=1)
+        for rnd in range(args.rounds):
+            for arm in (arms if rnd % 2 == 0 else arms[::-1]):
+                t0 = time.time()
+                prof = (f"{os.path.splitext(args.out)[0]}.profile_{c}_{arm}.txt"
+                        if args.profile_steps and rnd == 0 else None)
+                row = run_arm(c, table[c], arm, warmup, steps, args.smoke, profile_steps=args.profile_steps if prof else 0,
+                              profile_path=prof)
+                row["round"] = rnd
+                res["results"].append(row)
+                print(f"[{time.time() - t0:.0f}s] {c} {arm} round {rnd}: " + (row["error"] if "error" in row else
+                      f"step {row['step_ms_median']:.1f} ms (p10 {row['step_ms_p10']:.1f}, p90 {row['step_ms_p90']:.1f}), "
+                      f"{row['tokens_per_s']:.0f} tokens/s, loss {row['loss_first']:.3f} -> {row['loss_last']:.3f}"),
+                      flush=True)
+                _ratios(res, c)
+                with open(args.out, "w") as f:  # after every arm: a run cut short keeps what it measured
+                    json.dump(res, f, indent=1)
     print(json.dumps(res["ratio_to_cudnn"], indent=1))
     return res
 

@@ -90,6 +90,21 @@ def test_train_step_smoke_writes_step_times(tmp_path):
     assert set(ratios) == {"cudnn", "gproj", "none"} and ratios["cudnn"] == 1.0
 
 
+def test_train_step_rounds_alternate_the_arms_and_take_the_median_ratio(tmp_path):
+    out = tmp_path / "rounds.json"
+    _run(["benchmarks/train_step.py", "--smoke", "--out", str(out), "--arms", "cudnn,gproj", "--rounds", "3"], tmp_path)
+    res = json.loads(out.read_text())
+    rows = res["results"]
+    assert [(r["arm"], r["round"]) for r in rows] == [("cudnn", 0), ("gproj", 0), ("gproj", 1), ("cudnn", 1),
+                                                      ("cudnn", 2), ("gproj", 2)]
+    by = {(r["arm"], r["round"]): r["step_ms_median"] for r in rows}
+    per_round = sorted(by[("gproj", k)] / by[("cudnn", k)] for k in range(3))
+    assert [rr["gproj"] for rr in res["ratio_rounds"]["tiny"]] == pytest.approx(
+        [by[("gproj", k)] / by[("cudnn", k)] for k in range(3)])
+    assert res["ratio_to_cudnn"]["tiny"]["gproj"] == pytest.approx(per_round[1])
+    assert res["ratio_to_cudnn"]["tiny"]["cudnn"] == 1.0
+
+
 def test_fidelity_smoke_with_window_and_softcap_matches_float64(tmp_path):
     """benchmarks/fidelity.py --window/--softcap: our kernels (interpreter) against the float64 reference
     with the same causal sliding window and logit cap. The window and the cap reach both sides or the

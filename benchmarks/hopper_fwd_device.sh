@@ -8,7 +8,8 @@
 # base:  gpu_check.py --cases base: the 8 base cases, every fix, Triton against reference.py (AUTOTUNE=0);
 # ab:    forward A/B on the 8 shapes of attention.py, fix none, AUTOTUNE=0: GPROJ_HOPPER_FWD=0 (tl.dot)
 #        against the default (Gluon where served), cuDNN in the second run;
-# train: train_step.py, both Llama configurations, arms cudnn / gproj / none (nothing else on the GPU).
+# train: train_step.py, both Llama configurations, arms cudnn / gproj / none (nothing else on the GPU);
+#        ROUNDS=R runs the arms R times in alternating order (train_step.py --rounds; limit 200·R s).
 # Each phase has its own limit (100, 120, 150, 2×100, 200 s): pick phases so that they end inside 600 s.
 set -u
 phases=${*:-check c2 base ab train}
@@ -36,7 +37,7 @@ for phase in $phases; do
         grep -A12 "### fwd TFLOP" "$OUT/fwd_hopper$f/attention.md"
       done ;;
     train)
-      timeout 200 python3 benchmarks/train_step.py --out "$OUT/results/train_step_latest.json" --arms cudnn,gproj,none ${ROUNDS:+--rounds $ROUNDS} \
+      timeout $((200 * ${ROUNDS:-1})) python3 benchmarks/train_step.py --out "$OUT/results/train_step_latest.json" --arms cudnn,gproj,none ${ROUNDS:+--rounds $ROUNDS} \
         --warmup 5 --steps 15 > "$OUT/train_step.log" 2>&1
       echo "train rc=$?"; grep -E "step .* ms" "$OUT/train_step.log"; tail -n 12 "$OUT/train_step.log" ;;
     *) echo "unknown phase $phase (check, c2, base, ab, train)"; exit 2 ;;

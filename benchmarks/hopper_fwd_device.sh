@@ -4,7 +4,7 @@
 # check: gpu_check.py --cases hopper: the Gluon forward against reference.py and the tl.dot forward, the
 #        backward fed its statistics, a heads-major case, the constants of DESIGN.md §5;
 # c2:    gpu_check.py --skip-cases, autotuned: the constants and the op under autocast with an fp32 k, whose
-#        C2 (Σ_j dK_j = 0 to fp32 rounding) the dK/dV kernel now enforces with the dQ pass's predicted sum;
+#        C2 (Σ_j dK_j = 0 to fp32 rounding, ~1e-7) the projection over the dK/dV kernel's key sums enforces;
 # base:  gpu_check.py --cases base: the 8 base cases, every fix, Triton against reference.py (AUTOTUNE=0);
 # ab:    forward A/B on the 8 shapes of attention.py, fix none, AUTOTUNE=0: GPROJ_HOPPER_FWD=0 (tl.dot)
 #        against the default (Gluon where served), cuDNN in the second run;

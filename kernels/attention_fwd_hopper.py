@@ -243,11 +243,14 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """The shape, dtype and layout half of :func:`serves` (any device): bf16 / fp16, each tensor in
     (batch, seqlen, heads, headdim) or (batch, heads, seqlen, headdim) memory order, contiguous there and
-    16-byte aligned, seqlen_q = seqlen_k a multiple of 128, head dim 64 or 128, nheads a multiple of nheads_k."""
+    16-byte aligned, seqlen_q = seqlen_k a multiple of 128, head dim 64 or 128, nheads a multiple of nheads_k.
+    Never raises (False for other ranks and for nheads_k = 0)."""
+    if not q.dim() == k.dim() == v.dim() == 4:
+        return False
     b, n, h, d = q.shape
     return (q.numel() > 0 and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype and d in HEAD_DIMS
-            and k.shape == v.shape and k.shape[0] == b and k.shape[1] == n and k.shape[3] == d and h % k.shape[2] == 0
-            and n % BLOCK_M == 0 and all(_tma_view(x) is not None for x in (q, k, v)))
+            and k.shape == v.shape and k.shape[0] == b and k.shape[1] == n and k.shape[3] == d and k.shape[2] > 0
+            and h % k.shape[2] == 0 and n % BLOCK_M == 0 and all(_tma_view(x) is not None for x in (q, k, v)))
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool):

@@ -53,6 +53,8 @@ def test_accepts_the_shapes_it_is_written_for():
     ("nheads not a multiple of nheads_k", _qkv(h=4)[0], *_qkv(hk=3)[1:]),
     ("k and v dtypes differ", *_qkv()[:2], _qkv()[2].half()),
     ("batch 0", *_qkv(b=0)),
+    ("nheads_k 0", *_qkv(hk=0)),
+    ("3-D tensors", *(x[0] for x in _qkv())),
 ])
 def test_rejects_what_it_cannot_serve(why, q, k, v):
     assert not H.accepts(q, k, v), why

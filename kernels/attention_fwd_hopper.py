@@ -253,6 +253,24 @@ def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and h % k.shape[2] == 0 and n % BLOCK_M == 0 and all(_tma_view(x) is not None for x in (q, k, v)))
 
 
+def _descriptors(q, k, v, o):
+    """The kernel's TMA descriptors of q, k, v, o (:func:`accepts`'d inputs; o (batch, seqlen, nheads,
+    headdim) contiguous) and the tile locators (rb, rh, ch) of q, k, v, in the kernel's argument order. Also
+    builds on CPU (no driver needed), which the tests use."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    d = q.shape[3]
+    qo_layout, kv_layout = _layouts(d, q.dtype)
+    hm, bn = _HALF_M.value, _BLOCK_N.value
+    descs, where = [], []
+    for x, rows, layout in ((q, hm, qo_layout), (k, bn, kv_layout), (v, bn, kv_layout), (o, hm, qo_layout)):
+        x2, rb, rh, ch = _tma_view(x)
+        descs.append(TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, d], layout))
+        if x is not o:  # o is ours, (batch, seqlen, nheads, headdim) contiguous: the kernel knows its tiles
+            where += [rb, rh, ch]
+    return descs, where
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool):
     """FMA-safe attention forward on Hopper; call only where :func:`serves` is True.
 
@@ -267,22 +285,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
         o (batch, seqlen, nheads, headdim) in q's dtype; m, log2l (batch, nheads, seqlen) fp32: the row max
         of the raw scores q·k and log2 Σ_j exp2((s_ij − m_i)·τ·log2e), as attention_fwd.forward.
     """
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     b, n, h, d = q.shape
     hk = k.shape[2]
     o = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device)  # not empty_like: q may be heads-major
     m = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
     log2l = torch.empty_like(m)
-    qo_layout, kv_layout = _layouts(d, q.dtype)
-
-    hm, bn = _HALF_M.value, _BLOCK_N.value
-    descs, where = [], []
-    for x, rows, layout in ((q, hm, qo_layout), (k, bn, kv_layout), (v, bn, kv_layout), (o, hm, qo_layout)):
-        x2, rb, rh, ch = _tma_view(x)
-        descs.append(TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, d], layout))
-        if x is not o:  # o is ours, (batch, seqlen, nheads, headdim) contiguous: the kernel knows its tiles
-            where += [rb, rh, ch]
+    descs, where = _descriptors(q, k, v, o)
     _hopper_fwd_kernel[(n // BLOCK_M, b * h)](
         *descs, m, log2l, float(softmax_scale) * LOG2E, h, h // hk, n, int(bool(causal)), *where, num_warps=4,
     )

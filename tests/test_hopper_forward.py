@@ -84,3 +84,43 @@ def test_rejects_non_contiguous_and_misaligned_layouts():
 def test_not_served_off_hopper():
     """On CPU (and under the interpreter) every call keeps the tl.dot kernel."""
     assert not H.serves(*_qkv())
+
+
+def _heads_major(b, n, h, d, extra_batch=0):
+    """(b, n, h, d) in (batch, heads, seqlen, headdim) memory; extra_batch > 0: batch rows 1..b of a longer
+    buffer (a nonzero storage offset)."""
+    x = torch.randn(b + extra_batch, h, n, d).bfloat16()
+    return x[extra_batch:].transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", ["seq-major", "heads-major", "mixed", "batch slices (storage offset)",
+                                    "batch 1, nheads_k 1 heads-major"])
+def test_tma_tiles_address_the_tensor(layout):
+    """forward's TMA descriptors (built on CPU) and the tile coordinates the kernel computes from (rb, rh,
+    ch), row b·rb + h·rh + position and column h·ch, address exactly x[b, :, h, :] of q, k, v and o, for every
+    layout accepts() takes: a wrongly accepted layout would have the kernel read other heads' or batches'
+    rows with no error."""
+    b, n, h, hk, d = 2, 128, 4, 2, 64
+    if layout == "seq-major":
+        q, k, v = torch.randn(b, n, h, d).bfloat16(), torch.randn(b, n, hk, d).bfloat16(), torch.randn(b, n, hk, d).bfloat16()
+    elif layout == "heads-major":
+        q, k, v = _heads_major(b, n, h, d), _heads_major(b, n, hk, d), _heads_major(b, n, hk, d)
+    elif layout == "mixed":
+        q, k, v = _heads_major(b, n, h, d), torch.randn(b, n, hk, d).bfloat16(), _heads_major(b, n, hk, d)
+    elif layout == "batch slices (storage offset)":
+        q = torch.randn(b + 1, n, h, d).bfloat16()[1:]
+        k, v = _heads_major(b, n, hk, d, extra_batch=1), _heads_major(b, n, hk, d, extra_batch=2)
+        assert q.storage_offset() > 0 and k.storage_offset() > 0
+    else:
+        b, hk = 1, 1
+        q, k, v = _heads_major(b, n, h, d), _heads_major(b, n, hk, d), torch.randn(b, n, hk, d).bfloat16()
+    assert H.accepts(q, k, v)
+    o = torch.randn(b, n, h, d).bfloat16()  # as forward allocates it
+    descs, where = H._descriptors(q, k, v, o)
+    locators = [where[0:3], where[3:6], where[6:9], (n, 0, d)]  # o's are fixed in the kernel
+    for x, desc, (rb, rh, ch) in zip((q, k, v, o), descs, locators):
+        x2 = desc.base.as_strided(desc.shape, desc.strides)
+        for bi in range(x.shape[0]):
+            for hi in range(x.shape[2]):
+                tile = x2[bi * rb + hi * rh + torch.arange(n), hi * ch:hi * ch + d]
+                assert torch.equal(tile, x[bi, :, hi, :]), (bi, hi)

@@ -124,3 +124,43 @@ def test_tma_tiles_address_the_tensor(layout):
             for hi in range(x.shape[2]):
                 tile = x2[bi * rb + hi * rh + torch.arange(n), hi * ch:hi * ch + d]
                 assert torch.equal(tile, x[bi, :, hi, :]), (bi, hi)
+
+
+@pytest.mark.parametrize("kwargs, causal, gluon_causal", [
+    ({}, False, False),
+    ({}, True, True),
+    ({"window_size": (-1, 0)}, False, True),  # flash-attn's spelling of causal
+    ({"window_size": (-1, -1)}, True, True),
+    ({"window_size": (4, 0)}, False, None),
+    ({"window_size": (-1, 3)}, False, None),
+    ({"softcap": 5.0}, False, None),
+    ({"dropout_p": 0.1}, True, None),
+    ({"seqlens_k": torch.tensor([100, 128], dtype=torch.int32)}, False, None),
+    ({"cu_seqlens_q": torch.tensor([0, 128, 256], dtype=torch.int32), "max_seqlen_q": 128,
+      "cu_seqlens_k": torch.tensor([0, 128, 256], dtype=torch.int32), "max_seqlen_k": 128}, False, None),
+], ids=["dense", "causal", "window (-1, 0)", "window (-1, -1) causal", "left window", "right window", "softcap",
+        "dropout", "seqlens_k", "packed"])
+def test_forward_dispatch_sends_only_dense_inputs_to_the_gluon_kernel(monkeypatch, kwargs, causal, gluon_causal):
+    """attention_fwd.forward hands a call to the Gluon kernel (where serves() says it can) only without key
+    padding, window, softcap, dropout and packing — which that kernel would silently ignore — and with the
+    causal flag the window spelling implies (gluon_causal; None: the tl.dot kernel runs instead)."""
+    from lightning_gproj.kernels import attention_fwd as F
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # F.supports' CPU condition; nothing below launches a kernel
+    calls = []
+    monkeypatch.setattr(H, "serves", lambda q, k, v: True)
+    monkeypatch.setattr(H, "forward", lambda q, k, v, scale, c: calls.append(("gluon", c)) or (q, None, None))
+
+    class TlDot:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: calls.append(("tl.dot", meta["CAUSAL"]))
+
+    monkeypatch.setattr(F, "_fwd_kernel", TlDot())
+    q, k, v = _qkv()
+    if "cu_seqlens_q" in kwargs:
+        q, k, v = (x.flatten(0, 1) for x in (q, k, v))
+    F.forward(q, k, v, 0.125, causal, **kwargs)
+    if gluon_causal is None:
+        assert [c[0] for c in calls] == ["tl.dot"]
+    else:
+        assert calls == [("gluon", gluon_causal)]

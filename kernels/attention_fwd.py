@@ -289,18 +289,18 @@ def forward(
     seqlens_k = check_seqlens(seqlens_k, q)
     b, nq, h, d = q4.shape
     nk, hk = k4.shape[1], k4.shape[2]
-    o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
-    m = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
-    log2l = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
     # nq, nk are total_q, total_k when packed: window_args only needs an "unbounded" wider than any sequence.
     win = window_args(causal, window_size, softcap, nq, nk)
-    # With softcap τ sits inside the tanh and the exponent's factor is log2e alone.
-    c = (1.0 if win["SOFTCAP"] else float(softmax_scale)) * LOG2E
-    sc = float(softmax_scale) / win["cap"]
     drop = dropout_args(dropout_p, dropout_seed, dropout_offset)
     if (varlen is None and seqlens_k is None and not (win["WINDOW"] or win["SOFTCAP"] or drop["DROPOUT"])
             and attention_fwd_hopper.serves(q, k, v)):
         return attention_fwd_hopper.forward(q, k, v, softmax_scale, win["CAUSAL"])
+    o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
+    m = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+    log2l = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+    # With softcap τ sits inside the tanh and the exponent's factor is log2e alone.
+    c = (1.0 if win["SOFTCAP"] else float(softmax_scale)) * LOG2E
+    sc = float(softmax_scale) / win["cap"]
     # Packed: one batch row per sequence, over the longest one (N_Q, N_K stay total_q, total_k).
     packed = varlen is not None
     nb, grid_q = (varlen[0].numel() - 1, varlen[2]) if packed else (b, nq)

@@ -243,11 +243,32 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """The shape, dtype and layout half of :func:`serves` (any device): bf16 / fp16, each tensor in
     (batch, seqlen, heads, headdim) or (batch, heads, seqlen, headdim) memory order, contiguous there and
-    16-byte aligned, seqlen_q = seqlen_k a multiple of 128, head dim 64 or 128, nheads a multiple of nheads_k."""
+    16-byte aligned, seqlen_q = seqlen_k a multiple of 128, head dim 64 or 128, nheads a multiple of nheads_k.
+    Never raises (False for other ranks and for nheads_k = 0)."""
+    if not q.dim() == k.dim() == v.dim() == 4:
+        return False
     b, n, h, d = q.shape
     return (q.numel() > 0 and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype and d in HEAD_DIMS
-            and k.shape == v.shape and k.shape[0] == b and k.shape[1] == n and k.shape[3] == d and h % k.shape[2] == 0
-            and n % BLOCK_M == 0 and all(_tma_view(x) is not None for x in (q, k, v)))
+            and k.shape == v.shape and k.shape[0] == b and k.shape[1] == n and k.shape[3] == d and k.shape[2] > 0
+            and h % k.shape[2] == 0 and n % BLOCK_M == 0 and all(_tma_view(x) is not None for x in (q, k, v)))
+
+
+def _descriptors(q, k, v, o):
+    """The kernel's TMA descriptors of q, k, v, o (:func:`accepts`'d inputs; o (batch, seqlen, nheads,
+    headdim) contiguous) and the tile locators (rb, rh, ch) of q, k, v, in the kernel's argument order. Also
+    builds on CPU (no driver needed), which the tests use."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    d = q.shape[3]
+    qo_layout, kv_layout = _layouts(d, q.dtype)
+    hm, bn = _HALF_M.value, _BLOCK_N.value
+    descs, where = [], []
+    for x, rows, layout in ((q, hm, qo_layout), (k, bn, kv_layout), (v, bn, kv_layout), (o, hm, qo_layout)):
+        x2, rb, rh, ch = _tma_view(x)
+        descs.append(TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, d], layout))
+        if x is not o:  # o is ours, (batch, seqlen, nheads, headdim) contiguous: the kernel knows its tiles
+            where += [rb, rh, ch]
+    return descs, where
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool):
@@ -264,22 +285,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
         o (batch, seqlen, nheads, headdim) in q's dtype; m, log2l (batch, nheads, seqlen) fp32: the row max
         of the raw scores q·k and log2 Σ_j exp2((s_ij − m_i)·τ·log2e), as attention_fwd.forward.
     """
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     b, n, h, d = q.shape
     hk = k.shape[2]
     o = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device)  # not empty_like: q may be heads-major
     m = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
     log2l = torch.empty_like(m)
-    qo_layout, kv_layout = _layouts(d, q.dtype)
-
-    hm, bn = _HALF_M.value, _BLOCK_N.value
-    descs, where = [], []
-    for x, rows, layout in ((q, hm, qo_layout), (k, bn, kv_layout), (v, bn, kv_layout), (o, hm, qo_layout)):
-        x2, rb, rh, ch = _tma_view(x)
-        descs.append(TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, d], layout))
-        if x is not o:  # o is ours, (batch, seqlen, nheads, headdim) contiguous: the kernel knows its tiles
-            where += [rb, rh, ch]
+    descs, where = _descriptors(q, k, v, o)
     _hopper_fwd_kernel[(n // BLOCK_M, b * h)](
         *descs, m, log2l, float(softmax_scale) * LOG2E, h, h // hk, n, int(bool(causal)), *where, num_warps=4,
     )

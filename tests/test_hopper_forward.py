@@ -53,6 +53,8 @@ def test_accepts_the_shapes_it_is_written_for():
     ("nheads not a multiple of nheads_k", _qkv(h=4)[0], *_qkv(hk=3)[1:]),
     ("k and v dtypes differ", *_qkv()[:2], _qkv()[2].half()),
     ("batch 0", *_qkv(b=0)),
+    ("nheads_k 0", *_qkv(hk=0)),
+    ("3-D tensors", *(x[0] for x in _qkv())),
 ])
 def test_rejects_what_it_cannot_serve(why, q, k, v):
     assert not H.accepts(q, k, v), why
@@ -82,3 +84,83 @@ def test_rejects_non_contiguous_and_misaligned_layouts():
 def test_not_served_off_hopper():
     """On CPU (and under the interpreter) every call keeps the tl.dot kernel."""
     assert not H.serves(*_qkv())
+
+
+def _heads_major(b, n, h, d, extra_batch=0):
+    """(b, n, h, d) in (batch, heads, seqlen, headdim) memory; extra_batch > 0: batch rows 1..b of a longer
+    buffer (a nonzero storage offset)."""
+    x = torch.randn(b + extra_batch, h, n, d).bfloat16()
+    return x[extra_batch:].transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", ["seq-major", "heads-major", "mixed", "batch slices (storage offset)",
+                                    "batch 1, nheads_k 1 heads-major"])
+def test_tma_tiles_address_the_tensor(layout):
+    """forward's TMA descriptors (built on CPU) and the tile coordinates the kernel computes from (rb, rh,
+    ch), row b·rb + h·rh + position and column h·ch, address exactly x[b, :, h, :] of q, k, v and o, for every
+    layout accepts() takes: a wrongly accepted layout would have the kernel read other heads' or batches'
+    rows with no error."""
+    b, n, h, hk, d = 2, 128, 4, 2, 64
+    if layout == "seq-major":
+        q, k, v = torch.randn(b, n, h, d).bfloat16(), torch.randn(b, n, hk, d).bfloat16(), torch.randn(b, n, hk, d).bfloat16()
+    elif layout == "heads-major":
+        q, k, v = _heads_major(b, n, h, d), _heads_major(b, n, hk, d), _heads_major(b, n, hk, d)
+    elif layout == "mixed":
+        q, k, v = _heads_major(b, n, h, d), torch.randn(b, n, hk, d).bfloat16(), _heads_major(b, n, hk, d)
+    elif layout == "batch slices (storage offset)":
+        q = torch.randn(b + 1, n, h, d).bfloat16()[1:]
+        k, v = _heads_major(b, n, hk, d, extra_batch=1), _heads_major(b, n, hk, d, extra_batch=2)
+        assert q.storage_offset() > 0 and k.storage_offset() > 0
+    else:
+        b, hk = 1, 1
+        q, k, v = _heads_major(b, n, h, d), _heads_major(b, n, hk, d), torch.randn(b, n, hk, d).bfloat16()
+    assert H.accepts(q, k, v)
+    o = torch.randn(b, n, h, d).bfloat16()  # as forward allocates it
+    descs, where = H._descriptors(q, k, v, o)
+    locators = [where[0:3], where[3:6], where[6:9], (n, 0, d)]  # o's are fixed in the kernel
+    for x, desc, (rb, rh, ch) in zip((q, k, v, o), descs, locators):
+        x2 = desc.base.as_strided(desc.shape, desc.strides)
+        for bi in range(x.shape[0]):
+            for hi in range(x.shape[2]):
+                tile = x2[bi * rb + hi * rh + torch.arange(n), hi * ch:hi * ch + d]
+                assert torch.equal(tile, x[bi, :, hi, :]), (bi, hi)
+
+
+@pytest.mark.parametrize("kwargs, causal, gluon_causal", [
+    ({}, False, False),
+    ({}, True, True),
+    ({"window_size": (-1, 0)}, False, True),  # flash-attn's spelling of causal
+    ({"window_size": (-1, -1)}, True, True),
+    ({"window_size": (4, 0)}, False, None),
+    ({"window_size": (-1, 3)}, False, None),
+    ({"softcap": 5.0}, False, None),
+    ({"dropout_p": 0.1}, True, None),
+    ({"seqlens_k": torch.tensor([100, 128], dtype=torch.int32)}, False, None),
+    ({"cu_seqlens_q": torch.tensor([0, 128, 256], dtype=torch.int32), "max_seqlen_q": 128,
+      "cu_seqlens_k": torch.tensor([0, 128, 256], dtype=torch.int32), "max_seqlen_k": 128}, False, None),
+], ids=["dense", "causal", "window (-1, 0)", "window (-1, -1) causal", "left window", "right window", "softcap",
+        "dropout", "seqlens_k", "packed"])
+def test_forward_dispatch_sends_only_dense_inputs_to_the_gluon_kernel(monkeypatch, kwargs, causal, gluon_causal):
+    """attention_fwd.forward hands a call to the Gluon kernel (where serves() says it can) only without key
+    padding, window, softcap, dropout and packing — which that kernel would silently ignore — and with the
+    causal flag the window spelling implies (gluon_causal; None: the tl.dot kernel runs instead)."""
+    from lightning_gproj.kernels import attention_fwd as F
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # F.supports' CPU condition; nothing below launches a kernel
+    calls = []
+    monkeypatch.setattr(H, "serves", lambda q, k, v: True)
+    monkeypatch.setattr(H, "forward", lambda q, k, v, scale, c: calls.append(("gluon", c)) or (q, None, None))
+
+    class TlDot:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: calls.append(("tl.dot", meta["CAUSAL"]))
+
+    monkeypatch.setattr(F, "_fwd_kernel", TlDot())
+    q, k, v = _qkv()
+    if "cu_seqlens_q" in kwargs:
+        q, k, v = (x.flatten(0, 1) for x in (q, k, v))
+    F.forward(q, k, v, 0.125, causal, **kwargs)
+    if gluon_causal is None:
+        assert [c[0] for c in calls] == ["tl.dot"]
+    else:
+        assert calls == [("gluon", gluon_causal)]

@@ -297,9 +297,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     return o, m, log2l
 
 
-def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16):
+def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple[str, ...] = ()):
     """Compile the kernel for sm_90 without a GPU (Triton's ahead-of-time path), as CI does.
 
+    ``ones`` names integer arguments compiled as the constant 1, as Triton specializes them at launch
+    (``causal`` = 1 for every causal call; ``H``, ``GROUP`` for one head or no GQA sharing).
     Returns the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``). Raises RuntimeError if Gluon is
     not importable.
     """
@@ -318,5 +320,6 @@ def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16):
     sig = {"q_desc": td(hm, qo_layout), "k_desc": td(bn, kv_layout), "v_desc": td(bn, kv_layout),
            "o_desc": td(hm, qo_layout), "M": "*fp32", "LOG2L": "*fp32", "c": "fp32", "H": "i32", "GROUP": "i32",
            "N_CTX": "i32", "causal": "i32", **{f"{t}_{w}": "i32" for t in "qkv" for w in ("rb", "rh", "ch")}}
-    return triton.compile(GluonASTSource(_hopper_fwd_kernel, sig, {}), target=GPUTarget("cuda", 90, 32),
+    sig.update({name: "constexpr" for name in ones})
+    return triton.compile(GluonASTSource(_hopper_fwd_kernel, sig, {name: 1 for name in ones}), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4})

@@ -21,8 +21,10 @@ SM90_SHARED_MAX = 232448
 
 @pytest.mark.parametrize("head_dim", H.HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_compiles_for_sm90_with_wgmma_tma_and_register_split(head_dim, dtype):
-    kernel = H.compile_sm90(head_dim, dtype)
+@pytest.mark.parametrize("ones", [(), ("causal",), ("causal", "H", "GROUP")], ids=["runtime", "causal", "causal-1head"])
+def test_compiles_for_sm90_with_wgmma_tma_and_register_split(head_dim, dtype, ones):
+    """Also the variants Triton builds at launch when an integer argument is 1 (every causal call)."""
+    kernel = H.compile_sm90(head_dim, dtype, ones)
     ptx = kernel.asm["ptx"]
     assert ".target sm_90a" in ptx
     # Two consumers × (QKᵀ + PV) per K/V tile, each an asynchronous warp-group MMA on 16-row slabs.

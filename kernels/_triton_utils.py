@@ -58,11 +58,16 @@ def padded_head_dim(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+#: The kernels' grids put batch·nheads on CUDA's second grid axis, which holds at most 65535 blocks.
+MAX_GRID_ROWS = 65535
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int | None = None) -> str | None:
     """Whether the Triton kernels can serve these inputs.
 
     Args:
         q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
+        batch: the number of sequences when packed (q is then a (1, total_q, ...) view); default q's batch.
 
     Returns:
         None if the Triton path serves the input, else a short human-readable reason (for the op's
@@ -99,6 +104,9 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
         return f"head dim {d} (supported: multiples of 8 up to 256)"
     if nq == 0 or k.shape[1] == 0:
         return "empty sequence"
+    rows = (b if batch is None else batch) * h
+    if rows > MAX_GRID_ROWS:
+        return f"batch·nheads = {rows} (the kernels' grids hold at most {MAX_GRID_ROWS})"
     return None
 
 

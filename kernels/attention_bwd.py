@@ -702,7 +702,7 @@ def backward(
     if varlen:  # packed: (1, total, ...) views; the kernels see batch stride 0 and one batch row per sequence
         do, q, k, v, o = (x.unsqueeze(0) for x in (do, q, k, v, o))
         m, log2l = m.unsqueeze(0), log2l.unsqueeze(0)
-    reason = supports(q, k, v)
+    reason = supports(q, k, v, batch=varlen[0].numel() - 1 if varlen else None)
     if reason is not None:
         raise ValueError(f"Triton attention backward cannot serve this input: {reason}")
     seqlens_k = check_seqlens(seqlens_k, q)

@@ -283,7 +283,7 @@ def forward(
     """
     varlen = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, seqlens_k)
     q4, k4, v4 = (x.unsqueeze(0) for x in (q, k, v)) if varlen else (q, k, v)
-    reason = supports(q4, k4, v4)
+    reason = supports(q4, k4, v4, batch=varlen[0].numel() - 1 if varlen else None)
     if reason is not None:
         raise ValueError(f"Triton attention forward cannot serve this input: {reason}")
     seqlens_k = check_seqlens(seqlens_k, q)

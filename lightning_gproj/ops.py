@@ -58,7 +58,7 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-def _triton_reason(q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
+def _triton_reason(q: Tensor, k: Tensor, v: Tensor, batch: Optional[int] = None) -> Optional[str]:
     """None if the Triton kernels serve these inputs, else why not.
 
     Triton is imported only for CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (how CI runs
@@ -71,11 +71,14 @@ def _triton_reason(q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
         from lightning_gproj.kernels._triton_utils import supports
     except Exception as exc:  # Triton missing or broken: the reference serves everything
         return f"Triton unavailable ({exc.__class__.__name__}: {exc})"
-    return supports(q, k, v)
+    return supports(q, k, v, batch)
 
 
-def _use_triton(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    reason = _triton_reason(q, k, v)
+def _use_triton(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor] = None) -> bool:
+    """Whether the Triton kernels serve (q, k, v in the op layout, or packed 3-D with ``cu_seqlens_q``);
+    warns once per reason when a CUDA input is not served."""
+    batch = None if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
+    reason = _triton_reason(*(x if x.dim() == 4 else x[None] for x in (q, k, v)), batch)
     if reason is None:
         return True
     if q.device.type == "cuda":
@@ -199,7 +202,7 @@ def _draw_rng(dropout_p: float) -> Optional[Tensor]:
 def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, **options) -> tuple:
     """The Triton forward where it serves (:func:`_triton_reason`), else kernels/reference.py; q, k, v in
     the op layout, or packed (3-D, with ``cu_seqlens_*`` in ``options``)."""
-    if _use_triton(*(x if x.dim() == 4 else x[None] for x in (q, k, v))):
+    if _use_triton(q, k, v, options.get("cu_seqlens_q")):
         from lightning_gproj.kernels import attention_fwd
 
         return attention_fwd.forward(q, k, v, softmax_scale, causal, **options)
@@ -208,7 +211,7 @@ def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causa
 
 def _kernel_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, *args, **options) -> tuple:
     """The Triton backward where it serves, else kernels/reference.py (arguments as theirs)."""
-    if _use_triton(*(x if x.dim() == 4 else x[None] for x in (q, k, v))):
+    if _use_triton(q, k, v, options.get("cu_seqlens_q")):
         from lightning_gproj.kernels import attention_bwd
 
         return attention_bwd.backward(do, q, k, v, *args, **options)

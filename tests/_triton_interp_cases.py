@@ -287,6 +287,10 @@ def main() -> None:
         "fp32": B.supports(z, z, z),
         "bad_heads": B.supports(torch.zeros(1, 8, 3, 32).bfloat16(), z.bfloat16(), z.bfloat16()),
         "head_dim_300": B.supports(*(torch.zeros(1, 8, 2, 300).bfloat16() for _ in range(3))),
+        # batch·nheads past CUDA's 65535 grid rows (expanded: no memory), and the same as packed sequences
+        "grid_rows_max": B.supports(*(torch.zeros(1, 8, 3, 32).bfloat16().expand(21845, 8, 3, 32) for _ in range(3))),
+        "grid_rows_over": B.supports(*(torch.zeros(1, 8, 2, 32).bfloat16().expand(32768, 8, 2, 32) for _ in range(3))),
+        "grid_rows_packed": B.supports(*(torch.zeros(1, 8, 2, 32).bfloat16() for _ in range(3)), batch=32768),
     }
     zb = z.bfloat16()
     zargs = (zb, zb, zb, zb, zb, torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), 1.0, False)

@@ -231,6 +231,10 @@ def test_supports_and_errors(measured):
     assert isinstance(s["fp32"], str) and "dtype" in s["fp32"]
     assert isinstance(s["bad_heads"], str) and "nheads" in s["bad_heads"]
     assert isinstance(s["head_dim_300"], str) and "head dim" in s["head_dim_300"]
+    # batch·nheads = 65535 fits CUDA's second grid axis; 65536 (dense or as packed sequences) falls back
+    assert s["grid_rows_max"] is None
+    assert "65536" in s["grid_rows_over"] and "65535" in s["grid_rows_over"]
+    assert "65536" in s["grid_rows_packed"]
     assert measured["bad_fix_raises"] is True
 
 

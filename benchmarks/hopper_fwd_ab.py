@@ -1,13 +1,20 @@
-"""The Gluon forward's causal block order, A/B (issue 12; benchmarks/NOTES.md, run 18). H200 only.
+"""Variants of the Gluon forward, A/B against the package's (issue 12; benchmarks/NOTES.md, run 18). H200 only.
 
-kernels/attention_fwd_hopper.py runs a causal grid's query blocks of each (batch·head) heaviest first. This
-times it against the same kernel in launch order (a copy of the module with that one line removed, written
-to a temporary file) and cuDNN, forward only, bf16, interleaved rounds; and counts how many forward calls of
-one autocast Llama-style attention call (fp32 q, k as (B, H, N, d) views of (B, N, H, d) memory; bf16 v
-in (B, H, N, d) memory, as benchmarks/train_step.py's Llama hands it over)
-reach the Gluon kernel.
+Each variant is a copy of kernels/attention_fwd_hopper.py with one source edit (written to a temporary file and
+imported as its own module), timed against the package's kernel and cuDNN, forward only, bf16, interleaved
+rounds, its outputs compared with the package's (bit-identical expected where the edit changes only the
+schedule). A variant that does not compile for a shape (e.g. more pipeline stages than shared memory holds at
+d 128) is reported and skipped. Also counts how many forward calls of one autocast Llama-style attention call
+reach the Gluon kernel (fp32 q, k as (B, H, N, d) views of (B, N, H, d) memory; bf16 v in (B, H, N, d)
+memory, as benchmarks/train_step.py's Llama hands it over).
 
-Usage: python benchmarks/hopper_fwd_ab.py [--rounds 2]
+Variants (``--variants``, comma-separated; default all):
+- ``launch_order``: causal query blocks in launch order instead of heaviest first (run 18: within ±2%, +2% for
+  heaviest first at 1×16×8192×128 causal);
+- ``stages3``: a 3-slot K/V ring instead of 2 (fits d 64 only);
+- ``loader_regs40``: 40 registers for the loader partition instead of 24 (the consumers keep 232).
+
+Usage: python benchmarks/hopper_fwd_ab.py [--variants a,b] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -25,16 +32,25 @@ from triton.testing import do_bench
 from lightning_gproj import gproj_attn_func
 from lightning_gproj.kernels import attention_fwd_hopper as H
 
-REVERSE = "            pid_m = gl.num_programs(0) - 1 - pid_m\n"
+#: name: (text in kernels/attention_fwd_hopper.py, its replacement)
+VARIANTS = {
+    "launch_order": ("            pid_m = gl.num_programs(0) - 1 - pid_m\n", "            pass\n"),
+    "stages3": ("    _NUM_STAGES = gl.constexpr(2)\n", "    _NUM_STAGES = gl.constexpr(3)\n"),
+    "loader_regs40": ("        ], [4, 1], [232, 24])\n", "        ], [4, 1], [232, 40])\n"),
+}
+SHAPES = [(4, 16, 2048, 128, True), (4, 16, 4096, 128, True), (1, 16, 8192, 128, True), (2, 16, 4096, 64, True),
+          (2, 16, 4096, 64, False), (4, 16, 2048, 128, False)]
 
 
-def in_order_module():
+def variant_module(name: str):
+    """kernels/attention_fwd_hopper.py with the variant's one edit, imported from a temporary file."""
+    old, new = VARIANTS[name]
     src = inspect.getsource(H)
-    assert src.count(REVERSE) == 1, "the reversal line moved; update this script"
-    path = tempfile.NamedTemporaryFile("w", suffix="_hopper_inorder.py", delete=False).name
-    with open(path, "w") as f:
-        f.write(src.replace(REVERSE, "            pass\n"))
-    spec = importlib.util.spec_from_file_location("hopper_inorder", path)
+    if src.count(old) != 1:
+        raise RuntimeError(f"variant {name}: its text is not in kernels/attention_fwd_hopper.py once; update VARIANTS")
+    with tempfile.NamedTemporaryFile("w", suffix=f"_hopper_{name}.py", delete=False) as f:
+        f.write(src.replace(old, new))
+    spec = importlib.util.spec_from_file_location(f"hopper_{name}", f.name)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -42,26 +58,35 @@ def in_order_module():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    inorder = in_order_module()
-    for b, h, n, d, causal in [(4, 16, 2048, 128, True), (4, 16, 4096, 128, True), (1, 16, 8192, 128, True),
-                               (2, 16, 4096, 64, True), (4, 16, 2048, 128, False)]:
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
+    mods = {n: variant_module(n) for n in names}
+    for b, h, n, d, causal in SHAPES:
         q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
-        o1 = H.forward(q, k, v, d ** -0.5, causal)
-        o2 = inorder.forward(q, k, v, d ** -0.5, causal)
-        same = all(torch.equal(x, y) for x, y in zip(o1, o2))
+        ref = H.forward(q, k, v, d ** -0.5, causal)
+        runners, notes = {"package": H.forward}, []
+        for name, mod in mods.items():
+            try:
+                out = mod.forward(q, k, v, d ** -0.5, causal)
+                notes.append(f"{name} bit-identical: {all(torch.equal(x, y) for x, y in zip(out, ref))}")
+                runners[name] = mod.forward
+            except Exception as exc:  # e.g. out of shared memory: report, keep going
+                notes.append(f"{name} failed: {exc.__class__.__name__}: {str(exc)[:120]}")
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         rows = []
         for _ in range(args.rounds):
-            t_rev = do_bench(lambda: H.forward(q, k, v, d ** -0.5, causal))
-            t_in = do_bench(lambda: inorder.forward(q, k, v, d ** -0.5, causal))
+            tflops = {name: flops / do_bench(lambda f=f: f(q, k, v, d ** -0.5, causal)) * 1e-9
+                      for name, f in runners.items()}
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                t_c = do_bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
-            rows.append(" / ".join(f"{flops / t * 1e-9:.0f}" for t in (t_rev, t_in, t_c)))
-        print(f"{b}x{h}x{n}x{d} causal={causal}: fwd TFLOP/s heaviest-first / launch order / cuDNN: "
-              + ", ".join(rows) + f"; outputs bit-identical: {same}", flush=True)
+                tflops["cudnn"] = flops / do_bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)) * 1e-9
+            rows.append(" / ".join(f"{name} {t:.0f}" for name, t in tflops.items()))
+        print(f"{b}x{h}x{n}x{d} causal={causal}: fwd TFLOP/s " + "; ".join(rows) + "; " + "; ".join(notes), flush=True)
     # Which path the op's forward takes for a bf16-mixed Llama call.
     calls = []
     real = H.forward
@@ -73,7 +98,8 @@ def main():
         o = gproj_attn_func(q, k, v, causal=True, fix="gproj", layout="bhsd")
     o.float().sum().backward()
     H.forward = real
-    print(f"autocast Llama-style call (fp32 q, k; bf16 v in (B, H, N, d) memory): Gluon forward calls {len(calls)}", flush=True)
+    print(f"autocast Llama-style call (fp32 q, k; bf16 v in (B, H, N, d) memory): Gluon forward calls {len(calls)}",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Variants of the Gluon forward, A/B against the package's (issue 12; benchmarks/NOTES.md, run 18). H200 only.
 
-Each variant is a copy of kernels/attention_fwd_hopper.py with one source edit (written to a temporary file and
+Each variant is a copy of kernels/attention_fwd_hopper.py with source edits (written to a temporary file and
 imported as its own module), timed against the package's kernel and cuDNN, forward only, bf16, interleaved
 rounds, its outputs compared with the package's (bit-identical expected where the edit changes only the
 schedule). A variant that does not compile for a shape (e.g. more pipeline stages than shared memory holds at
@@ -12,7 +12,11 @@ Variants (``--variants``, comma-separated; default all):
 - ``launch_order``: causal query blocks in launch order instead of heaviest first (run 18: within ±2%, +2% for
   heaviest first at 1×16×8192×128 causal);
 - ``stages3``: a 3-slot K/V ring instead of 2 (fits d 64 only);
-- ``loader_regs40``: 40 registers for the loader partition instead of 24 (the consumers keep 232).
+- ``loader_regs40``: 40 registers for the loader partition instead of 24 (the consumers keep 232);
+- ``pipelined``: FA3's intra-warp-group overlap: each consumer issues the next block's S = Q Kᵀ before the
+  softmax and P·V of the current one (same arithmetic: outputs must be bit-identical). Compiled for sm_90 on
+  CPU (Triton 3.6 and 3.9): no spills at d 64 / 128, and the SASS issues the next S's 8 HGMMAs before the
+  block's 66 MUFU.EX2 with no wait between; never run.
 
 Usage: python benchmarks/hopper_fwd_ab.py [--variants a,b] [--rounds 2]
 """
@@ -32,24 +36,99 @@ from triton.testing import do_bench
 from lightning_gproj import gproj_attn_func
 from lightning_gproj.kernels import attention_fwd_hopper as H
 
-#: name: (text in kernels/attention_fwd_hopper.py, its replacement)
+_LOOP = """        mbarrier.wait(q_bar, 0)
+        i = 0
+        for start_n in range(0, hi, _BLOCK_N):
+            st = i % _NUM_STAGES
+            mbarrier.wait(ready.index(st), (i // _NUM_STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            if causal != 0:
+                if start_n + _BLOCK_N > row0 + half * _HALF_M:  # a tile on or past the diagonal
+                    offs_n = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                    s = gl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            # FMA-safe: (s − m) is exactly 0 at the row max, so that entry's weight is exactly 1.
+            alpha = gl.exp2((m_i - m_new) * c)
+            p = gl.exp2((s - m_new[:, None]) * c)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p16 = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(st), count=1)
+            m_i = m_new
+            i += 1
+"""
+_PIPELINED_LOOP = """        mbarrier.wait(q_bar, 0)
+        diag_from = row0 + half * _HALF_M
+        mbarrier.wait(ready.index(0), 0)
+        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        i = 0
+        for start_n in range(0, hi - _BLOCK_N, _BLOCK_N):
+            st = i % _NUM_STAGES
+            nxt = (i + 1) % _NUM_STAGES
+            mbarrier.wait(ready.index(nxt), ((i + 1) // _NUM_STAGES) & 1)
+            s_next = warpgroup_mma(q, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, v_smem.index(st), offs_m, start_n, diag_from, c, causal)
+            s_next, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
+            mbarrier.arrive(empty.index(st), count=1)
+            s = s_next
+            i += 1
+        st = i % _NUM_STAGES
+        acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, v_smem.index(st), offs_m, hi - _BLOCK_N, diag_from, c, causal)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(st), count=1)
+"""
+_CONSUMER = "    @gluon.jit\n    def _consumer(q_smem,"
+_SOFTMAX_PV = """    @gluon.jit
+    def _softmax_pv(s, acc, m_i, l_i, v_tile, offs_m, start_n, diag_from, c, causal):
+        HEAD_DIM: gl.constexpr = acc.shape[1]
+        dtype: gl.constexpr = v_tile.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, _BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        if causal != 0:
+            if start_n + _BLOCK_N > diag_from:  # a tile on or past the diagonal
+                offs_n = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                s = gl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        alpha = gl.exp2((m_i - m_new) * c)
+        p = gl.exp2((s - m_new[:, None]) * c)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma(p16, v_tile, acc, is_async=True)
+        return acc, m_new, l_i
+
+""" + _CONSUMER
+_PIPELINED = [(_LOOP, _PIPELINED_LOOP), (_CONSUMER, _SOFTMAX_PV)]
+
+#: name: the (text in kernels/attention_fwd_hopper.py, its replacement) edits
 VARIANTS = {
-    "launch_order": ("            pid_m = gl.num_programs(0) - 1 - pid_m\n", "            pass\n"),
-    "stages3": ("    _NUM_STAGES = gl.constexpr(2)\n", "    _NUM_STAGES = gl.constexpr(3)\n"),
-    "loader_regs40": ("        ], [4, 1], [232, 24])\n", "        ], [4, 1], [232, 40])\n"),
+    "launch_order": [("            pid_m = gl.num_programs(0) - 1 - pid_m\n", "            pass\n")],
+    "stages3": [("    _NUM_STAGES = gl.constexpr(2)\n", "    _NUM_STAGES = gl.constexpr(3)\n")],
+    "loader_regs40": [("        ], [4, 1], [232, 24])\n", "        ], [4, 1], [232, 40])\n")],
+    "pipelined": _PIPELINED,
 }
 SHAPES = [(4, 16, 2048, 128, True), (4, 16, 4096, 128, True), (1, 16, 8192, 128, True), (2, 16, 4096, 64, True),
           (2, 16, 4096, 64, False), (4, 16, 2048, 128, False)]
 
 
 def variant_module(name: str):
-    """kernels/attention_fwd_hopper.py with the variant's one edit, imported from a temporary file."""
-    old, new = VARIANTS[name]
+    """kernels/attention_fwd_hopper.py with the variant's edits, imported from a temporary file."""
     src = inspect.getsource(H)
-    if src.count(old) != 1:
-        raise RuntimeError(f"variant {name}: its text is not in kernels/attention_fwd_hopper.py once; update VARIANTS")
+    for old, new in VARIANTS[name]:
+        if src.count(old) != 1:
+            raise RuntimeError(f"variant {name}: an edit's text is not in kernels/attention_fwd_hopper.py once; "
+                               "update VARIANTS")
+        src = src.replace(old, new)
     with tempfile.NamedTemporaryFile("w", suffix=f"_hopper_{name}.py", delete=False) as f:
-        f.write(src.replace(old, new))
+        f.write(src)
     spec = importlib.util.spec_from_file_location(f"hopper_{name}", f.name)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -166,3 +166,14 @@ def test_forward_dispatch_sends_only_dense_inputs_to_the_gluon_kernel(monkeypatc
         assert [c[0] for c in calls] == ["tl.dot"]
     else:
         assert calls == [("gluon", gluon_causal)]
+
+
+def test_benchmark_variants_still_apply_and_compile():
+    """benchmarks/hopper_fwd_ab.py edits this module's source to build its variants; an edit that no longer
+    matches (or a variant that no longer compiles) would only show on the GPU, costing a device call."""
+    from _scripts import load_script
+
+    ab = load_script("benchmarks/hopper_fwd_ab.py", "hopper_fwd_ab")
+    for name in ab.VARIANTS:
+        kernel = ab.variant_module(name).compile_sm90(64, torch.bfloat16, ("causal",))
+        assert "wgmma.mma_async" in kernel.asm["ptx"], name

@@ -36,30 +36,14 @@ from triton.testing import do_bench
 from lightning_gproj import gproj_attn_func
 from lightning_gproj.kernels import attention_fwd_hopper as H
 
-_LOOP = """        mbarrier.wait(q_bar, 0)
-        i = 0
-        for start_n in range(0, hi, _BLOCK_N):
-            st = i % _NUM_STAGES
-            mbarrier.wait(ready.index(st), (i // _NUM_STAGES) & 1)
-            s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            if causal != 0:
-                if start_n + _BLOCK_N > row0 + half * _HALF_M:  # a tile on or past the diagonal
-                    offs_n = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                    s = gl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            # FMA-safe: (s − m) is exactly 0 at the row max, so that entry's weight is exactly 1.
-            alpha = gl.exp2((m_i - m_new) * c)
-            p = gl.exp2((s - m_new[:, None]) * c)
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p16 = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(st), count=1)
-            m_i = m_new
-            i += 1
-"""
+def _consumer_loop() -> str:
+    """The consumer's key loop as it stands in kernels/attention_fwd_hopper.py (the text "pipelined" replaces)."""
+    src = inspect.getsource(H)
+    start = src.index("        mbarrier.wait(q_bar, 0)\n")
+    end = src.index("            i += 1\n", start) + len("            i += 1\n")
+    return src[start:end]
+
+
 _PIPELINED_LOOP = """        mbarrier.wait(q_bar, 0)
         diag_from = row0 + half * _HALF_M
         mbarrier.wait(ready.index(0), 0)
@@ -106,7 +90,7 @@ _SOFTMAX_PV = """    @gluon.jit
         return acc, m_new, l_i
 
 """ + _CONSUMER
-_PIPELINED = [(_LOOP, _PIPELINED_LOOP), (_CONSUMER, _SOFTMAX_PV)]
+_PIPELINED = [(_consumer_loop(), _PIPELINED_LOOP), (_CONSUMER, _SOFTMAX_PV)]
 
 #: name: the (text in kernels/attention_fwd_hopper.py, its replacement) edits
 VARIANTS = {

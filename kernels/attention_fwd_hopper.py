@@ -84,6 +84,33 @@ if GLUON_ERROR is None:
             i += 1
 
     @gluon.jit
+    def _softmax_pv(s, acc, m_i, l_i, v_tile, offs_m, start_n, diag_from, c, causal):
+        """One key block of the online softmax: mask S on and past the diagonal (rows from ``diag_from``),
+        update the row max m and sum l, rescale acc and issue the asynchronous acc += P̃·V; returns (acc, m, l),
+        acc still to be waited for."""
+        HEAD_DIM: gl.constexpr = acc.shape[1]
+        dtype: gl.constexpr = v_tile.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, _BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        if causal != 0:
+            if start_n + _BLOCK_N > diag_from:  # a tile on or past the diagonal
+                offs_n = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                s = gl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        # FMA-safe: (s − m) is exactly 0 at the row max, so that entry's weight is exactly 1.
+        alpha = gl.exp2((m_i - m_new) * c)
+        p = gl.exp2((s - m_new[:, None]) * c)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma(p16, v_tile, acc, is_async=True)
+        return acc, m_new, l_i
+
+    @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, half: gl.constexpr, o_row, row0,
                   o_col, hi, c, causal):
         HEAD_DIM: gl.constexpr = o_desc.block_type.shape[1]
@@ -92,7 +119,6 @@ if GLUON_ERROR is None:
                                                            instr_shape=[16, _BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_DIM, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
@@ -109,21 +135,10 @@ if GLUON_ERROR is None:
             mbarrier.wait(ready.index(st), (i // _NUM_STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            if causal != 0:
-                if start_n + _BLOCK_N > row0 + half * _HALF_M:  # a tile on or past the diagonal
-                    offs_n = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                    s = gl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            # FMA-safe: (s − m) is exactly 0 at the row max, so that entry's weight is exactly 1.
-            alpha = gl.exp2((m_i - m_new) * c)
-            p = gl.exp2((s - m_new[:, None]) * c)
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p16 = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
+            acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, v_smem.index(st), offs_m, start_n, row0 + half * _HALF_M, c,
+                                        causal)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index(st), count=1)
-            m_i = m_new
             i += 1
         o = acc / gl.convert_layout(l_i, row_o)[:, None]
         o_smem = gl.allocate_shared_memory(dtype, [_HALF_M, HEAD_DIM], o_desc.layout)

@@ -21,15 +21,18 @@ Usage: python benchmarks/gluon_dkdv_probe.py [--compile-only] [--shapes B,H,N,d,
 
 from __future__ import annotations
 
-import os
+import argparse
 import sys
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gluon import compile_sm90, probe_main, ring_load_pair, tensordesc, tma_load, tma_store  # noqa: E402
+# The package's forward kernel holds the TMA copy names of this Triton, the two-consumer ring and the AOT compile.
+from lightning_gproj.kernels.attention_fwd_hopper import (
+    aot_compile_sm90, ring_barriers, ring_load_pair, tensordesc_type, tma_load, tma_store,
+)
 
 
 LOG2E = 1.4426950408889634
@@ -143,12 +146,8 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, M, LOG2L, DE
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_N, HEAD_DIM], v_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
+    ready, empty = ring_barriers(NUM_STAGES)
 
     args = (q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, dk_desc, dv_desc, M + stats, LOG2L + stats,
             DELTA + stats, kv_row, start_n, col, lo, N_CTX, c, tau, causal)
@@ -167,7 +166,6 @@ def _layout(rows, head_dim):
 def dkdv(q, k, v, do, m, log2l, delta, causal: bool):
     """dk, dv of the package's fix="none" dK/dV pass. q, k, v, do: (batch, seqlen, nheads, headdim) bf16
     contiguous on a Hopper GPU, seqlen % 128 == 0; m, log2l, delta: (batch, nheads, seqlen) fp32."""
-    import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, n, h, d = q.shape
@@ -189,16 +187,16 @@ def dkdv(q, k, v, do, m, log2l, delta, causal: bool):
 def compile_only(head_dim: int):
     """Compile the kernel for sm_90 without a GPU: checks the Gluon code and the layouts."""
     bm, hn = BLOCK_M.value, HALF_N.value
-    tq, tk = tensordesc(bm, head_dim, _layout(bm, head_dim)), tensordesc(hn, head_dim, _layout(hn, head_dim))
+    tq = tensordesc_type(torch.bfloat16, bm, head_dim, _layout(bm, head_dim))
+    tk = tensordesc_type(torch.bfloat16, hn, head_dim, _layout(hn, head_dim))
     sig = {"q_desc": tq, "do_desc": tq, "k_desc": tk, "v_desc": tk, "dk_desc": tk, "dv_desc": tk,
            "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32", "tau": "fp32", "H": "i32", "N_CTX": "i32",
            "causal": "i32"}
-    return compile_sm90(_dkdv_kernel, sig)
+    return aot_compile_sm90(_dkdv_kernel, sig)
 
 
 def run_shape(b, h, n, d, causal):
     """Check dk, dv against the package's fix="none" backward; time against its _dkdv_kernel."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
     from triton.testing import do_bench
     from lightning_gproj.kernels import attention_bwd, attention_fwd
@@ -221,6 +219,22 @@ def run_shape(b, h, n, d, causal):
           f"gluon {flops / t_g * 1e-9:.0f}, package {flops / t_p * 1e-9:.0f} (one profiled call)", flush=True)
 
 
+def main(argv=None) -> int:
+    """``--compile-only`` compiles for head dims 64 and 128 (no GPU) and prints each one's shared memory;
+    otherwise :func:`run_shape` for each of ``--shapes`` ("B,H,N,d,causal;...")."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 (no GPU needed) and report")
+    ap.add_argument("--shapes", default="4,16,2048,128,0;4,16,2048,128,1;1,16,8192,128,1;2,16,4096,64,1")
+    args = ap.parse_args(argv)
+    if args.compile_only:
+        for d in (64, 128):
+            print(f"d {d}: compiled for sm_90, shared memory {compile_only(d).metadata.shared} B", flush=True)
+        return 0
+    for spec in args.shapes.split(";"):
+        b, h, n, d, causal = (int(x) for x in spec.split(","))
+        run_shape(b, h, n, d, bool(causal))
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(probe_main(__doc__, "4,16,2048,128,0;4,16,2048,128,1;1,16,8192,128,1;2,16,4096,64,1", compile_only,
-                        run_shape))
+    sys.exit(main())

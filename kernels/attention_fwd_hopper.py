@@ -45,7 +45,7 @@ try:  # Gluon ships with Triton >= 3.4; the TMA copies were renamed after 3.6.
 except Exception as exc:  # pragma: no cover - depends on the Triton build
     GLUON_ERROR = f"{exc.__class__.__name__}: {exc}"
 
-__all__ = ["forward", "serves", "accepts", "compile_sm90", "BLOCK_M"]
+__all__ = ["forward", "serves", "accepts", "compile_sm90", "aot_compile_sm90", "tensordesc_type", "BLOCK_M"]
 
 #: Query rows per program (two consumers of 64) and keys per K/V tile; the served seqlen's multiple.
 BLOCK_M = 128
@@ -70,6 +70,17 @@ if GLUON_ERROR is None:
         mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
         tma_load(a_desc, [a_row, a_col], ready.index(s), a_smem.index(s))
         tma_load(b_desc, [b_row, b_col], ready.index(s), b_smem.index(s))
+
+    @gluon.jit
+    def ring_barriers(NUM_STAGES: gl.constexpr):
+        """The ``ready`` / ``empty`` mbarriers of a NUM_STAGES-slot ring that a TMA loader fills (one arrival
+        with the bytes expected) and two consumers release (``empty`` counts both arrivals)."""
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        return ready, empty
 
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, q_col, k_row, k_col,
@@ -191,12 +202,8 @@ if GLUON_ERROR is None:
         k_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_N, HEAD_DIM], v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [_NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [_NUM_STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        for s in gl.static_range(_NUM_STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
+        ready, empty = ring_barriers(_NUM_STAGES)
 
         consumer_args = (q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, stats, stats2, o_row, row0, o_col, hi, c,
                          causal)
@@ -320,21 +327,34 @@ def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple
     Returns the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``). Raises RuntimeError if Gluon is
     not importable.
     """
+    _require_gluon()
+    qo_layout, kv_layout = _layouts(head_dim, dtype)
+    qo = tensordesc_type(dtype, _HALF_M.value, head_dim, qo_layout)
+    kv = tensordesc_type(dtype, _BLOCK_N.value, head_dim, kv_layout)
+    sig = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "M": "*fp32", "LOG2L": "*fp32", "c": "fp32",
+           "H": "i32", "GROUP": "i32", "N_CTX": "i32", "causal": "i32", **{f"{t}_{w}": "i32" for t in "qkv" for w in ("rb", "rh", "ch")}}
+    return aot_compile_sm90(_hopper_fwd_kernel, sig, {arg: 1 for arg in ones})
+
+
+def _require_gluon() -> None:
     if GLUON_ERROR is not None:
         raise RuntimeError(f"Gluon is not available in this Triton: {GLUON_ERROR}")
+
+
+def tensordesc_type(dtype: torch.dtype, rows: int, head_dim: int, layout) -> str:
+    """The signature type of a bf16 / fp16 [rows, head_dim] tensor-descriptor argument with that shared layout."""
+    return f"tensordesc<{'bf16' if dtype == torch.bfloat16 else 'fp16'}[{rows}, {head_dim}],{layout!r}>"
+
+
+def aot_compile_sm90(kernel, signature: dict, constants: dict | None = None):
+    """Compile a Gluon kernel for sm_90 without a GPU (Triton's ahead-of-time path, its bundled ptxas), 4 warps
+    in the default partition; ``constants`` maps arguments to the values compiled in (their signature type
+    becomes constexpr). Raises RuntimeError if Gluon is not importable."""
+    _require_gluon()
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    qo_layout, kv_layout = _layouts(head_dim, dtype)
-    name = "bf16" if dtype == torch.bfloat16 else "fp16"
-
-    def td(rows, layout):
-        return f"tensordesc<{name}[{rows}, {head_dim}],{layout!r}>"
-
-    hm, bn = _HALF_M.value, _BLOCK_N.value
-    sig = {"q_desc": td(hm, qo_layout), "k_desc": td(bn, kv_layout), "v_desc": td(bn, kv_layout),
-           "o_desc": td(hm, qo_layout), "M": "*fp32", "LOG2L": "*fp32", "c": "fp32", "H": "i32", "GROUP": "i32",
-           "N_CTX": "i32", "causal": "i32", **{f"{t}_{w}": "i32" for t in "qkv" for w in ("rb", "rh", "ch")}}
-    sig.update({name: "constexpr" for name in ones})
-    return triton.compile(GluonASTSource(_hopper_fwd_kernel, sig, {name: 1 for name in ones}), target=GPUTarget("cuda", 90, 32),
+    constants = constants or {}
+    signature = {**signature, **{arg: "constexpr" for arg in constants}}
+    return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4})

@@ -82,6 +82,7 @@ def hopper_check(dev):
     o, m, log2l against reference.py and against the tl.dot forward (GPROJ_HOPPER_FWD=0), the backward fed
     its m and log2l against reference.py's backward, and the constant checks of DESIGN.md §5 (o exact)."""
     import os
+    from unittest import mock
     worst = 0.0
     for (b, n, h, hk, d, causal, dt) in [(2, 1024, 8, 2, 128, False, torch.bfloat16), (2, 1024, 8, 2, 128, True, torch.bfloat16),
                                          (1, 512, 4, 4, 64, True, torch.float16), (2, 256, 4, 1, 128, False, torch.float16),
@@ -97,9 +98,8 @@ def hopper_check(dev):
         tau = d ** -0.5
         served = HF.serves(q, k, v)
         o, m, l2 = F.forward(q, k, v, tau, causal)
-        os.environ["GPROJ_HOPPER_FWD"] = "0"
-        o_t, m_t, l_t = F.forward(q, k, v, tau, causal)
-        del os.environ["GPROJ_HOPPER_FWD"]
+        with mock.patch.dict(os.environ, {"GPROJ_HOPPER_FWD": "0"}):  # the tl.dot forward; restores the variable
+            o_t, m_t, l_t = F.forward(q, k, v, tau, causal)
         o_r, m_r, l_r = R.forward(q, k, v, tau, causal)
         g = B.backward(do, q, k, v, o, m, l2, tau, causal, "gproj", False)
         g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, "gproj", False)

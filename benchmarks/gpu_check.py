@@ -1,7 +1,7 @@
 """GPU smoke check of the Triton kernels against kernels/reference.py (run on the device machine).
 
 Usage: python benchmarks/gpu_check.py [--quick-speed] [--skip-cases] [--ds-formats bf16,e4m3,e5m2]
-       [--cases base,features,dropout,varlen,hopper]
+       [--cases base,features,dropout,varlen,hopper,hopper_bwd]
 (the cases include sliding windows and softcap, every fix, and their constant checks)
 
 Prints relative Frobenius differences Triton vs reference (same rounding points: expect <~1e-3,
@@ -21,6 +21,7 @@ import torch
 
 from lightning_gproj.kernels import attention_bwd as B
 from lightning_gproj.kernels import attention_fwd as F
+from lightning_gproj.kernels import attention_bwd_hopper as HB
 from lightning_gproj.kernels import attention_fwd_hopper as HF
 from lightning_gproj.kernels import reference as R
 
@@ -118,6 +119,59 @@ def hopper_check(dev):
     print("hopper worst rel diff vs reference (o, grads):", worst, flush=True)
 
 
+def hopper_bwd_check(dev):
+    """The sm_90 Gluon dK/dV pass (kernels/attention_bwd_hopper.py) through attention_bwd.backward's dispatch:
+    dq, dk, dv against reference.py and against the tl.dot dK/dV kernel (GPROJ_HOPPER_BWD=0) for fix none, gproj
+    and gproj_uniform; GQA, fp16, heads-major q / v, a do that needs a copy; an fp32 dk (C2: |Σ_j dk_j| relative
+    to Σ_j |dk_j|, expect ~1e-7 for gproj on both paths); head dim 64 must not be served."""
+    import os
+    from unittest import mock
+    worst = 0.0
+    for (b, n, h, hk, d, causal, dt) in [(2, 1024, 8, 2, 128, False, torch.bfloat16), (2, 1024, 8, 2, 128, True, torch.bfloat16),
+                                         (1, 512, 4, 4, 128, True, torch.float16), (2, 1024, 8, 8, 128, True, "bhsd"),
+                                         (1, 384, 2, 2, 64, False, torch.bfloat16)]:
+        odd = dt == "bhsd"  # q, v in (B, H, N, d) memory, do a strided slice (copied for the kernel)
+        dt = torch.bfloat16 if odd else dt
+        q = torch.randn(b, n, h, d, device=dev, dtype=dt)
+        k = (torch.randn(b, n, hk, d, device=dev) + 2.0).to(dt)
+        v = torch.randn(b, n, hk, d, device=dev, dtype=dt)
+        do = torch.randn(b, n, h, d, device=dev, dtype=dt)
+        if odd:
+            q, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, v))
+            wide = torch.zeros(b, n, h, d + 16, device=dev, dtype=dt)
+            wide[..., :d] = do
+            do = wide[..., :d]
+        tau = d ** -0.5
+        o_r, m_r, l_r = R.forward(q, k, v, tau, causal)
+        row = [f"served={HB.serves(q, k, v, do)}"]
+        for fix in ("none", "gproj", "gproj_uniform"):
+            g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix)
+            with mock.patch.dict(os.environ, {"GPROJ_HOPPER_BWD": "0"}):
+                g_t = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix)
+            g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix)
+            errs = [rel(x, y) for x, y in zip(g[:3], g_r[:3])]
+            worst = max(worst, *errs)
+            nan = any(torch.isnan(x).any().item() for x in g[:3])
+            row.append(f"{fix}: vs reference " + "/".join(f"{e:.1e}" for e in errs) + " vs tl.dot "
+                       + "/".join(f"{rel(x, y):.1e}" for x, y in zip(g[:3], g_t[:3])) + (" NAN" if nan else ""))
+        print(f"hopper_bwd {(b, n, h, hk, d, causal, str(dt)[6:], 'q,v (B,H,N,d), strided do' if odd else '')}", "; ".join(row),
+              flush=True)
+    for causal in (False, True):
+        b, n, h, hk, d = 2, 1024, 8, 2, 128
+        q = torch.randn(b, n, h, d, device=dev, dtype=torch.bfloat16)
+        k = (torch.randn(b, n, hk, d, device=dev) + 2.0).bfloat16()
+        v = torch.randn(b, n, hk, d, device=dev, dtype=torch.bfloat16)
+        do = torch.randn(b, n, h, d, device=dev, dtype=torch.bfloat16)
+        o_r, m_r, l_r = R.forward(q, k, v, d ** -0.5, causal)
+        c2 = []
+        for env in ("1", "0"):
+            with mock.patch.dict(os.environ, {"GPROJ_HOPPER_BWD": env}):
+                dk = B.backward(do, q, k, v, o_r, m_r, l_r, d ** -0.5, causal, "gproj", grad_dtype=torch.float32)[1]
+            c2.append((dk.double().sum(1).abs() / dk.double().abs().sum(1)).max().item())
+        print(f"hopper_bwd fp32 dk causal={causal}: C2 Gluon {c2[0]:.1e}, tl.dot {c2[1]:.1e}", flush=True)
+    print("hopper_bwd worst rel diff vs reference (grads):", worst, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick-speed", action="store_true")
@@ -126,11 +180,11 @@ def main():
     ap.add_argument("--cases", default="base,features,varlen,hopper",
                     help="which Triton-vs-reference groups to run: base (8 shapes, every fix), features (windows, "
                          "softcap), dropout (attention dropout, the reference drawing the kernels' mask), varlen "
-                         "(packed sequences), hopper (the sm_90 Gluon forward)")
+                         "(packed sequences), hopper (the sm_90 Gluon forward), hopper_bwd (the sm_90 Gluon dK/dV pass)")
     args = ap.parse_args()
     groups = set(args.cases.split(","))
-    if not groups <= {"base", "features", "dropout", "varlen", "hopper"}:
-        ap.error(f"--cases takes base, features, dropout, varlen, hopper; got {args.cases!r}")
+    if not groups <= {"base", "features", "dropout", "varlen", "hopper", "hopper_bwd"}:
+        ap.error(f"--cases takes base, features, dropout, varlen, hopper, hopper_bwd; got {args.cases!r}")
     if args.skip_cases:
         groups = set()
     import triton
@@ -208,6 +262,8 @@ def main():
         varlen_check(dev)
     if "hopper" in groups:
         hopper_check(dev)
+    if "hopper_bwd" in groups:
+        hopper_bwd_check(dev)
     for cval in (133120.0, 1000.0):
         for causal in (False, True):
             x = torch.full((1, 1000, 2, 128), cval, device=dev, dtype=torch.bfloat16)

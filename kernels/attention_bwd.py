@@ -25,6 +25,9 @@ Two launches, rounding at the points of kernels/reference.py (DESIGN.md §3, §4
    * "fold": folded into dS before its rounding, dS' = P∘(dP − (D + r)) — zero extra GEMMs
      (``dk_fold=True``; DESIGN.md §4.1 table: slightly less accurate dK).
    The choice of default is recorded in benchmarks/NOTES.md with the measurements behind it.
+   On an sm_90 GPU, for the dense inputs of kernels/attention_bwd_hopper.py (head dim 128, no padding,
+   window, softcap, dropout or packing; fix "none", "gproj" with the "gemm" schedule, or the PyTorch
+   "gproj_uniform"), this pass runs as that module's warp-specialized Gluon kernel: same rounding points.
 
 fix="gproj_uniform" (the orthogonal projection) runs both passes without corrections, with fp32 dq/dk
 outputs, and applies the rank-one corrections in PyTorch (O(N·d): prefix means / suffix sums when
@@ -52,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lightning_gproj.kernels import attention_bwd_hopper
 from lightning_gproj.kernels._triton_utils import (
     INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_groups,
     dropout_keep, in_window, interpreting, load_pair, load_rows, mma, on_input_device, padded_head_dim, rcp_ftz,
@@ -807,7 +811,16 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
         IS_VARLEN=packed, INTERP=INTERPRET, STORE_QR=dk_mode == _DK_GEMM, **wconst,
     )
 
-    dk = torch.empty((b, nk, hk, d), dtype=torch.float32 if out32[1] else k.dtype, device=dev)
+    dk_dtype = torch.float32 if out32[1] else k.dtype
+    if (not packed and not has_seqlens and ds_bits == 0 and dk_mode != _DK_FOLD and not uniform
+            and not (win["WINDOW"] or win["SOFTCAP"] or drop["DROPOUT"]) and attention_bwd_hopper.serves(q, k, v, do)):
+        # sm_90, dense: the warp-specialized Gluon dK/dV pass (same rounding points, kernels/attention_bwd_hopper.py).
+        dk, dv, key_sums = attention_bwd_hopper.dkdv(
+            q, k, v, do, m, log2l, delta, qr if dk_mode == _DK_GEMM else None, c, tau, causal, dk_dtype, gdv,
+            want_key_sums)
+        return (dq, dk, dv, (r if need_r else None), (abs_ds if want_stats else None),
+                (leak if want_stats else None), key_sums)
+    dk = torch.empty((b, nk, hk, d), dtype=dk_dtype, device=dev)
     dv = torch.empty((b, nk, hk, d), dtype=gdv, device=dev)
     # Per-block key sums of dk: one slot per key block of the smallest BLOCK_N any config uses.
     slots = triton.cdiv(grid_k, _MIN_BLOCK_N) if want_key_sums else 1

@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# The sm_90 Gluon forward (kernels/attention_fwd_hopper.py) on one H200, one device call, nothing to carry:
-#   bash benchmarks/hopper_fwd_device.sh [phase ...]     (default: check c2 base ab; train in a call of its own)
+# The sm_90 Gluon kernels (kernels/attention_fwd_hopper.py, kernels/attention_bwd_hopper.py) on one H200, one
+# device call, nothing to carry:
+#   bash benchmarks/hopper_device.sh [phase ...]     (default: check c2 base ab; train in a call of its own)
 # check: gpu_check.py --cases hopper: the Gluon forward against reference.py and the tl.dot forward, the
 #        backward fed its statistics, a heads-major case, the constants of DESIGN.md §5;
 # c2:    gpu_check.py --skip-cases, autotuned: the constants and the op under autocast with an fp32 k, whose
 #        C2 (Σ_j dK_j = 0 to fp32 rounding, ~1e-7) the PyTorch projection over the dK/dV kernel's key sums enforces;
 # base:  gpu_check.py --cases base: the 8 base cases, every fix, Triton against reference.py (AUTOTUNE=0);
+# bwdcheck: gpu_check.py --cases hopper_bwd: the Gluon dK/dV pass against reference.py and the tl.dot one;
+# bwdab: backward A/B on the 8 shapes, fix gproj and none, AUTOTUNE=0: GPROJ_HOPPER_BWD=0 (tl.dot dK/dV)
+#        against the default (Gluon where served), cuDNN in the second run;
 # ab:    forward A/B on the 8 shapes of attention.py, fix none, AUTOTUNE=0: GPROJ_HOPPER_FWD=0 (tl.dot)
 #        against the default (Gluon where served), cuDNN in the second run;
 # train: train_step.py, both Llama configurations, arms cudnn / gproj / none (nothing else on the GPU);
 #        ROUNDS=R runs the arms R times in alternating order (train_step.py --rounds; limit 200·R s).
-# Each phase has its own limit (100, 120, 150, 2×100, 200·R s): pick phases so that they end inside 600 s
-# (all five together may take 770 s).
+# Each phase has its own limit (check 100, c2 120, base 220, bwdcheck 150, ab and bwdab 2×100, train 200·R s):
+# pick phases so that they end inside 600 s.
 set -u
 phases=${*:-check c2 base ab}
 rm -rf /tmp/site
@@ -27,7 +31,7 @@ for phase in $phases; do
       timeout 120 python3 benchmarks/gpu_check.py --skip-cases > "$OUT/gpu_check_c2.log" 2>&1
       echo "c2 rc=$?"; grep -E "constant|autocast" "$OUT/gpu_check_c2.log" ;;
     base)
-      GPROJ_TRITON_AUTOTUNE=0 timeout 150 python3 benchmarks/gpu_check.py --cases base > "$OUT/gpu_check_base.log" 2>&1
+      GPROJ_TRITON_AUTOTUNE=0 timeout 220 python3 benchmarks/gpu_check.py --cases base > "$OUT/gpu_check_base.log" 2>&1
       echo "base rc=$?"; grep -E "worst|^\(" "$OUT/gpu_check_base.log" ;;
     ab)
       for f in 0 1; do
@@ -37,10 +41,21 @@ for phase in $phases; do
         echo "fwd A/B GPROJ_HOPPER_FWD=$f rc=$?"; rm -f "$OUT/fwd_hopper$f"/*.png "$OUT/fwd_hopper$f"/*.json
         grep -A12 "### fwd TFLOP" "$OUT/fwd_hopper$f/attention.md"
       done ;;
+    bwdcheck)
+      GPROJ_TRITON_AUTOTUNE=0 timeout 150 python3 benchmarks/gpu_check.py --cases hopper_bwd > "$OUT/gpu_check_hopper_bwd.log" 2>&1
+      echo "bwdcheck rc=$?"; grep -E "hopper_bwd" "$OUT/gpu_check_hopper_bwd.log" ;;
+    bwdab)
+      for f in 0 1; do
+        methods=gproj,none; [[ $f == 1 ]] && methods=gproj,none,cudnn
+        GPROJ_HOPPER_BWD=$f GPROJ_TRITON_AUTOTUNE=0 timeout 100 python3 benchmarks/attention.py --out "$OUT/bwd_hopper$f" \
+          --methods "$methods" > "/tmp/bwd_hopper$f.log" 2>&1
+        echo "bwd A/B GPROJ_HOPPER_BWD=$f rc=$?"; rm -f "$OUT/bwd_hopper$f"/*.png "$OUT/bwd_hopper$f"/*.json
+        grep -B1 -A11 "### bwd TFLOP" "$OUT/bwd_hopper$f/attention.md"; grep -A11 "### fwd+bwd TFLOP" "$OUT/bwd_hopper$f/attention.md"
+      done ;;
     train)
       timeout $((200 * ${ROUNDS:-1})) python3 benchmarks/train_step.py --out "$OUT/results/train_step_latest.json" --arms cudnn,gproj,none ${ROUNDS:+--rounds $ROUNDS} \
         --warmup 5 --steps 15 > "$OUT/train_step.log" 2>&1
       echo "train rc=$?"; grep -E "step .* ms" "$OUT/train_step.log"; tail -n 12 "$OUT/train_step.log" ;;
-    *) echo "unknown phase $phase (check, c2, base, ab, train)"; exit 2 ;;
+    *) echo "unknown phase $phase (check, c2, base, bwdcheck, ab, bwdab, train)"; exit 2 ;;
   esac
 done

@@ -1,0 +1,355 @@
+"""A warp-specialized dK/dV pass for Hopper (sm_90), written in Gluon (issue 12, levers 1 and 3).
+
+Pass 2 of :func:`lightning_gproj.kernels.attention_bwd.backward` for ``fix="none"`` and for ``fix="gproj"``
+with its dK term as its own GEMM (the default schedule); the dQ pass stays the ``tl.dot`` kernel and runs
+first, writing D = rowsum(dO∘O), and for gproj the operand bf16(−ρ∘Q) (kernels/attention_bwd.py). Same
+rounding points as that module's dK/dV kernel and kernels/reference.py:
+
+    Sᵀ = K Qᵀ (fp32), Pᵀ = exp2((Sᵀ − m)·τ·log2e − log2l) (the forward's FMA-safe exponent), P̃ = P rounded,
+    dV += P̃ᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − D), dS̃ = dS rounded, dK += dS̃ᵀ Q,
+    gproj: dK += P̃ᵀ (−ρ∘Q), then dk = τ dK,
+
+all accumulated in fp32; only the order of the fp32 additions differs from the tl.dot kernel.
+
+Layout (FA3's dK/dV loop in Gluon's explicit partitions): one program per (128 keys, batch·kv head); a
+1-warp loader partition loads the program's K, V rows once and streams (Q, dO[, −ρ∘Q]) tiles of 64 query
+rows by TMA through a 2-slot ring, over the query heads of the GQA group; two 4-warp consumers (the default
+partition and one worker) own 64 keys each, with their K, V rows and fp32 dK, dV accumulators resident,
+share every slot, and run the GEMMs as asynchronous wgmma with P̃ᵀ and dS̃ᵀ as register A operands (Sᵀ
+and dPᵀ issued together; dPᵀ waited for after dV's GEMM is issued). Causal: a key block starts at its own
+query rows and masks only the query tiles that reach into it.
+
+Served (:func:`serves`): the inputs of the Gluon forward (kernels/attention_fwd_hopper.accepts: bf16 /
+fp16, (batch, seqlen, nheads, headdim) or (batch, nheads, seqlen, headdim) memory per tensor, seqlen_q =
+seqlen_k a multiple of 128, GQA) at head dim 128 only — at 64 the Gluon pass was not faster than the tl.dot
+one (benchmarks/NOTES.md, run 19: 358 vs 367 TFLOP/s) —, dS rounded to the input dtype, no key padding,
+window, softcap, dropout or packed sequences. dk, dv in 16-bit or fp32; with an fp32 dk the per-64-key
+sums Σ_j dk_j of the stored values, for the C2 projection (kernels/reference.project_key_sum_).
+``GPROJ_HOPPER_BWD=0`` keeps every call on the tl.dot kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from lightning_gproj.kernels._triton_utils import interpreting
+from lightning_gproj.kernels.attention_fwd_hopper import GLUON_ERROR, _tma_view, accepts as _fwd_accepts
+
+if GLUON_ERROR is None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+    from lightning_gproj.kernels.attention_fwd_hopper import aot_compile_sm90, ring_barriers, tensordesc_type, tma_load
+
+__all__ = ["dkdv", "serves", "accepts", "compile_sm90", "BLOCK_N", "HEAD_DIMS", "KEYS_PER_SUM"]
+
+#: Keys per program (two consumers of 64); query rows per streamed tile; keys per key-sum slot.
+BLOCK_N = 128
+KEYS_PER_SUM = 64
+HEAD_DIMS = (128,)
+
+if GLUON_ERROR is None:
+    # Module constants: the partitions of gl.warp_specialize receive their arguments as IR values.
+    _BLOCK_N = gl.constexpr(BLOCK_N)
+    _HALF_N = gl.constexpr(BLOCK_N // 2)
+    _BLOCK_M = gl.constexpr(64)
+    _NUM_STAGES = gl.constexpr(2)
+
+    @gluon.jit
+    def _loader(q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready,
+                empty, k_row, k_col, v_row, v_col, q_b, q_rh, q_ch, do_b, do_rh, do_ch, qr_b, qr_rh, qr_ch, h0, GROUP,
+                lo, N_CTX, GPROJ: gl.constexpr):
+        # The program's K and V rows, once, as two halves of 64 keys (one per consumer).
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+        for half in gl.static_range(2):
+            tma_load(k_desc, [k_row + half * _HALF_N, k_col], kv_bar, k_smem.index(half))
+            tma_load(v_desc, [v_row + half * _HALF_N, v_col], kv_bar, v_smem.index(half))
+        i = 0
+        for g in range(GROUP):
+            h = h0 + g
+            for start_m in range(lo, N_CTX, _BLOCK_M):
+                s = i % _NUM_STAGES
+                mbarrier.wait(empty.index(s), ((i // _NUM_STAGES) & 1) ^ 1)  # both consumers released the slot
+                if GPROJ:
+                    mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                    + qr_desc.block_type.nbytes)
+                else:
+                    mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                tma_load(q_desc, [q_b + h * q_rh + start_m, h * q_ch], ready.index(s), q_smem.index(s))
+                tma_load(do_desc, [do_b + h * do_rh + start_m, h * do_ch], ready.index(s), do_smem.index(s))
+                if GPROJ:
+                    tma_load(qr_desc, [qr_b + h * qr_rh + start_m, h * qr_ch], ready.index(s), qr_smem.index(s))
+                i += 1
+
+    @gluon.jit
+    def _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA,
+                  half, GPROJ: gl.constexpr, CAUSAL: gl.constexpr, start_n, out_row, out_col, out_stride, stats0, GROUP,
+                  lo, N_CTX, c, tau, key_sums):
+        HEAD_DIM: gl.constexpr = k_smem.shape[2]
+        dtype: gl.constexpr = k_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, _BLOCK_M, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # along the query rows of a [keys, queries] tile
+        key_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        key0 = start_n + half * _HALF_N
+        keys = key0 + gl.arange(0, _HALF_N, layout=key_s)
+        dk = gl.zeros([_HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
+        dv = gl.zeros([_HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
+        zero = gl.zeros([_HALF_N, _BLOCK_M], gl.float32, layout=s_layout)
+        k = k_smem.index(half)
+        v = v_smem.index(half)
+        mbarrier.wait(kv_bar, 0)
+        i = 0
+        for g in range(GROUP):
+            stats = stats0 + g * N_CTX  # row statistics of query head h0 + g: (batch, nheads, seqlen) fp32
+            for start_m in range(lo, N_CTX, _BLOCK_M):
+                st = i % _NUM_STAGES
+                rows = start_m + gl.arange(0, _BLOCK_M, layout=row_s)
+                mbarrier.wait(ready.index(st), (i // _NUM_STAGES) & 1)
+                q = q_smem.index(st)
+                do = do_smem.index(st)
+                sT = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+                dpT = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+                sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
+                # m, log2l loaded here, not before the GEMMs: live across them they spilled (Triton 3.6).
+                m = gl.load(M + stats + rows)
+                l2 = gl.load(LOG2L + stats + rows)
+                # The forward's exponent: (s − m) is exactly 0 at the row max, then scale, then normalize.
+                pT = gl.exp2((sT - m[None, :]) * c - l2[None, :])
+                if CAUSAL:
+                    if start_m < key0 + _HALF_N:  # the tile reaches into these keys: mask keys past the row
+                        pT = gl.where(keys[:, None] <= rows[None, :], pT, 0.0)
+                p16 = gl.convert_layout(pT.to(dtype), a_layout)  # rounding point: P̃
+                dv = warpgroup_mma(p16, do, dv, is_async=True)
+                if GPROJ:
+                    # GProj's dK term P̃ᵀ(−ρ∘Q), its B operand rounded once per query row by the dQ pass.
+                    dk = warpgroup_mma(p16, qr_smem.index(st), dk, is_async=True)
+                    dpT = warpgroup_mma_wait(num_outstanding=2, deps=(dpT,))
+                else:
+                    dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
+                di = gl.load(DELTA + stats + rows)  # loaded where dS needs it: shorter-lived, fewer spills
+                ds16 = gl.convert_layout((pT * (dpT - di[None, :])).to(dtype), a_layout)  # rounding point: dS̃
+                dk = warpgroup_mma(ds16, q, dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+                mbarrier.arrive(empty.index(st), count=1)
+                i += 1
+        dk = dk * tau
+        out_rows = (out_row + half * _HALF_N + gl.arange(0, _HALF_N, layout=gl.SliceLayout(1, acc_layout))).to(gl.int64)
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        offs = out_rows[:, None] * out_stride + out_col + cols[None, :]
+        gl.store(DK + offs, dk.to(DK.dtype.element_ty))
+        gl.store(DV + offs, dv.to(DV.dtype.element_ty))
+        if key_sums != 0:  # dk is fp32 here: Σ over these 64 keys of the values just stored
+            gl.store(KS + half * HEAD_DIM + cols, gl.sum(dk, axis=0))
+
+    # The partitions, one per (GPROJ, CAUSAL): constexpr arguments do not survive gl.warp_specialize, and with
+    # the mask's code compiled in for non-causal calls the consumers spilled ~4× more (Triton 3.6's ptxas).
+    @gluon.jit
+    def _consumer_none_full(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA,
+                  start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau, key_sums, half):
+        _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, half,
+                  False, False, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau,
+                  key_sums)
+
+    @gluon.jit
+    def _consumer_none_causal(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA,
+                  start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau, key_sums, half):
+        _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, half,
+                  False, True, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau,
+                  key_sums)
+
+    @gluon.jit
+    def _consumer_gproj_full(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA,
+                  start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau, key_sums, half):
+        _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, half,
+                  True, False, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau,
+                  key_sums)
+
+    @gluon.jit
+    def _consumer_gproj_causal(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA,
+                  start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau, key_sums, half):
+        _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, half,
+                  True, True, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau,
+                  key_sums)
+
+    @gluon.jit
+    def _loader_none(q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar,
+                     ready, empty, k_row, k_col, v_row, v_col, q_b, q_rh, q_ch, do_b, do_rh, do_ch, qr_b, qr_rh, qr_ch,
+                     h0, GROUP, lo, N_CTX):
+        _loader(q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready,
+                empty, k_row, k_col, v_row, v_col, q_b, q_rh, q_ch, do_b, do_rh, do_ch, qr_b, qr_rh, qr_ch, h0, GROUP,
+                lo, N_CTX, False)
+
+    @gluon.jit
+    def _loader_gproj(q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar,
+                      ready, empty, k_row, k_col, v_row, v_col, q_b, q_rh, q_ch, do_b, do_rh, do_ch, qr_b, qr_rh, qr_ch,
+                      h0, GROUP, lo, N_CTX):
+        _loader(q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready,
+                empty, k_row, k_col, v_row, v_col, q_b, q_rh, q_ch, do_b, do_rh, do_ch, qr_b, qr_rh, qr_ch, h0, GROUP,
+                lo, N_CTX, True)
+
+    @gluon.jit
+    def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, DK, DV, KS, M, LOG2L, DELTA, c, tau, H, GROUP,
+                            N_CTX, key_sums, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb, qr_rh, qr_ch,
+                            k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, GPROJ: gl.constexpr, CAUSAL: gl.constexpr):
+        # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch)
+        # (kernels/attention_fwd_hopper._tma_view). dk, dv: (batch, seqlen, nheads_k, headdim) contiguous.
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+        dtype: gl.constexpr = q_desc.dtype
+        pid_n = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        HK = H // GROUP
+        b = pid_bh // HK
+        hk = pid_bh % HK
+        h0 = hk * GROUP
+        start_n = pid_n * _BLOCK_N
+        lo = 0
+        if CAUSAL:
+            lo = start_n  # earlier query rows see none of these keys (seqlen_q = seqlen_k)
+        stats0 = (b * H + h0).to(gl.int64) * N_CTX
+        ks = KS + pid_bh.to(gl.int64) * (N_CTX // _HALF_N) * HEAD_DIM + pid_n * 2 * HEAD_DIM
+
+        q_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_M, HEAD_DIM], do_desc.layout)
+        if GPROJ:
+            qr_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_M, HEAD_DIM], qr_desc.layout)
+        else:
+            qr_smem = q_smem  # not read
+        k_smem = gl.allocate_shared_memory(dtype, [2, _HALF_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, _HALF_N, HEAD_DIM], v_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        ready, empty = ring_barriers(_NUM_STAGES)
+
+        # The two consumers' arguments differ in the last one, their half of the keys (Gluon has no *tuple).
+        out_row = b * N_CTX + start_n
+        args0 = (q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, ks, M, LOG2L, DELTA, start_n,
+                 out_row, hk * HEAD_DIM, HK * HEAD_DIM, stats0, GROUP, lo, N_CTX, c, tau, key_sums, 0)
+        args1 = (q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, ks, M, LOG2L, DELTA, start_n,
+                 out_row, hk * HEAD_DIM, HK * HEAD_DIM, stats0, GROUP, lo, N_CTX, c, tau, key_sums, 1)
+        loader_args = (q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar,
+                       ready, empty, b * k_rb + hk * k_rh + start_n, hk * k_ch, b * v_rb + hk * v_rh + start_n,
+                       hk * v_ch, b * q_rb, q_rh, q_ch, b * do_rb, do_rh, do_ch, b * qr_rb, qr_rh, qr_ch, h0, GROUP, lo,
+                       N_CTX)
+        # 240 registers for each consumer, 24 for the loader: the register file's even split (run 18's probe:
+        # fewer spills than 232 / 248).
+        if GPROJ:
+            if CAUSAL:
+                gl.warp_specialize([(_consumer_gproj_causal, args0), (_consumer_gproj_causal, args1),
+                                    (_loader_gproj, loader_args)], [4, 1], [240, 24])
+            else:
+                gl.warp_specialize([(_consumer_gproj_full, args0), (_consumer_gproj_full, args1),
+                                    (_loader_gproj, loader_args)], [4, 1], [240, 24])
+        else:
+            if CAUSAL:
+                gl.warp_specialize([(_consumer_none_causal, args0), (_consumer_none_causal, args1),
+                                    (_loader_none, loader_args)], [4, 1], [240, 24])
+            else:
+                gl.warp_specialize([(_consumer_none_full, args0), (_consumer_none_full, args1),
+                                    (_loader_none, loader_args)], [4, 1], [240, 24])
+
+
+def enabled() -> bool:
+    """GPROJ_HOPPER_BWD=0 keeps every call on the ``tl.dot`` dK/dV kernel (A/B timing, escape hatch)."""
+    return os.environ.get("GPROJ_HOPPER_BWD", "1") != "0"
+
+
+def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
+    """The shape, dtype and layout half of :func:`serves` (any device): the Gluon forward's inputs
+    (kernels/attention_fwd_hopper.accepts) at head dim 128, do shaped like q in its dtype (any strides: a do
+    that is not in a served memory order is copied). Never raises."""
+    return (_fwd_accepts(q, k, v) and q.shape[3] in HEAD_DIMS and do.shape == q.shape and do.dtype == q.dtype)
+
+
+def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
+    """Whether :func:`dkdv` serves these (already validated) inputs: an sm_90 GPU (not the interpreter, Gluon
+    importable, GPROJ_HOPPER_BWD not 0) and :func:`accepts`. The caller checks the rest (fix "none" or "gproj"
+    with its own-GEMM dK term, ds_format "bf16", no key padding, window, softcap, dropout or packing). Never
+    raises."""
+    if GLUON_ERROR is not None or interpreting() or not enabled() or q.device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(q.device) == (9, 0) and accepts(q, k, v, do)
+
+
+def _layout(head_dim: int, dtype: torch.dtype):
+    """The shared layout of every [64, head_dim] tile (q, do, −ρ∘Q, and the halves of k, v)."""
+    return gl.NVMMASharedLayout.get_default_for([_BLOCK_M.value, head_dim],
+                                                gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def _descriptors(q, do, qr, k, v):
+    """TMA descriptors of q, do, qr (q when None), k, v and their tile locators (rb, rh, ch), kernel order."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    d = q.shape[3]
+    layout = _layout(d, q.dtype)
+    descs, where = [], []
+    for x in (q, do, q if qr is None else qr):
+        x2, rb, rh, ch = _tma_view(x)
+        descs.append(TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [_BLOCK_M.value, d], layout))
+        where += [rb, rh, ch]
+    for x in (k, v):
+        x2, rb, rh, ch = _tma_view(x)
+        descs.append(TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [_HALF_N.value, d], layout))
+        where += [rb, rh, ch]
+    return descs, where
+
+
+def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causal: bool, dk_dtype: torch.dtype,
+         dv_dtype: torch.dtype, want_key_sums: bool):
+    """The dK/dV pass on Hopper; call only where :func:`serves` is True, after the dQ pass.
+
+    Args:
+        q, k, v, do: as :func:`lightning_gproj.kernels.attention_bwd.backward` takes them (:func:`accepts`).
+        m, log2l: (batch, nheads, seqlen) fp32 from the forward; delta: D = rowsum(dO∘O), same shape, from
+            the dQ pass.
+        qr: None (fix="none") or bf16(−ρ∘Q), (batch, seqlen, nheads, headdim) contiguous in q's dtype, from the
+            dQ pass (fix="gproj": the dK term P̃ᵀ(−ρ∘Q) runs as its own GEMM).
+        c: the exponent's factor τ·log2e. softmax_scale: τ. causal: the causal mask.
+        dk_dtype, dv_dtype: q's dtype or torch.float32.
+        want_key_sums: with an fp32 dk, also Σ_j dk_j over each batch row's keys.
+
+    Returns:
+        dk, dv (batch, seqlen, nheads_k, headdim) contiguous in dk_dtype / dv_dtype (GQA: summed over each kv
+        head's query heads), and key_sums: (batch, nheads_k, headdim) fp64 summed from per-64-key fp32 sums
+        of the stored dk, or None unless ``want_key_sums``.
+    """
+    b, n, h, d = q.shape
+    hk = k.shape[2]
+    if _tma_view(do) is None:
+        do = do.contiguous()
+    dk = torch.empty((b, n, hk, d), dtype=dk_dtype, device=q.device)
+    dv = torch.empty((b, n, hk, d), dtype=dv_dtype, device=q.device)
+    slots = n // KEYS_PER_SUM
+    ks = torch.empty((b, hk, slots, d), dtype=torch.float32, device=q.device) if want_key_sums else delta
+    descs, where = _descriptors(q, do, qr, k, v)
+    _hopper_dkdv_kernel[(n // BLOCK_N, b * hk)](
+        *descs, dk, dv, ks, m, log2l, delta, float(c), float(softmax_scale), h, h // hk, n,
+        int(bool(want_key_sums)), *where, GPROJ=qr is not None, CAUSAL=bool(causal), num_warps=4,
+    )
+    return dk, dv, (ks.sum(dim=2, dtype=torch.float64) if want_key_sums else None)
+
+
+def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
+                 dk_dtype: torch.dtype | None = None, ones: tuple[str, ...] = ()):
+    """Compile the kernel for sm_90 without a GPU (Triton's ahead-of-time path), as CI does: head dim 128, dk
+    in ``dk_dtype`` (default: ``dtype``; torch.float32 for the fp32-dk path), dv in ``dtype``. ``ones`` names
+    integer arguments compiled as the constant 1, as Triton specializes them at launch (``key_sums``,
+    ``GROUP``). Returns the compiled kernel. Raises RuntimeError if Gluon is not importable."""
+    if GLUON_ERROR is not None:
+        raise RuntimeError(f"Gluon is not available in this Triton: {GLUON_ERROR}")
+    d = HEAD_DIMS[0]
+    t = tensordesc_type(dtype, _BLOCK_M.value, d, _layout(d, dtype))
+    ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+    sig = {"q_desc": t, "do_desc": t, "qr_desc": t, "k_desc": t, "v_desc": t, "DK": ptr[dk_dtype or dtype],
+           "DV": ptr[dtype], "KS": "*fp32", "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32",
+           "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "key_sums": "i32",
+           **{f"{x}_{w}": "i32" for x in ("q", "do", "qr", "k", "v") for w in ("rb", "rh", "ch")}}
+    return aot_compile_sm90(_hopper_dkdv_kernel, sig, {"GPROJ": bool(gproj), "CAUSAL": bool(causal), **{arg: 1 for arg in ones}})

@@ -1,0 +1,136 @@
+"""The sm_90 Gluon dK/dV pass (kernels/attention_bwd_hopper.py) on a machine without a GPU.
+
+Its numerics need an H200 (benchmarks/gpu_check.py --cases hopper_bwd: dq, dk, dv against reference.py and the
+tl.dot dK/dV kernel, the fp32-dk C2). What CI can check: the kernel compiles for sm_90 with this Triton (ahead of
+time, Triton's bundled ptxas) in every variant a launch builds, uses the Hopper paths it was written for and fits
+the shared memory; its predicate accepts exactly the inputs it handles; and attention_bwd routes to it only the
+calls whose features it implements (a wrongly routed window or softcap call would lose its mask or its tanh).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gproj.kernels import attention_bwd as B
+from lightning_gproj.kernels import attention_bwd_hopper as HB
+
+#: Shared memory one block may use on sm_90 (227 KB, the CUDA opt-in maximum on H100 / H200).
+SM90_SHARED_MAX = 232448
+
+
+@pytest.mark.parametrize("gproj", [False, True], ids=["none", "gproj"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, dk_dtype, ones", [
+    (torch.bfloat16, None, ()), (torch.float16, None, ("GROUP",)), (torch.bfloat16, torch.float32, ("key_sums",)),
+], ids=["bf16", "fp16-1group", "fp32dk-keysums"])
+def test_compiles_for_sm90_with_wgmma_tma_and_register_split(gproj, causal, dtype, dk_dtype, ones):
+    kernel = HB.compile_sm90(dtype, gproj, causal, dk_dtype, ones)
+    ptx = kernel.asm["ptx"]
+    assert ".target sm_90a" in ptx
+    # Two consumers × (Sᵀ, dPᵀ, dV, dK [, GProj's dK term]) per (Q, dO) tile, as warp-group MMAs.
+    assert ptx.count("wgmma.mma_async") >= 2 * (5 if gproj else 4)
+    assert "cp.async.bulk.tensor" in ptx  # TMA loads of k, v, q, do (and −ρ∘Q)
+    assert "mbarrier" in ptx
+    assert "setmaxnreg" in ptx  # the loader gives its registers to the consumers
+    assert 0 < kernel.metadata.shared <= SM90_SHARED_MAX
+
+
+def _t(b=2, n=256, h=4, d=128, dtype=torch.bfloat16):
+    return torch.zeros(b, n, h, d, dtype=dtype)
+
+
+def test_accepts_the_shapes_it_is_written_for():
+    assert HB.accepts(_t(), _t(h=2), _t(h=2), _t())
+    assert HB.accepts(_t(dtype=torch.float16), _t(h=1, dtype=torch.float16), _t(h=1, dtype=torch.float16),
+                      _t(dtype=torch.float16))
+    # do in any strides (copied for the kernel), q in (B, H, N, d) memory
+    assert HB.accepts(_t(), _t(), _t(), torch.zeros(2, 256, 4, 144, dtype=torch.bfloat16)[..., :128])
+    assert HB.accepts(torch.zeros(2, 4, 256, 128, dtype=torch.bfloat16).transpose(1, 2), _t(), _t(), _t())
+
+
+@pytest.mark.parametrize("why, q, k, v, do", [
+    ("head dim 64 (the tl.dot pass is as fast there)", _t(d=64), _t(d=64), _t(d=64), _t(d=64)),
+    ("seqlen not a multiple of 128", _t(n=200), _t(n=200), _t(n=200), _t(n=200)),
+    ("seqlen_q != seqlen_k", _t(n=128), _t(), _t(), _t(n=128)),
+    ("do dtype differs", _t(), _t(), _t(), _t(dtype=torch.float16)),
+    ("do shape differs", _t(), _t(), _t(), _t(h=2)),
+    ("fp32", *(_t(dtype=torch.float32) for _ in range(4))),
+    ("strided q", torch.zeros(2, 256, 4, 144, dtype=torch.bfloat16)[..., :128], _t(), _t(), _t()),
+])
+def test_rejects_what_it_cannot_serve(why, q, k, v, do):
+    assert not HB.accepts(q, k, v, do), why
+
+
+def test_not_served_off_sm90_or_when_disabled(monkeypatch):
+    q = _t()
+    assert not HB.serves(q, q, q, q)  # CPU tensors
+    monkeypatch.setenv("GPROJ_HOPPER_BWD", "0")
+    assert not HB.enabled()
+
+
+class _Routed(Exception):
+    pass
+
+
+class _TlDot(Exception):
+    pass
+
+
+class _Launcher:
+    """Stands in for a triton.autotune'd kernel: ``kernel[grid](...)`` runs nothing, or raises ``exc``."""
+
+    def __init__(self, exc=None):
+        self.exc = exc
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            if self.exc is not None:
+                raise self.exc
+        return launch
+
+
+@pytest.mark.parametrize("kwargs, routed, gemm_term", [
+    (dict(fix="none"), True, False),
+    (dict(fix="gproj"), True, True),
+    (dict(fix="gproj_uniform"), True, False),  # PyTorch corrections afterwards: the kernels run as "none"
+    (dict(fix="gproj", grad_dtype=torch.float32), True, True),
+    (dict(fix="gproj", dk_fold=True), False, None),
+    (dict(fix="gproj", ds_format="e4m3"), False, None),
+    (dict(fix="gproj", softcap=30.0), False, None),
+    (dict(fix="gproj", window_size=(64, 0)), False, None),
+    (dict(fix="gproj", dropout_p=0.1, dropout_seed=1), False, None),
+    (dict(fix="gproj", seqlens_k=torch.tensor([256, 200])), False, None),
+    (dict(fix="gproj_uniform", softcap=30.0), False, None),  # the in-kernel uniform direction
+])
+def test_backward_routes_only_the_features_the_gluon_pass_implements(monkeypatch, kwargs, routed, gemm_term):
+    """With the predicate forced true, attention_bwd.backward must hand the Gluon pass exactly the dense calls, with
+    GProj's dK operand −ρ∘Q for fix="gproj" and none otherwise; every other call stays on the tl.dot kernel."""
+    seen = {}
+
+    def fake_dkdv(q, k, v, do, m, log2l, delta, qr, *args):
+        seen["qr"] = qr
+        raise _Routed
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # supports()' CPU condition; no kernel below really launches
+    monkeypatch.setattr(HB, "serves", lambda *a: True)
+    monkeypatch.setattr(HB, "dkdv", fake_dkdv)
+    monkeypatch.setattr(B, "_dq_kernel", _Launcher())
+    monkeypatch.setattr(B, "_dkdv_kernel", _Launcher(_TlDot()))
+    torch.manual_seed(0)
+    b, n, h, d = 2, 256, 2, 128
+    q, k, v, do = (torch.randn(b, n, h, d, dtype=torch.bfloat16) for _ in range(4))
+    o = torch.randn(b, n, h, d, dtype=torch.bfloat16)
+    m = torch.zeros(b, h, n)
+    log2l = torch.full((b, h, n), 8.0)
+    causal = "window_size" in kwargs
+    try:
+        B.backward(do, q, k, v, o, m, log2l, d ** -0.5, causal, **kwargs)
+        raise AssertionError("neither dK/dV kernel was launched")
+    except _TlDot:
+        assert not routed, "the Gluon pass was skipped"
+    except _Routed:
+        assert routed, "a call with a feature the Gluon pass lacks was routed to it"
+        assert (seen["qr"] is not None) == gemm_term
+        if gemm_term:
+            assert seen["qr"].shape == q.shape and seen["qr"].dtype == q.dtype and seen["qr"].is_contiguous()

@@ -120,9 +120,9 @@ def hopper_check(dev):
 
 
 def hopper_bwd_check(dev):
-    """The sm_90 Gluon dK/dV pass (kernels/attention_bwd_hopper.py) through attention_bwd.backward's dispatch:
-    dq, dk, dv against reference.py and against the tl.dot dK/dV kernel (GPROJ_HOPPER_BWD=0) for fix none, gproj
-    and gproj_uniform; GQA, fp16, heads-major q / v, a do that needs a copy; an fp32 dk (C2: |Σ_j dk_j| relative
+    """The sm_90 Gluon backward passes (kernels/attention_bwd_hopper.py) through attention_bwd.backward's dispatch:
+    dq, dk, dv against reference.py and against the tl.dot kernels (GPROJ_HOPPER_BWD=0) for fix none, gproj (own
+    GEMM and folded dK term) and gproj_uniform; GQA, fp16, heads-major q / v, a do that needs a copy; an fp32 dk (C2: |Σ_j dk_j| relative
     to Σ_j |dk_j|, expect ~1e-7 for gproj on both paths); head dim 64 must not be served."""
     import os
     from unittest import mock
@@ -144,15 +144,15 @@ def hopper_bwd_check(dev):
         tau = d ** -0.5
         o_r, m_r, l_r = R.forward(q, k, v, tau, causal)
         row = [f"served={HB.serves(q, k, v, do)}"]
-        for fix in ("none", "gproj", "gproj_uniform"):
-            g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix)
+        for fix, fold in (("none", False), ("gproj", False), ("gproj", True), ("gproj_uniform", False)):
+            g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold)
             with mock.patch.dict(os.environ, {"GPROJ_HOPPER_BWD": "0"}):
-                g_t = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix)
-            g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix)
+                g_t = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold)
+            g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold)
             errs = [rel(x, y) for x, y in zip(g[:3], g_r[:3])]
             worst = max(worst, *errs)
             nan = any(torch.isnan(x).any().item() for x in g[:3])
-            row.append(f"{fix}: vs reference " + "/".join(f"{e:.1e}" for e in errs) + " vs tl.dot "
+            row.append(f"{fix}{'/fold' if fold else ''}: vs reference " + "/".join(f"{e:.1e}" for e in errs) + " vs tl.dot "
                        + "/".join(f"{rel(x, y):.1e}" for x, y in zip(g[:3], g_t[:3])) + (" NAN" if nan else ""))
         print(f"hopper_bwd {(b, n, h, hk, d, causal, str(dt)[6:], 'q,v (B,H,N,d), strided do' if odd else '')}", "; ".join(row),
               flush=True)

@@ -25,9 +25,11 @@ Two launches, rounding at the points of kernels/reference.py (DESIGN.md §3, §4
    * "fold": folded into dS before its rounding, dS' = P∘(dP − (D + r)) — zero extra GEMMs
      (``dk_fold=True``; DESIGN.md §4.1 table: slightly less accurate dK).
    The choice of default is recorded in benchmarks/NOTES.md with the measurements behind it.
-   On an sm_90 GPU, for the dense inputs of kernels/attention_bwd_hopper.py (head dim 128, no padding,
-   window, softcap, dropout or packing; fix "none", "gproj" with the "gemm" schedule, or the PyTorch
-   "gproj_uniform"), this pass runs as that module's warp-specialized Gluon kernel: same rounding points.
+
+On an sm_90 GPU, for the dense inputs of kernels/attention_bwd_hopper.py (head dim 128, no padding, window,
+softcap, dropout or packing), both passes run as that module's warp-specialized Gluon kernels, with the same
+rounding points: the dQ pass for fix "none" and "gproj" without want_stats, the dK/dV pass for "none",
+"gproj" with the "gemm" schedule and the PyTorch "gproj_uniform".
 
 fix="gproj_uniform" (the orthogonal projection) runs both passes without corrections, with fp32 dq/dk
 outputs, and applies the rank-one corrections in PyTorch (O(N·d): prefix means / suffix sums when
@@ -801,20 +803,31 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     abs_ds = torch.empty((b, h, nq), dtype=torch.float32, device=dev) if want_stats else delta
     leak = torch.empty((b, h, nq, d), dtype=torch.float32, device=dev) if want_stats else delta
 
-    _dq_kernel[lambda meta: (triton.cdiv(grid_q, meta["BLOCK_M"]), nb * h)](
-        q, k, v, do, o, m, log2l, delta, dq, r, qr, abs_ds, leak, seqlens_arg, *cu_args,
-        *batch_strides(q, packed), *batch_strides(k, packed), *batch_strides(v, packed), *batch_strides(do, packed),
-        *batch_strides(o, packed), *batch_strides(dq, packed), *batch_strides(qr, packed),
-        c, tau, h, nq, nk, *wargs,
-        GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal,
-        GPROJ=gproj, NEED_R=need_r, STATS=want_stats, HAS_SEQLENS=has_seqlens, DS_BITS=ds_bits,
-        IS_VARLEN=packed, INTERP=INTERPRET, STORE_QR=dk_mode == _DK_GEMM, **wconst,
-    )
+    # sm_90, dense inputs: the warp-specialized Gluon passes (kernels/attention_bwd_hopper.py, same rounding
+    # points); the dQ one for fix "none" and "gproj" without statistics, the dK/dV one also for the PyTorch
+    # gproj_uniform and with the folded dK term's dS excluded.
+    hopper = (not packed and not has_seqlens and ds_bits == 0 and not uniform
+              and not (win["WINDOW"] or win["SOFTCAP"] or drop["DROPOUT"]) and attention_bwd_hopper.serves(q, k, v, do))
+    if hopper and attention_bwd_hopper.needs_copy(do):
+        do = do.contiguous()
+    if hopper and not want_stats and need_r == gproj:
+        if attention_bwd_hopper.needs_copy(o):
+            o = o.contiguous()
+        attention_bwd_hopper.dq_pass(q, k, v, do, o, m, log2l, delta, r, qr if dk_mode == _DK_GEMM else None, dq, c,
+                                     tau, causal, gproj)
+    else:
+        _dq_kernel[lambda meta: (triton.cdiv(grid_q, meta["BLOCK_M"]), nb * h)](
+            q, k, v, do, o, m, log2l, delta, dq, r, qr, abs_ds, leak, seqlens_arg, *cu_args,
+            *batch_strides(q, packed), *batch_strides(k, packed), *batch_strides(v, packed), *batch_strides(do, packed),
+            *batch_strides(o, packed), *batch_strides(dq, packed), *batch_strides(qr, packed),
+            c, tau, h, nq, nk, *wargs,
+            GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal,
+            GPROJ=gproj, NEED_R=need_r, STATS=want_stats, HAS_SEQLENS=has_seqlens, DS_BITS=ds_bits,
+            IS_VARLEN=packed, INTERP=INTERPRET, STORE_QR=dk_mode == _DK_GEMM, **wconst,
+        )
 
     dk_dtype = torch.float32 if out32[1] else k.dtype
-    if (not packed and not has_seqlens and ds_bits == 0 and dk_mode != _DK_FOLD and not uniform
-            and not (win["WINDOW"] or win["SOFTCAP"] or drop["DROPOUT"]) and attention_bwd_hopper.serves(q, k, v, do)):
-        # sm_90, dense: the warp-specialized Gluon dK/dV pass (same rounding points, kernels/attention_bwd_hopper.py).
+    if hopper and dk_mode != _DK_FOLD:
         dk, dv, key_sums = attention_bwd_hopper.dkdv(
             q, k, v, do, m, log2l, delta, qr if dk_mode == _DK_GEMM else None, c, tau, causal, dk_dtype, gdv,
             want_key_sums)

@@ -1,35 +1,36 @@
-"""A warp-specialized dK/dV pass for Hopper (sm_90), written in Gluon (issue 12, levers 1 and 3).
+"""Warp-specialized backward passes for Hopper (sm_90), written in Gluon (issue 12, levers 1 and 3).
 
-Pass 2 of :func:`lightning_gproj.kernels.attention_bwd.backward` for ``fix="none"`` and for ``fix="gproj"``
-with its dK term as its own GEMM (the default schedule); the dQ pass stays the ``tl.dot`` kernel and runs
-first, writing D = rowsum(dO∘O), and for gproj the operand bf16(−ρ∘Q) (kernels/attention_bwd.py). Same
-rounding points as that module's dK/dV kernel and kernels/reference.py:
+The two launches of :func:`lightning_gproj.kernels.attention_bwd.backward` for dense inputs, with that module's
+rounding points (kernels/reference.py):
 
-    Sᵀ = K Qᵀ (fp32), Pᵀ = exp2((Sᵀ − m)·τ·log2e − log2l) (the forward's FMA-safe exponent), P̃ = P rounded,
-    dV += P̃ᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − D), dS̃ = dS rounded, dK += dS̃ᵀ Q,
-    gproj: dK += P̃ᵀ (−ρ∘Q), then dk = τ dK,
+* :func:`dq_pass` (fix "none" and "gproj", no statistics): one program per (128 query rows, batch·head); a
+  1-warp loader loads the rows' q, dO and o once and streams K/V tiles of 64 keys by TMA through a 2-slot
+  ring; two 4-warp consumers own 64 rows each: D = rowsum(dO∘O) (stored for pass 2), then per tile
+  S = Q Kᵀ, dP = dO Vᵀ (issued together), P = exp2((S − m)·τ·log2e − log2l) (the forward's FMA-safe
+  exponent), P̃ = P rounded, dS̃ = P∘(dP − D) rounded, dQ += dS̃ K; gproj also PK += P̃ K, r_i += Σ_j dS̃_ij,
+  Σ_j P̃_ij on the values the GEMMs consume, and at the end dQ −= ρ∘PK with ρ = r / Σ_j P̃ (stored: r, and
+  −ρ∘Q rounded for pass 2's dK term). dq = τ dQ.
+* :func:`dkdv` (fix "none", "gproj" with its dK term as its own GEMM, and the PyTorch "gproj_uniform"): one
+  program per (128 keys, batch·kv head); the loader loads its K, V rows once and streams (Q, dO[, −ρ∘Q])
+  tiles of 64 query rows over the query heads of the GQA group; two consumers own 64 keys each:
+  Sᵀ = K Qᵀ, Pᵀ, dV += P̃ᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D), dK += dS̃ᵀ Q, gproj: dK += P̃ᵀ(−ρ∘Q); dk = τ dK.
 
-all accumulated in fp32; only the order of the fp32 additions differs from the tl.dot kernel.
+All accumulation in fp32, P̃ and dS̃ as register A operands of asynchronous wgmma; only the order of fp32
+additions differs from the tl.dot kernels. Causal grids: query blocks heaviest first; only tiles that reach
+past the diagonal are masked.
 
-Layout (FA3's dK/dV loop in Gluon's explicit partitions): one program per (128 keys, batch·kv head); a
-1-warp loader partition loads the program's K, V rows once and streams (Q, dO[, −ρ∘Q]) tiles of 64 query
-rows by TMA through a 2-slot ring, over the query heads of the GQA group; two 4-warp consumers (the default
-partition and one worker) own 64 keys each, with their K, V rows and fp32 dK, dV accumulators resident,
-share every slot, and run the GEMMs as asynchronous wgmma with P̃ᵀ and dS̃ᵀ as register A operands (Sᵀ
-and dPᵀ issued together; dPᵀ waited for after dV's GEMM is issued). Causal: a key block starts at its own
-query rows and masks only the query tiles that reach into it.
-
-Served (:func:`serves`): the inputs of the Gluon forward (kernels/attention_fwd_hopper.accepts: bf16 /
-fp16, (batch, seqlen, nheads, headdim) or (batch, nheads, seqlen, headdim) memory per tensor, seqlen_q =
-seqlen_k a multiple of 128, GQA) at head dim 128 only — at 64 the Gluon pass was not faster than the tl.dot
-one (benchmarks/NOTES.md, run 19: 358 vs 367 TFLOP/s) —, dS rounded to the input dtype, no key padding,
-window, softcap, dropout or packed sequences. dk, dv in 16-bit or fp32; with an fp32 dk the per-64-key
-sums Σ_j dk_j of the stored values, for the C2 projection (kernels/reference.project_key_sum_).
-``GPROJ_HOPPER_BWD=0`` keeps every call on the tl.dot kernel.
+Served (:func:`serves`): the inputs of the Gluon forward (kernels/attention_fwd_hopper.accepts: bf16 / fp16,
+(batch, seqlen, nheads, headdim) or (batch, nheads, seqlen, headdim) memory per tensor, seqlen_q = seqlen_k a
+multiple of 128, GQA) at head dim 128 only — at 64 the Gluon dK/dV pass was not faster than the tl.dot one
+(benchmarks/NOTES.md, run 19) —, dS rounded to the input dtype, no key padding, window, softcap, dropout or
+packed sequences; do and o in any strides (copied when not in a served order). Gradients in 16-bit or fp32;
+with an fp32 dk the per-64-key sums Σ_j dk_j of the stored values, for the C2 projection
+(kernels/reference.project_key_sum_). ``GPROJ_HOPPER_BWD=0`` keeps every call on the tl.dot kernels.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -42,9 +43,12 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-    from lightning_gproj.kernels.attention_fwd_hopper import aot_compile_sm90, ring_barriers, tensordesc_type, tma_load
+    from lightning_gproj.kernels.attention_fwd_hopper import (
+        aot_compile_sm90, ring_barriers, ring_load_pair, tensordesc_type, tma_load,
+    )
 
-__all__ = ["dkdv", "serves", "accepts", "compile_sm90", "BLOCK_N", "HEAD_DIMS", "KEYS_PER_SUM"]
+__all__ = ["dq_pass", "dkdv", "serves", "accepts", "needs_copy", "compile_sm90", "compile_dq_sm90", "BLOCK_N",
+           "HEAD_DIMS", "KEYS_PER_SUM"]
 
 #: Keys per program (two consumers of 64); query rows per streamed tile; keys per key-sum slot.
 BLOCK_N = 128
@@ -256,9 +260,194 @@ if GLUON_ERROR is None:
                                     (_loader_none, loader_args)], [4, 1], [240, 24])
 
 
+if GLUON_ERROR is None:
+    # The dQ pass: 128 query rows per program (two consumers of 64), key tiles of 64 through a 2-slot ring.
+    _DQ_BLOCK_M = gl.constexpr(128)
+    _DQ_HALF_M = gl.constexpr(64)
+    _DQ_BLOCK_N = gl.constexpr(64)
+
+    @gluon.jit
+    def _dq_loader(q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty,
+                   q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col, v_row, v_col, hi):
+        # The program's q, dO and o rows, once (two halves of 64 rows, one per consumer); then the K/V tiles.
+        mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes))
+        for half in gl.static_range(2):
+            tma_load(q_desc, [q_row + half * _DQ_HALF_M, q_col], q_bar, q_smem.index(half))
+            tma_load(do_desc, [do_row + half * _DQ_HALF_M, do_col], q_bar, do_smem.index(half))
+            tma_load(o_desc, [o_row + half * _DQ_HALF_M, o_col], q_bar, o_smem.index(half))
+        i = 0
+        for start_n in range(0, hi, _DQ_BLOCK_N):
+            ring_load_pair(k_desc, v_desc, k_smem, v_smem, ready, empty, i, k_row + start_n, k_col, v_row + start_n,
+                           v_col, _NUM_STAGES)
+            i += 1
+
+    @gluon.jit
+    def _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
+                     GPROJ: gl.constexpr, CAUSAL: gl.constexpr, row0, stats, out_row, out_col, out_stride, hi, c, tau,
+                     store_qr, half):
+        HEAD_DIM: gl.constexpr = q_smem.shape[2]
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, _DQ_BLOCK_N, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_a: gl.constexpr = gl.SliceLayout(1, acc_layout)
+
+        first = row0 + half * _DQ_HALF_M  # this consumer's first query row
+        rows = first + gl.arange(0, _DQ_HALF_M, layout=row_s)
+        m = gl.load(M + stats + rows)
+        l2 = gl.load(LOG2L + stats + rows)
+        q = q_smem.index(half)
+        do = do_smem.index(half)
+        mbarrier.wait(q_bar, 0)
+        # D_i = Σ_d dO_id O_id in fp32 from the 16-bit o and dO (exact products), stored for the dK/dV pass.
+        di = gl.sum(o_smem.index(half).load(acc_layout).to(gl.float32) * do.load(acc_layout).to(gl.float32), axis=1)
+        gl.store(DELTA + stats + first + gl.arange(0, _DQ_HALF_M, layout=row_a), di)
+        di = gl.convert_layout(di, row_s)
+
+        dq = gl.zeros([_DQ_HALF_M, HEAD_DIM], gl.float32, layout=acc_layout)
+        if GPROJ:
+            pk = gl.zeros([_DQ_HALF_M, HEAD_DIM], gl.float32, layout=acc_layout)
+            r = gl.zeros([_DQ_HALF_M], gl.float32, layout=row_s)
+            ps = gl.zeros([_DQ_HALF_M], gl.float32, layout=row_s)
+        zero = gl.zeros([_DQ_HALF_M, _DQ_BLOCK_N], gl.float32, layout=s_layout)
+        i = 0
+        for start_n in range(0, hi, _DQ_BLOCK_N):
+            st = i % _NUM_STAGES
+            mbarrier.wait(ready.index(st), (i // _NUM_STAGES) & 1)
+            k = k_smem.index(st)
+            v = v_smem.index(st)
+            s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do, v.permute((1, 0)), zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            # The forward's exponent: (s − m) is exactly 0 at the row max, then scale, then normalize.
+            p = gl.exp2((s - m[:, None]) * c - l2[:, None])
+            if CAUSAL:
+                if start_n + _DQ_BLOCK_N > first + 1:  # a key of the tile lies past one of the rows
+                    cols = start_n + gl.arange(0, _DQ_BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                    p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
+            p16 = p.to(dtype)  # rounding point: P̃ (GProj's direction)
+            if GPROJ:
+                ps += gl.sum(p16.to(gl.float32), axis=1)
+                pk = warpgroup_mma(gl.convert_layout(p16, a_layout), k, pk, is_async=True)
+                dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
+            else:
+                dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+            ds16 = (p * (dp - di[:, None])).to(dtype)  # rounding point: dS̃, the operand of dQ += dS̃ K
+            if GPROJ:
+                r += gl.sum(ds16.to(gl.float32), axis=1)  # r_i from the very values the GEMM consumes
+            dq = warpgroup_mma(gl.convert_layout(ds16, a_layout), k, dq, is_async=True)
+            if GPROJ:
+                dq, pk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, pk))
+            else:
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+            mbarrier.arrive(empty.index(st), count=1)
+            i += 1
+        offs = ((out_row + half * _DQ_HALF_M + gl.arange(0, _DQ_HALF_M, layout=row_a)).to(gl.int64)[:, None] * out_stride
+                + out_col + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))[None, :])
+        if GPROJ:
+            # ρ_i = r_i / Σ_j P̃_ij (rows with no visible key: ρ = 0); dQ_i = τ (Σ_j dS̃_ij k_j − ρ_i (P̃K)_i).
+            rho = r / gl.maximum(ps, 1.1754943508222875e-38)
+            rho_a = gl.convert_layout(rho, row_a)
+            dq = dq - rho_a[:, None] * pk
+        gl.store(DQ + offs, (dq * tau).to(DQ.dtype.element_ty))
+        if GPROJ:
+            gl.store(R + stats + rows, r)
+            if store_qr != 0:  # −ρ∘Q rounded: the B operand of the dK/dV pass's GProj term (dq stored: fewer live)
+                gl.store(QR + offs, (q.load(acc_layout).to(gl.float32) * (-rho_a)[:, None]).to(QR.dtype.element_ty))
+
+    @gluon.jit
+    def _dq_consumer_none_full(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
+                     row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half):
+        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
+                     False, False, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr,
+                     half)
+
+    @gluon.jit
+    def _dq_consumer_none_causal(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
+                     row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half):
+        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
+                     False, True, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr,
+                     half)
+
+    @gluon.jit
+    def _dq_consumer_gproj_full(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
+                     row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half):
+        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
+                     True, False, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr,
+                     half)
+
+    @gluon.jit
+    def _dq_consumer_gproj_causal(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
+                     row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half):
+        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
+                     True, True, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr,
+                     half)
+
+    @gluon.jit
+    def _hopper_dq_kernel(q_desc, do_desc, o_desc, k_desc, v_desc, DQ, R, QR, M, LOG2L, DELTA, c, tau, H, GROUP, N_CTX,
+                          store_qr, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, o_rb, o_rh, o_ch, k_rb, k_rh, k_ch, v_rb, v_rh,
+                          v_ch, GPROJ: gl.constexpr, CAUSAL: gl.constexpr):
+        # Tiles located as in _hopper_dkdv_kernel; dq and −ρ∘Q: (batch, seqlen, nheads, headdim) contiguous.
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+        dtype: gl.constexpr = q_desc.dtype
+        pid_m = gl.program_id(0)
+        if CAUSAL:  # heaviest query blocks (the most keys) first
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        pid_bh = gl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        hk = h // GROUP
+        row0 = pid_m * _DQ_BLOCK_M
+        hi = N_CTX
+        if CAUSAL:
+            hi = row0 + _DQ_BLOCK_M  # seqlen_q = seqlen_k: no row of the block sees a key past its last row
+        stats = pid_bh.to(gl.int64) * N_CTX
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, _DQ_HALF_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, _DQ_HALF_M, HEAD_DIM], do_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [2, _DQ_HALF_M, HEAD_DIM], o_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _DQ_BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _DQ_BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        ready, empty = ring_barriers(_NUM_STAGES)
+
+        out_row = b * N_CTX + row0
+        args0 = (q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA, row0, stats,
+                 out_row, h * HEAD_DIM, H * HEAD_DIM, hi, c, tau, store_qr, 0)
+        args1 = (q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA, row0, stats,
+                 out_row, h * HEAD_DIM, H * HEAD_DIM, hi, c, tau, store_qr, 1)
+        loader_args = (q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready,
+                       empty, b * q_rb + h * q_rh + row0, h * q_ch, b * do_rb + h * do_rh + row0, h * do_ch,
+                       b * o_rb + h * o_rh + row0, h * o_ch, b * k_rb + hk * k_rh, hk * k_ch, b * v_rb + hk * v_rh,
+                       hk * v_ch, hi)
+        if GPROJ:
+            if CAUSAL:
+                gl.warp_specialize([(_dq_consumer_gproj_causal, args0), (_dq_consumer_gproj_causal, args1),
+                                    (_dq_loader, loader_args)], [4, 1], [240, 24])
+            else:
+                gl.warp_specialize([(_dq_consumer_gproj_full, args0), (_dq_consumer_gproj_full, args1),
+                                    (_dq_loader, loader_args)], [4, 1], [240, 24])
+        else:
+            if CAUSAL:
+                gl.warp_specialize([(_dq_consumer_none_causal, args0), (_dq_consumer_none_causal, args1),
+                                    (_dq_loader, loader_args)], [4, 1], [240, 24])
+            else:
+                gl.warp_specialize([(_dq_consumer_none_full, args0), (_dq_consumer_none_full, args1),
+                                    (_dq_loader, loader_args)], [4, 1], [240, 24])
+
+
 def enabled() -> bool:
-    """GPROJ_HOPPER_BWD=0 keeps every call on the ``tl.dot`` dK/dV kernel (A/B timing, escape hatch)."""
+    """GPROJ_HOPPER_BWD=0 keeps every call on the ``tl.dot`` kernels (A/B timing, escape hatch)."""
     return os.environ.get("GPROJ_HOPPER_BWD", "1") != "0"
+
+
+def needs_copy(x: torch.Tensor) -> bool:
+    """Whether do or o (any strides in attention_bwd.backward) must be made contiguous for these kernels' TMA."""
+    return _tma_view(x) is None
 
 
 def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
@@ -278,8 +467,9 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) 
     return torch.cuda.get_device_capability(q.device) == (9, 0) and accepts(q, k, v, do)
 
 
+@functools.lru_cache(maxsize=None)
 def _layout(head_dim: int, dtype: torch.dtype):
-    """The shared layout of every [64, head_dim] tile (q, do, −ρ∘Q, and the halves of k, v)."""
+    """The shared layout of every [64, head_dim] tile (q, do, −ρ∘Q, and the halves of k, v); cached (host time)."""
     return gl.NVMMASharedLayout.get_default_for([_BLOCK_M.value, head_dim],
                                                 gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
@@ -323,8 +513,6 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
     """
     b, n, h, d = q.shape
     hk = k.shape[2]
-    if _tma_view(do) is None:
-        do = do.contiguous()
     dk = torch.empty((b, n, hk, d), dtype=dk_dtype, device=q.device)
     dv = torch.empty((b, n, hk, d), dtype=dv_dtype, device=q.device)
     slots = n // KEYS_PER_SUM
@@ -353,3 +541,51 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal
            "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "key_sums": "i32",
            **{f"{x}_{w}": "i32" for x in ("q", "do", "qr", "k", "v") for w in ("rb", "rh", "ch")}}
     return aot_compile_sm90(_hopper_dkdv_kernel, sig, {"GPROJ": bool(gproj), "CAUSAL": bool(causal), **{arg: 1 for arg in ones}})
+
+
+def dq_pass(q, k, v, do, o, m, log2l, delta, r, qr, dq, c: float, softmax_scale: float, causal: bool, gproj: bool):
+    """The dQ pass on Hopper; call only where :func:`serves` is True (and o is in a served memory order).
+
+    Args:
+        q, k, v, do, o: as :func:`lightning_gproj.kernels.attention_bwd.backward` takes them.
+        m, log2l: (batch, nheads, seqlen) fp32 from the forward. delta: same shape, written: D = rowsum(dO∘O).
+        r: same shape, written with fix="gproj": r_i = Σ_j dS̃_ij (else not touched). qr: None, or (batch, seqlen,
+            nheads, headdim) contiguous in q's dtype, written with −ρ∘Q rounded (fix="gproj", own-GEMM dK term).
+        c: τ·log2e. softmax_scale: τ. causal: the causal mask. gproj: fix="gproj" (else "none").
+        dq_dtype: q's dtype or torch.float32.
+
+    Returns:
+        dq (batch, seqlen, nheads, headdim) contiguous in dq_dtype: τ Σ_j dS̃_ij k_j, minus τ ρ_i (P̃K)_i with
+        gproj (ρ_i = r_i / Σ_j P̃_ij), accumulated in fp32 and rounded once.
+    """
+    b, n, h, d = q.shape
+    hk = k.shape[2]
+    dq = torch.empty((b, n, h, d), dtype=dq_dtype, device=q.device)
+    descs, where = [], []
+    layout = _layout(d, q.dtype)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    for x in (q, do, o, k, v):
+        x2, rb, rh, ch = _tma_view(x)
+        descs.append(TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [_DQ_HALF_M.value, d], layout))
+        where += [rb, rh, ch]
+    _hopper_dq_kernel[(n // _DQ_BLOCK_M.value, b * h)](
+        *descs, dq, r, q if qr is None else qr, m, log2l, delta, float(c), float(softmax_scale), h, h // hk, n,
+        int(qr is not None), *where, GPROJ=bool(gproj), CAUSAL=bool(causal), num_warps=4,
+    )
+
+
+def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
+                    dq_dtype: torch.dtype | None = None, ones: tuple[str, ...] = ()):
+    """Compile the dQ kernel for sm_90 without a GPU, as :func:`compile_sm90` does the dK/dV one (``ones``:
+    ``store_qr``, ``GROUP``)."""
+    if GLUON_ERROR is not None:
+        raise RuntimeError(f"Gluon is not available in this Triton: {GLUON_ERROR}")
+    d = HEAD_DIMS[0]
+    t = tensordesc_type(dtype, _DQ_HALF_M.value, d, _layout(d, dtype))
+    ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+    sig = {"q_desc": t, "do_desc": t, "o_desc": t, "k_desc": t, "v_desc": t, "DQ": ptr[dq_dtype or dtype],
+           "R": "*fp32", "QR": ptr[dtype], "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32",
+           "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "store_qr": "i32",
+           **{f"{x}_{w}": "i32" for x in ("q", "do", "o", "k", "v") for w in ("rb", "rh", "ch")}}
+    return aot_compile_sm90(_hopper_dq_kernel, sig, {"GPROJ": bool(gproj), "CAUSAL": bool(causal),
+                                                     **{arg: 1 for arg in ones}})

@@ -25,6 +25,7 @@ softcap, dropout or packed sequences. Speed on the H200: benchmarks/NOTES.md (ru
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -219,8 +220,10 @@ def _gl_dtype(dtype: torch.dtype):
     return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
 
 
+@functools.lru_cache(maxsize=None)
 def _layouts(head_dim: int, dtype: torch.dtype):
-    """The shared-memory layouts of the q / o tiles (64 rows) and the k / v tiles (128 rows)."""
+    """The shared-memory layouts of the q / o tiles (64 rows) and the k / v tiles (128 rows); cached: building
+    them took ~18 µs of host time per call (benchmarks/NOTES.md, run 19)."""
     g = _gl_dtype(dtype)
     return (gl.NVMMASharedLayout.get_default_for([_HALF_M.value, head_dim], g),
             gl.NVMMASharedLayout.get_default_for([_BLOCK_N.value, head_dim], g))

@@ -1,10 +1,10 @@
-"""The sm_90 Gluon dK/dV pass (kernels/attention_bwd_hopper.py) on a machine without a GPU.
+"""The sm_90 Gluon backward passes (kernels/attention_bwd_hopper.py) on a machine without a GPU.
 
-Its numerics need an H200 (benchmarks/gpu_check.py --cases hopper_bwd: dq, dk, dv against reference.py and the
-tl.dot dK/dV kernel, the fp32-dk C2). What CI can check: the kernel compiles for sm_90 with this Triton (ahead of
+Their numerics need an H200 (benchmarks/gpu_check.py --cases hopper_bwd: dq, dk, dv against reference.py and the
+tl.dot kernels, the fp32-dk C2). What CI can check: the kernel compiles for sm_90 with this Triton (ahead of
 time, Triton's bundled ptxas) in every variant a launch builds, uses the Hopper paths it was written for and fits
-the shared memory; its predicate accepts exactly the inputs it handles; and attention_bwd routes to it only the
-calls whose features it implements (a wrongly routed window or softcap call would lose its mask or its tanh).
+the shared memory; its predicate accepts exactly the inputs it handles; and attention_bwd routes to them only the
+calls whose features they implement (a wrongly routed window or softcap call would lose its mask or its tanh).
 """
 
 from __future__ import annotations
@@ -33,6 +33,21 @@ def test_compiles_for_sm90_with_wgmma_tma_and_register_split(gproj, causal, dtyp
     assert "cp.async.bulk.tensor" in ptx  # TMA loads of k, v, q, do (and −ρ∘Q)
     assert "mbarrier" in ptx
     assert "setmaxnreg" in ptx  # the loader gives its registers to the consumers
+    assert 0 < kernel.metadata.shared <= SM90_SHARED_MAX
+
+
+@pytest.mark.parametrize("gproj", [False, True], ids=["none", "gproj"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, dq_dtype, ones", [
+    (torch.bfloat16, None, ("store_qr",)), (torch.float16, None, ("GROUP",)), (torch.bfloat16, torch.float32, ()),
+], ids=["bf16-qr", "fp16-1group", "fp32dq"])
+def test_dq_pass_compiles_for_sm90_with_wgmma_tma_and_register_split(gproj, causal, dtype, dq_dtype, ones):
+    kernel = HB.compile_dq_sm90(dtype, gproj, causal, dq_dtype, ones)
+    ptx = kernel.asm["ptx"]
+    assert ".target sm_90a" in ptx
+    # Two consumers × (S, dP, dQ [, GProj's P̃K]) per K/V tile, as warp-group MMAs.
+    assert ptx.count("wgmma.mma_async") >= 2 * (4 if gproj else 3)
+    assert "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx and "setmaxnreg" in ptx
     assert 0 < kernel.metadata.shared <= SM90_SHARED_MAX
 
 
@@ -90,23 +105,33 @@ class _Launcher:
         return launch
 
 
-@pytest.mark.parametrize("kwargs, routed, gemm_term", [
-    (dict(fix="none"), True, False),
-    (dict(fix="gproj"), True, True),
-    (dict(fix="gproj_uniform"), True, False),  # PyTorch corrections afterwards: the kernels run as "none"
-    (dict(fix="gproj", grad_dtype=torch.float32), True, True),
-    (dict(fix="gproj", dk_fold=True), False, None),
-    (dict(fix="gproj", ds_format="e4m3"), False, None),
-    (dict(fix="gproj", softcap=30.0), False, None),
-    (dict(fix="gproj", window_size=(64, 0)), False, None),
-    (dict(fix="gproj", dropout_p=0.1, dropout_seed=1), False, None),
-    (dict(fix="gproj", seqlens_k=torch.tensor([256, 200])), False, None),
-    (dict(fix="gproj_uniform", softcap=30.0), False, None),  # the in-kernel uniform direction
+@pytest.mark.parametrize("kwargs, dq_routed, dkdv_routed, gemm_term", [
+    (dict(fix="none"), True, True, False),
+    (dict(fix="gproj"), True, True, True),
+    (dict(fix="gproj_uniform"), False, True, False),  # r without the projection: the tl.dot dQ pass
+    (dict(fix="gproj", grad_dtype=torch.float32), True, True, True),
+    (dict(fix="gproj", want_stats=True), False, True, True),  # abs_dS, leak: the tl.dot dQ pass
+    (dict(fix="gproj", dk_fold=True), True, False, False),
+    (dict(fix="gproj", ds_format="e4m3"), False, False, None),
+    (dict(fix="gproj", softcap=30.0), False, False, None),
+    (dict(fix="gproj", window_size=(64, 0)), False, False, None),
+    (dict(fix="gproj", dropout_p=0.1, dropout_seed=1), False, False, None),
+    (dict(fix="gproj", seqlens_k=torch.tensor([256, 200])), False, False, None),
+    (dict(fix="gproj_uniform", softcap=30.0), False, False, None),  # the in-kernel uniform direction
 ])
-def test_backward_routes_only_the_features_the_gluon_pass_implements(monkeypatch, kwargs, routed, gemm_term):
-    """With the predicate forced true, attention_bwd.backward must hand the Gluon pass exactly the dense calls, with
-    GProj's dK operand −ρ∘Q for fix="gproj" and none otherwise; every other call stays on the tl.dot kernel."""
+def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatch, kwargs, dq_routed, dkdv_routed,
+                                                                       gemm_term):
+    """With the predicate forced true, attention_bwd.backward must hand the Gluon passes exactly the calls whose
+    features they implement, with GProj's dK operand −ρ∘Q for fix="gproj" (own GEMM) and none otherwise; every
+    other call stays on the tl.dot kernels."""
     seen = {}
+
+    def fake_dq_pass(q, k, v, do, o, m, log2l, delta, r, qr, dq, c, tau, causal, gproj):
+        seen["dq"] = ("gluon", qr, gproj)
+
+    class DqLauncher:
+        def __getitem__(self, grid):
+            return lambda *a, **meta: seen.__setitem__("dq", ("tl.dot", meta["STORE_QR"], meta["GPROJ"]))
 
     def fake_dkdv(q, k, v, do, m, log2l, delta, qr, *args):
         seen["qr"] = qr
@@ -115,7 +140,8 @@ def test_backward_routes_only_the_features_the_gluon_pass_implements(monkeypatch
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # supports()' CPU condition; no kernel below really launches
     monkeypatch.setattr(HB, "serves", lambda *a: True)
     monkeypatch.setattr(HB, "dkdv", fake_dkdv)
-    monkeypatch.setattr(B, "_dq_kernel", _Launcher())
+    monkeypatch.setattr(HB, "dq_pass", fake_dq_pass)
+    monkeypatch.setattr(B, "_dq_kernel", DqLauncher())
     monkeypatch.setattr(B, "_dkdv_kernel", _Launcher(_TlDot()))
     torch.manual_seed(0)
     b, n, h, d = 2, 256, 2, 128
@@ -124,13 +150,20 @@ def test_backward_routes_only_the_features_the_gluon_pass_implements(monkeypatch
     m = torch.zeros(b, h, n)
     log2l = torch.full((b, h, n), 8.0)
     causal = "window_size" in kwargs
+    kwargs = dict(kwargs)
+    fix = kwargs.pop("fix")
+    want_stats = kwargs.pop("want_stats", False)
     try:
-        B.backward(do, q, k, v, o, m, log2l, d ** -0.5, causal, **kwargs)
+        B.backward(do, q, k, v, o, m, log2l, d ** -0.5, causal, fix, want_stats, **kwargs)
         raise AssertionError("neither dK/dV kernel was launched")
     except _TlDot:
-        assert not routed, "the Gluon pass was skipped"
+        assert not dkdv_routed, "the Gluon dK/dV pass was skipped"
     except _Routed:
-        assert routed, "a call with a feature the Gluon pass lacks was routed to it"
+        assert dkdv_routed, "a call with a feature the Gluon dK/dV pass lacks was routed to it"
         assert (seen["qr"] is not None) == gemm_term
         if gemm_term:
             assert seen["qr"].shape == q.shape and seen["qr"].dtype == q.dtype and seen["qr"].is_contiguous()
+    assert seen["dq"][0] == ("gluon" if dq_routed else "tl.dot"), seen["dq"]
+    if dq_routed:
+        assert seen["dq"][2] == (fix == "gproj")  # GProj's dQ correction in the kernel
+        assert (seen["dq"][1] is not None) == bool(gemm_term)  # it writes −ρ∘Q when the dK/dV pass reads it

@@ -551,16 +551,12 @@ def dq_pass(q, k, v, do, o, m, log2l, delta, r, qr, dq, c: float, softmax_scale:
         m, log2l: (batch, nheads, seqlen) fp32 from the forward. delta: same shape, written: D = rowsum(dO∘O).
         r: same shape, written with fix="gproj": r_i = Σ_j dS̃_ij (else not touched). qr: None, or (batch, seqlen,
             nheads, headdim) contiguous in q's dtype, written with −ρ∘Q rounded (fix="gproj", own-GEMM dK term).
+        dq: (batch, seqlen, nheads, headdim) contiguous in q's dtype or fp32, written: τ Σ_j dS̃_ij k_j, minus
+            τ ρ_i (P̃K)_i with gproj (ρ_i = r_i / Σ_j P̃_ij), accumulated in fp32 and rounded once.
         c: τ·log2e. softmax_scale: τ. causal: the causal mask. gproj: fix="gproj" (else "none").
-        dq_dtype: q's dtype or torch.float32.
-
-    Returns:
-        dq (batch, seqlen, nheads, headdim) contiguous in dq_dtype: τ Σ_j dS̃_ij k_j, minus τ ρ_i (P̃K)_i with
-        gproj (ρ_i = r_i / Σ_j P̃_ij), accumulated in fp32 and rounded once.
     """
     b, n, h, d = q.shape
     hk = k.shape[2]
-    dq = torch.empty((b, n, h, d), dtype=dq_dtype, device=q.device)
     descs, where = [], []
     layout = _layout(d, q.dtype)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor

@@ -167,3 +167,39 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
     if dq_routed:
         assert seen["dq"][2] == (fix == "gproj")  # GProj's dQ correction in the kernel
         assert (seen["dq"][1] is not None) == bool(gemm_term)  # it writes −ρ∘Q when the dK/dV pass reads it
+
+
+@pytest.mark.parametrize("gproj", [False, True], ids=["none", "gproj"])
+def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj):
+    """dq_pass and dkdv up to the launch, on CPU tensors: descriptors build for (B, N, H, d) and (B, H, N, d)
+    memory and every kernel parameter gets exactly one argument (a stale name or a missing argument would
+    otherwise surface only on an H200)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    launched = []
+
+    class Launcher:
+        def __init__(self, kernel):
+            self.names = kernel.arg_names
+
+        def __getitem__(self, grid):
+            def launch(*args, num_warps, **constexprs):
+                assert len(args) + len(constexprs) == len(self.names), (len(args), constexprs, self.names)
+                assert set(constexprs) == {"GPROJ", "CAUSAL"} and constexprs["GPROJ"] == gproj
+                assert all(isinstance(a, TensorDescriptor) for a in args[:5])
+                launched.append(grid)
+            return launch
+
+    monkeypatch.setattr(HB, "_hopper_dq_kernel", Launcher(HB._hopper_dq_kernel))
+    monkeypatch.setattr(HB, "_hopper_dkdv_kernel", Launcher(HB._hopper_dkdv_kernel))
+    b, n, h, hk, d = 2, 256, 4, 2, 128
+    q, do, o = _t(b, n, h, d), _t(b, n, h, d), torch.zeros(b, h, n, d, dtype=torch.bfloat16).transpose(1, 2)
+    k, v = _t(b, n, hk, d), _t(b, n, hk, d)
+    m, log2l, delta, r = (torch.zeros(b, h, n) for _ in range(4))
+    qr = torch.zeros_like(q) if gproj else None
+    dq = torch.empty(b, n, h, d)
+    HB.dq_pass(q, k, v, do, o, m, log2l, delta, r, qr, dq, 1.0, 0.1, True, gproj)
+    dk, dv, key_sums = HB.dkdv(q, k, v, do, m, log2l, delta, qr, 1.0, 0.1, False, torch.float32, torch.bfloat16, True)
+    assert launched == [(n // 128, b * h), (n // HB.BLOCK_N, b * hk)]
+    assert dk.dtype == torch.float32 and dv.dtype == torch.bfloat16 and dk.shape == dv.shape == k.shape
+    assert key_sums.shape == (b, hk, d) and key_sums.dtype == torch.float64

@@ -3,13 +3,13 @@
 The two launches of :func:`lightning_gproj.kernels.attention_bwd.backward` for dense inputs, with that module's
 rounding points (kernels/reference.py):
 
-* :func:`dq_pass` (fix "none" and "gproj", no statistics): one program per (128 query rows, batch·head); a
-  1-warp loader loads the rows' q, dO and o once and streams K/V tiles of 64 keys by TMA through a 2-slot
-  ring; two 4-warp consumers own 64 rows each: D = rowsum(dO∘O) (stored for pass 2), then per tile
-  S = Q Kᵀ, dP = dO Vᵀ (issued together), P = exp2((S − m)·τ·log2e − log2l) (the forward's FMA-safe
-  exponent), P̃ = P rounded, dS̃ = P∘(dP − D) rounded, dQ += dS̃ K; gproj also PK += P̃ K, r_i += Σ_j dS̃_ij,
-  Σ_j P̃_ij on the values the GEMMs consume, and at the end dQ −= ρ∘PK with ρ = r / Σ_j P̃ (stored: r, and
-  −ρ∘Q rounded for pass 2's dK term). dq = τ dQ.
+* :func:`dq_pass` (fix "none", no statistics): one program per (128 query rows, batch·head); a 1-warp loader
+  loads the rows' q, dO and o once and streams K/V tiles of 64 keys by TMA through a 2-slot ring; two 4-warp
+  consumers own 64 rows each: D = rowsum(dO∘O) (stored for pass 2), then per tile S = Q Kᵀ, dP = dO Vᵀ
+  (issued together), P = exp2((S − m)·τ·log2e − log2l) (the forward's FMA-safe exponent), dS̃ = P∘(dP − D)
+  rounded, dQ += dS̃ K; dq = τ dQ. fix="gproj" keeps the tl.dot dQ pass: a Gluon version with PK += P̃K,
+  r and Σ_j P̃ in the consumers spilled (25–38 spill stores with Triton 3.6) and ran 0–4% slower than it
+  (benchmarks/NOTES.md, run 19; the code is in commit 2545948).
 * :func:`dkdv` (fix "none", "gproj" with its dK term as its own GEMM, and the PyTorch "gproj_uniform"): one
   program per (128 keys, batch·kv head); the loader loads its K, V rows once and streams (Q, dO[, −ρ∘Q])
   tiles of 64 query rows over the query heads of the GQA group; two consumers own 64 keys each:
@@ -282,9 +282,8 @@ if GLUON_ERROR is None:
             i += 1
 
     @gluon.jit
-    def _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     GPROJ: gl.constexpr, CAUSAL: gl.constexpr, row0, stats, out_row, out_col, out_stride, hi, c, tau,
-                     store_qr, half):
+    def _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, M, LOG2L, DELTA,
+                     CAUSAL: gl.constexpr, row0, stats, out_row, out_col, out_stride, hi, c, tau, half):
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -308,10 +307,6 @@ if GLUON_ERROR is None:
         di = gl.convert_layout(di, row_s)
 
         dq = gl.zeros([_DQ_HALF_M, HEAD_DIM], gl.float32, layout=acc_layout)
-        if GPROJ:
-            pk = gl.zeros([_DQ_HALF_M, HEAD_DIM], gl.float32, layout=acc_layout)
-            r = gl.zeros([_DQ_HALF_M], gl.float32, layout=row_s)
-            ps = gl.zeros([_DQ_HALF_M], gl.float32, layout=row_s)
         zero = gl.zeros([_DQ_HALF_M, _DQ_BLOCK_N], gl.float32, layout=s_layout)
         i = 0
         for start_n in range(0, hi, _DQ_BLOCK_N):
@@ -328,69 +323,33 @@ if GLUON_ERROR is None:
                 if start_n + _DQ_BLOCK_N > first + 1:  # a key of the tile lies past one of the rows
                     cols = start_n + gl.arange(0, _DQ_BLOCK_N, layout=gl.SliceLayout(0, s_layout))
                     p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
-            p16 = p.to(dtype)  # rounding point: P̃ (GProj's direction)
-            if GPROJ:
-                ps += gl.sum(p16.to(gl.float32), axis=1)
-                pk = warpgroup_mma(gl.convert_layout(p16, a_layout), k, pk, is_async=True)
-                dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
-            else:
-                dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
             ds16 = (p * (dp - di[:, None])).to(dtype)  # rounding point: dS̃, the operand of dQ += dS̃ K
-            if GPROJ:
-                r += gl.sum(ds16.to(gl.float32), axis=1)  # r_i from the very values the GEMM consumes
             dq = warpgroup_mma(gl.convert_layout(ds16, a_layout), k, dq, is_async=True)
-            if GPROJ:
-                dq, pk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, pk))
-            else:
-                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
             mbarrier.arrive(empty.index(st), count=1)
             i += 1
         offs = ((out_row + half * _DQ_HALF_M + gl.arange(0, _DQ_HALF_M, layout=row_a)).to(gl.int64)[:, None] * out_stride
                 + out_col + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))[None, :])
-        if GPROJ:
-            # ρ_i = r_i / Σ_j P̃_ij (rows with no visible key: ρ = 0); dQ_i = τ (Σ_j dS̃_ij k_j − ρ_i (P̃K)_i).
-            rho = r / gl.maximum(ps, 1.1754943508222875e-38)
-            rho_a = gl.convert_layout(rho, row_a)
-            dq = dq - rho_a[:, None] * pk
         gl.store(DQ + offs, (dq * tau).to(DQ.dtype.element_ty))
-        if GPROJ:
-            gl.store(R + stats + rows, r)
-            if store_qr != 0:  # −ρ∘Q rounded: the B operand of the dK/dV pass's GProj term (dq stored: fewer live)
-                gl.store(QR + offs, (q.load(acc_layout).to(gl.float32) * (-rho_a)[:, None]).to(QR.dtype.element_ty))
 
     @gluon.jit
-    def _dq_consumer_none_full(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half):
-        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     False, False, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr,
-                     half)
+    def _dq_consumer_full(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, M, LOG2L, DELTA, row0, stats,
+                     out_row, out_col, out_stride, hi, c, tau, half):
+        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, M, LOG2L, DELTA, False,
+                     row0, stats, out_row, out_col, out_stride, hi, c, tau, half)
 
     @gluon.jit
-    def _dq_consumer_none_causal(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half):
-        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     False, True, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr,
-                     half)
+    def _dq_consumer_causal(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, M, LOG2L, DELTA, row0, stats,
+                     out_row, out_col, out_stride, hi, c, tau, half):
+        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, M, LOG2L, DELTA, True,
+                     row0, stats, out_row, out_col, out_stride, hi, c, tau, half)
 
     @gluon.jit
-    def _dq_consumer_gproj_full(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half):
-        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     True, False, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr,
-                     half)
-
-    @gluon.jit
-    def _dq_consumer_gproj_causal(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half):
-        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     True, True, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr,
-                     half)
-
-    @gluon.jit
-    def _hopper_dq_kernel(q_desc, do_desc, o_desc, k_desc, v_desc, DQ, R, QR, M, LOG2L, DELTA, c, tau, H, GROUP, N_CTX,
-                          store_qr, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, o_rb, o_rh, o_ch, k_rb, k_rh, k_ch, v_rb, v_rh,
-                          v_ch, GPROJ: gl.constexpr, CAUSAL: gl.constexpr):
-        # Tiles located as in _hopper_dkdv_kernel; dq and −ρ∘Q: (batch, seqlen, nheads, headdim) contiguous.
+    def _hopper_dq_kernel(q_desc, do_desc, o_desc, k_desc, v_desc, DQ, M, LOG2L, DELTA, c, tau, H, GROUP, N_CTX,
+                          q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, o_rb, o_rh, o_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
+                          CAUSAL: gl.constexpr):
+        # Tiles located as in _hopper_dkdv_kernel; dq: (batch, seqlen, nheads, headdim) contiguous.
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         dtype: gl.constexpr = q_desc.dtype
         pid_m = gl.program_id(0)
@@ -416,28 +375,20 @@ if GLUON_ERROR is None:
         ready, empty = ring_barriers(_NUM_STAGES)
 
         out_row = b * N_CTX + row0
-        args0 = (q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA, row0, stats,
-                 out_row, h * HEAD_DIM, H * HEAD_DIM, hi, c, tau, store_qr, 0)
-        args1 = (q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA, row0, stats,
-                 out_row, h * HEAD_DIM, H * HEAD_DIM, hi, c, tau, store_qr, 1)
+        args0 = (q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, M, LOG2L, DELTA, row0, stats, out_row,
+                 h * HEAD_DIM, H * HEAD_DIM, hi, c, tau, 0)
+        args1 = (q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, M, LOG2L, DELTA, row0, stats, out_row,
+                 h * HEAD_DIM, H * HEAD_DIM, hi, c, tau, 1)
         loader_args = (q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready,
                        empty, b * q_rb + h * q_rh + row0, h * q_ch, b * do_rb + h * do_rh + row0, h * do_ch,
                        b * o_rb + h * o_rh + row0, h * o_ch, b * k_rb + hk * k_rh, hk * k_ch, b * v_rb + hk * v_rh,
                        hk * v_ch, hi)
-        if GPROJ:
-            if CAUSAL:
-                gl.warp_specialize([(_dq_consumer_gproj_causal, args0), (_dq_consumer_gproj_causal, args1),
-                                    (_dq_loader, loader_args)], [4, 1], [240, 24])
-            else:
-                gl.warp_specialize([(_dq_consumer_gproj_full, args0), (_dq_consumer_gproj_full, args1),
-                                    (_dq_loader, loader_args)], [4, 1], [240, 24])
+        if CAUSAL:
+            gl.warp_specialize([(_dq_consumer_causal, args0), (_dq_consumer_causal, args1),
+                                (_dq_loader, loader_args)], [4, 1], [240, 24])
         else:
-            if CAUSAL:
-                gl.warp_specialize([(_dq_consumer_none_causal, args0), (_dq_consumer_none_causal, args1),
-                                    (_dq_loader, loader_args)], [4, 1], [240, 24])
-            else:
-                gl.warp_specialize([(_dq_consumer_none_full, args0), (_dq_consumer_none_full, args1),
-                                    (_dq_loader, loader_args)], [4, 1], [240, 24])
+            gl.warp_specialize([(_dq_consumer_full, args0), (_dq_consumer_full, args1),
+                                (_dq_loader, loader_args)], [4, 1], [240, 24])
 
 
 def enabled() -> bool:
@@ -543,45 +494,43 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal
     return aot_compile_sm90(_hopper_dkdv_kernel, sig, {"GPROJ": bool(gproj), "CAUSAL": bool(causal), **{arg: 1 for arg in ones}})
 
 
-def dq_pass(q, k, v, do, o, m, log2l, delta, r, qr, dq, c: float, softmax_scale: float, causal: bool, gproj: bool):
-    """The dQ pass on Hopper; call only where :func:`serves` is True (and o is in a served memory order).
+def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float, causal: bool):
+    """The dQ pass of fix="none" on Hopper; call only where :func:`serves` is True, with do and o in a served
+    memory order (:func:`needs_copy`).
 
     Args:
         q, k, v, do, o: as :func:`lightning_gproj.kernels.attention_bwd.backward` takes them.
         m, log2l: (batch, nheads, seqlen) fp32 from the forward. delta: same shape, written: D = rowsum(dO∘O).
-        r: same shape, written with fix="gproj": r_i = Σ_j dS̃_ij (else not touched). qr: None, or (batch, seqlen,
-            nheads, headdim) contiguous in q's dtype, written with −ρ∘Q rounded (fix="gproj", own-GEMM dK term).
-        dq: (batch, seqlen, nheads, headdim) contiguous in q's dtype or fp32, written: τ Σ_j dS̃_ij k_j, minus
-            τ ρ_i (P̃K)_i with gproj (ρ_i = r_i / Σ_j P̃_ij), accumulated in fp32 and rounded once.
-        c: τ·log2e. softmax_scale: τ. causal: the causal mask. gproj: fix="gproj" (else "none").
+        dq: (batch, seqlen, nheads, headdim) contiguous in q's dtype or fp32, written: τ Σ_j dS̃_ij k_j,
+            accumulated in fp32 and rounded once.
+        c: τ·log2e. softmax_scale: τ. causal: the causal mask.
     """
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     b, n, h, d = q.shape
     hk = k.shape[2]
     descs, where = [], []
     layout = _layout(d, q.dtype)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     for x in (q, do, o, k, v):
         x2, rb, rh, ch = _tma_view(x)
         descs.append(TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [_DQ_HALF_M.value, d], layout))
         where += [rb, rh, ch]
     _hopper_dq_kernel[(n // _DQ_BLOCK_M.value, b * h)](
-        *descs, dq, r, q if qr is None else qr, m, log2l, delta, float(c), float(softmax_scale), h, h // hk, n,
-        int(qr is not None), *where, GPROJ=bool(gproj), CAUSAL=bool(causal), num_warps=4,
+        *descs, dq, m, log2l, delta, float(c), float(softmax_scale), h, h // hk, n, *where, CAUSAL=bool(causal),
+        num_warps=4,
     )
 
 
-def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
-                    dq_dtype: torch.dtype | None = None, ones: tuple[str, ...] = ()):
+def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, causal: bool = False, dq_dtype: torch.dtype | None = None,
+                    ones: tuple[str, ...] = ()):
     """Compile the dQ kernel for sm_90 without a GPU, as :func:`compile_sm90` does the dK/dV one (``ones``:
-    ``store_qr``, ``GROUP``)."""
+    ``GROUP``)."""
     if GLUON_ERROR is not None:
         raise RuntimeError(f"Gluon is not available in this Triton: {GLUON_ERROR}")
     d = HEAD_DIMS[0]
     t = tensordesc_type(dtype, _DQ_HALF_M.value, d, _layout(d, dtype))
     ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
     sig = {"q_desc": t, "do_desc": t, "o_desc": t, "k_desc": t, "v_desc": t, "DQ": ptr[dq_dtype or dtype],
-           "R": "*fp32", "QR": ptr[dtype], "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32",
-           "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "store_qr": "i32",
-           **{f"{x}_{w}": "i32" for x in ("q", "do", "o", "k", "v") for w in ("rb", "rh", "ch")}}
-    return aot_compile_sm90(_hopper_dq_kernel, sig, {"GPROJ": bool(gproj), "CAUSAL": bool(causal),
-                                                     **{arg: 1 for arg in ones}})
+           "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32", "tau": "fp32", "H": "i32", "GROUP": "i32",
+           "N_CTX": "i32", **{f"{x}_{w}": "i32" for x in ("q", "do", "o", "k", "v") for w in ("rb", "rh", "ch")}}
+    return aot_compile_sm90(_hopper_dq_kernel, sig, {"CAUSAL": bool(causal), **{arg: 1 for arg in ones}})

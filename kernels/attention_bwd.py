@@ -808,12 +808,16 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     # dK term and the PyTorch gproj_uniform.
     hopper = (not packed and not has_seqlens and ds_bits == 0 and not uniform
               and not (win["WINDOW"] or win["SOFTCAP"] or drop["DROPOUT"]) and attention_bwd_hopper.serves(q, k, v, do))
-    if hopper and attention_bwd_hopper.needs_copy(do):
-        do = do.contiguous()
-    if hopper and not need_r:  # fix="none", no statistics
-        if attention_bwd_hopper.needs_copy(o):
-            o = o.contiguous()
-        attention_bwd_hopper.dq_pass(q, k, v, do, o, m, log2l, delta, dq, c, tau, causal)
+    do_tma = attention_bwd_hopper.tma_ready(do) if hopper else None
+    if do_tma is None:
+        hopper = False
+    else:
+        do = do_tma
+    # The Gluon dQ pass reads o by TMA as q's dtype: an o of another dtype or shape keeps the tl.dot pass.
+    o_tma = (attention_bwd_hopper.tma_ready(o) if hopper and not need_r and o.dtype == q.dtype and o.shape == q.shape
+             else None)
+    if o_tma is not None:  # fix="none", no statistics
+        attention_bwd_hopper.dq_pass(q, k, v, do, o_tma, m, log2l, delta, dq, c, tau, causal)
     else:
         _dq_kernel[lambda meta: (triton.cdiv(grid_q, meta["BLOCK_M"]), nb * h)](
             q, k, v, do, o, m, log2l, delta, dq, r, qr, abs_ds, leak, seqlens_arg, *cu_args,

@@ -47,7 +47,7 @@ if GLUON_ERROR is None:
         aot_compile_sm90, ring_barriers, ring_load_pair, tensordesc_type, tma_load,
     )
 
-__all__ = ["dq_pass", "dkdv", "serves", "accepts", "needs_copy", "compile_sm90", "compile_dq_sm90", "BLOCK_N",
+__all__ = ["dq_pass", "dkdv", "serves", "accepts", "tma_ready", "compile_sm90", "compile_dq_sm90", "BLOCK_N",
            "HEAD_DIMS", "KEYS_PER_SUM"]
 
 #: Keys per program (two consumers of 64); query rows per streamed tile; keys per key-sum slot.
@@ -396,9 +396,15 @@ def enabled() -> bool:
     return os.environ.get("GPROJ_HOPPER_BWD", "1") != "0"
 
 
-def needs_copy(x: torch.Tensor) -> bool:
-    """Whether do or o (any strides in attention_bwd.backward) must be made contiguous for these kernels' TMA."""
-    return _tma_view(x) is None
+def tma_ready(x: torch.Tensor):
+    """do or o (any strides in attention_bwd.backward) as these kernels' TMA reads it: x itself when its memory is
+    in a served order (kernels/attention_fwd_hopper._tma_view), else a fresh copy in standard strides (a fresh
+    allocation: ``.contiguous()`` would return a tensor that only PyTorch calls contiguous, e.g. batch 1 with an
+    odd batch stride, or a misaligned one, unchanged); None if even the copy is not served. Never raises."""
+    if _tma_view(x) is not None:
+        return x
+    x = x.clone(memory_format=torch.contiguous_format)
+    return x if _tma_view(x) is not None else None
 
 
 def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
@@ -495,8 +501,8 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal
 
 
 def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float, causal: bool):
-    """The dQ pass of fix="none" on Hopper; call only where :func:`serves` is True, with do and o in a served
-    memory order (:func:`needs_copy`).
+    """The dQ pass of fix="none" on Hopper; call only where :func:`serves` is True, with do and o as
+    :func:`tma_ready` returns them (o shaped like q, in its dtype).
 
     Args:
         q, k, v, do, o: as :func:`lightning_gproj.kernels.attention_bwd.backward` takes them.

@@ -76,6 +76,23 @@ def test_rejects_what_it_cannot_serve(why, q, k, v, do):
     assert not HB.accepts(q, k, v, do), why
 
 
+@pytest.mark.parametrize("why, x", [
+    ("batch 1 with an odd batch stride (PyTorch calls it contiguous)", torch.zeros(256, 1, 4, 128, dtype=torch.bfloat16).transpose(0, 1)),
+    ("misaligned", torch.zeros(2 * 256 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 256, 4, 128)),
+    ("a strided slice", torch.zeros(2, 256, 4, 144, dtype=torch.bfloat16)[..., :128]),
+])
+def test_tma_ready_copies_what_the_kernels_cannot_read(why, x):
+    """do and o reach the kernels through tma_ready: a fresh copy in standard strides where x's memory is not in a
+    served order — .contiguous() would hand the first two back unchanged (a review finding, run 19)."""
+    from lightning_gproj.kernels.attention_fwd_hopper import _tma_view
+
+    assert _tma_view(x) is None, why
+    y = HB.tma_ready(x)
+    assert y is not None and _tma_view(y) is not None and torch.equal(y, x), why
+    ok = _t()
+    assert HB.tma_ready(ok) is ok
+
+
 def test_not_served_off_sm90_or_when_disabled(monkeypatch):
     q = _t()
     assert not HB.serves(q, q, q, q)  # CPU tensors
@@ -107,6 +124,7 @@ class _Launcher:
 @pytest.mark.parametrize("kwargs, dq_routed, dkdv_routed, gemm_term", [
     (dict(fix="none"), True, True, False),
     (dict(fix="none", want_stats=True), False, True, False),  # r, abs_dS, leak: the tl.dot dQ pass
+    (dict(fix="none", o_dtype=torch.float16), False, True, False),  # the Gluon dQ pass reads o as q's dtype
     (dict(fix="gproj"), False, True, True),  # the tl.dot dQ pass (faster than the Gluon one was, run 19)
     (dict(fix="gproj_uniform"), False, True, False),  # r without the projection: the tl.dot dQ pass
     (dict(fix="none", grad_dtype=torch.float32), True, True, False),
@@ -146,11 +164,11 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
     torch.manual_seed(0)
     b, n, h, d = 2, 256, 2, 128
     q, k, v, do = (torch.randn(b, n, h, d, dtype=torch.bfloat16) for _ in range(4))
-    o = torch.randn(b, n, h, d, dtype=torch.bfloat16)
+    kwargs = dict(kwargs)
+    o = torch.randn(b, n, h, d, dtype=kwargs.pop("o_dtype", torch.bfloat16))
     m = torch.zeros(b, h, n)
     log2l = torch.full((b, h, n), 8.0)
     causal = "window_size" in kwargs
-    kwargs = dict(kwargs)
     fix = kwargs.pop("fix")
     want_stats = kwargs.pop("want_stats", False)
     try:

@@ -30,13 +30,13 @@ with an fp32 dk the per-64-key sums Σ_j dk_j of the stored values, for the C2 p
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
-from lightning_gproj.kernels._triton_utils import interpreting
-from lightning_gproj.kernels.attention_fwd_hopper import GLUON_ERROR, _tma_view, accepts as _fwd_accepts
+from lightning_gproj.kernels.attention_fwd_hopper import (
+    GLUON_ERROR, _layouts, _require_gluon, _tma_view, accepts as _fwd_accepts, on_sm90, pointer_type, tma_descriptor,
+)
 
 if GLUON_ERROR is None:
     from triton.experimental import gluon
@@ -50,16 +50,17 @@ if GLUON_ERROR is None:
 __all__ = ["dq_pass", "dkdv", "serves", "accepts", "tma_ready", "compile_sm90", "compile_dq_sm90", "BLOCK_N",
            "HEAD_DIMS", "KEYS_PER_SUM"]
 
-#: Keys per program (two consumers of 64); query rows per streamed tile; keys per key-sum slot.
+#: Keys per dK/dV program (two consumers of 64); rows of every TMA tile; keys per key-sum slot.
 BLOCK_N = 128
-KEYS_PER_SUM = 64
+TILE_ROWS = 64
+KEYS_PER_SUM = TILE_ROWS  # one slot per dK/dV consumer
 HEAD_DIMS = (128,)
 
 if GLUON_ERROR is None:
     # Module constants: the partitions of gl.warp_specialize receive their arguments as IR values.
     _BLOCK_N = gl.constexpr(BLOCK_N)
-    _HALF_N = gl.constexpr(BLOCK_N // 2)
-    _BLOCK_M = gl.constexpr(64)
+    _HALF_N = gl.constexpr(TILE_ROWS)
+    _BLOCK_M = gl.constexpr(TILE_ROWS)
     _NUM_STAGES = gl.constexpr(2)
 
     @gluon.jit
@@ -263,8 +264,8 @@ if GLUON_ERROR is None:
 if GLUON_ERROR is None:
     # The dQ pass: 128 query rows per program (two consumers of 64), key tiles of 64 through a 2-slot ring.
     _DQ_BLOCK_M = gl.constexpr(128)
-    _DQ_HALF_M = gl.constexpr(64)
-    _DQ_BLOCK_N = gl.constexpr(64)
+    _DQ_HALF_M = gl.constexpr(TILE_ROWS)
+    _DQ_BLOCK_N = gl.constexpr(TILE_ROWS)
 
     @gluon.jit
     def _dq_loader(q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty,
@@ -419,33 +420,23 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) 
     importable, GPROJ_HOPPER_BWD not 0) and :func:`accepts`. The caller checks the rest (fix "none" or "gproj"
     with its own-GEMM dK term, ds_format "bf16", no key padding, window, softcap, dropout or packing). Never
     raises."""
-    if GLUON_ERROR is not None or interpreting() or not enabled() or q.device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(q.device) == (9, 0) and accepts(q, k, v, do)
+    return enabled() and on_sm90(q) and accepts(q, k, v, do)
 
 
-@functools.lru_cache(maxsize=None)
 def _layout(head_dim: int, dtype: torch.dtype):
-    """The shared layout of every [64, head_dim] tile (q, do, −ρ∘Q, and the halves of k, v); cached (host time)."""
-    return gl.NVMMASharedLayout.get_default_for([_BLOCK_M.value, head_dim],
-                                                gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    """The shared layout of every tile here: TILE_ROWS = 64 rows (q, do, o, −ρ∘Q, the halves of k, v and the dQ pass's K/V
+    tiles), the forward's q / o tile layout (cached there)."""
+    return _layouts(head_dim, dtype)[0]
 
 
-def _descriptors(q, do, qr, k, v):
-    """TMA descriptors of q, do, qr (q when None), k, v and their tile locators (rb, rh, ch), kernel order."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    d = q.shape[3]
-    layout = _layout(d, q.dtype)
+def _descriptors(*tensors):
+    """TMA descriptors of ``tensors`` in 64-row tiles and their tile locators (rb, rh, ch), in the kernels'
+    argument order."""
     descs, where = [], []
-    for x in (q, do, q if qr is None else qr):
-        x2, rb, rh, ch = _tma_view(x)
-        descs.append(TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [_BLOCK_M.value, d], layout))
-        where += [rb, rh, ch]
-    for x in (k, v):
-        x2, rb, rh, ch = _tma_view(x)
-        descs.append(TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [_HALF_N.value, d], layout))
-        where += [rb, rh, ch]
+    for x in tensors:
+        desc, loc = tma_descriptor(x, TILE_ROWS, _layout(x.shape[3], x.dtype))
+        descs.append(desc)
+        where += loc
     return descs, where
 
 
@@ -474,7 +465,7 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
     dv = torch.empty((b, n, hk, d), dtype=dv_dtype, device=q.device)
     slots = n // KEYS_PER_SUM
     ks = torch.empty((b, hk, slots, d), dtype=torch.float32, device=q.device) if want_key_sums else delta
-    descs, where = _descriptors(q, do, qr, k, v)
+    descs, where = _descriptors(q, do, q if qr is None else qr, k, v)  # q: a placeholder the kernel never reads
     _hopper_dkdv_kernel[(n // BLOCK_N, b * hk)](
         *descs, dk, dv, ks, m, log2l, delta, float(c), float(softmax_scale), h, h // hk, n,
         int(bool(want_key_sums)), *where, GPROJ=qr is not None, CAUSAL=bool(causal), num_warps=4,
@@ -488,13 +479,11 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal
     in ``dk_dtype`` (default: ``dtype``; torch.float32 for the fp32-dk path), dv in ``dtype``. ``ones`` names
     integer arguments compiled as the constant 1, as Triton specializes them at launch (``key_sums``,
     ``GROUP``). Returns the compiled kernel. Raises RuntimeError if Gluon is not importable."""
-    if GLUON_ERROR is not None:
-        raise RuntimeError(f"Gluon is not available in this Triton: {GLUON_ERROR}")
+    _require_gluon()
     d = HEAD_DIMS[0]
-    t = tensordesc_type(dtype, _BLOCK_M.value, d, _layout(d, dtype))
-    ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
-    sig = {"q_desc": t, "do_desc": t, "qr_desc": t, "k_desc": t, "v_desc": t, "DK": ptr[dk_dtype or dtype],
-           "DV": ptr[dtype], "KS": "*fp32", "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32",
+    t = tensordesc_type(dtype, TILE_ROWS, d, _layout(d, dtype))
+    sig = {"q_desc": t, "do_desc": t, "qr_desc": t, "k_desc": t, "v_desc": t, "DK": pointer_type(dk_dtype or dtype),
+           "DV": pointer_type(dtype), "KS": "*fp32", "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32",
            "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "key_sums": "i32",
            **{f"{x}_{w}": "i32" for x in ("q", "do", "qr", "k", "v") for w in ("rb", "rh", "ch")}}
     return aot_compile_sm90(_hopper_dkdv_kernel, sig, {"GPROJ": bool(gproj), "CAUSAL": bool(causal), **{arg: 1 for arg in ones}})
@@ -511,16 +500,9 @@ def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float,
             accumulated in fp32 and rounded once.
         c: τ·log2e. softmax_scale: τ. causal: the causal mask.
     """
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     b, n, h, d = q.shape
     hk = k.shape[2]
-    descs, where = [], []
-    layout = _layout(d, q.dtype)
-    for x in (q, do, o, k, v):
-        x2, rb, rh, ch = _tma_view(x)
-        descs.append(TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [_DQ_HALF_M.value, d], layout))
-        where += [rb, rh, ch]
+    descs, where = _descriptors(q, do, o, k, v)
     _hopper_dq_kernel[(n // _DQ_BLOCK_M.value, b * h)](
         *descs, dq, m, log2l, delta, float(c), float(softmax_scale), h, h // hk, n, *where, CAUSAL=bool(causal),
         num_warps=4,
@@ -531,12 +513,10 @@ def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, causal: bool = False, d
                     ones: tuple[str, ...] = ()):
     """Compile the dQ kernel for sm_90 without a GPU, as :func:`compile_sm90` does the dK/dV one (``ones``:
     ``GROUP``)."""
-    if GLUON_ERROR is not None:
-        raise RuntimeError(f"Gluon is not available in this Triton: {GLUON_ERROR}")
+    _require_gluon()
     d = HEAD_DIMS[0]
-    t = tensordesc_type(dtype, _DQ_HALF_M.value, d, _layout(d, dtype))
-    ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
-    sig = {"q_desc": t, "do_desc": t, "o_desc": t, "k_desc": t, "v_desc": t, "DQ": ptr[dq_dtype or dtype],
+    t = tensordesc_type(dtype, TILE_ROWS, d, _layout(d, dtype))
+    sig = {"q_desc": t, "do_desc": t, "o_desc": t, "k_desc": t, "v_desc": t, "DQ": pointer_type(dq_dtype or dtype),
            "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32", "tau": "fp32", "H": "i32", "GROUP": "i32",
            "N_CTX": "i32", **{f"{x}_{w}": "i32" for x in ("q", "do", "o", "k", "v") for w in ("rb", "rh", "ch")}}
     return aot_compile_sm90(_hopper_dq_kernel, sig, {"CAUSAL": bool(causal), **{arg: 1 for arg in ones}})

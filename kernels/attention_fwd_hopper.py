@@ -46,7 +46,8 @@ try:  # Gluon ships with Triton >= 3.4; the TMA copies were renamed after 3.6.
 except Exception as exc:  # pragma: no cover - depends on the Triton build
     GLUON_ERROR = f"{exc.__class__.__name__}: {exc}"
 
-__all__ = ["forward", "serves", "accepts", "compile_sm90", "aot_compile_sm90", "tensordesc_type", "BLOCK_M"]
+__all__ = ["forward", "serves", "accepts", "on_sm90", "tma_descriptor", "compile_sm90", "aot_compile_sm90",
+           "tensordesc_type", "pointer_type", "BLOCK_M"]
 
 #: Query rows per program (two consumers of 64) and keys per K/V tile; the served seqlen's multiple.
 BLOCK_M = 128
@@ -260,9 +261,13 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         True on an sm_90 GPU (not under the interpreter, Gluon importable, GPROJ_HOPPER_FWD not 0) for
         the inputs of :func:`accepts`. Never raises.
     """
-    if GLUON_ERROR is not None or interpreting() or not enabled() or q.device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(q.device) == (9, 0) and accepts(q, k, v)
+    return enabled() and on_sm90(q) and accepts(q, k, v)
+
+
+def on_sm90(x: torch.Tensor) -> bool:
+    """Whether Gluon kernels can run on x: x on an sm_90 GPU, Gluon importable, not under the interpreter."""
+    return (GLUON_ERROR is None and not interpreting() and x.device.type == "cuda"
+            and torch.cuda.get_device_capability(x.device) == (9, 0))
 
 
 def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -278,21 +283,28 @@ def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and h % k.shape[2] == 0 and n % BLOCK_M == 0 and all(_tma_view(x) is not None for x in (q, k, v)))
 
 
+def tma_descriptor(x: torch.Tensor, rows: int, layout):
+    """The TMA descriptor of :func:`_tma_view`'s 2-D view of x ((batch, seqlen, heads, headdim), accepted) with
+    [rows, headdim] tiles in ``layout``, and x's tile locators [rb, rh, ch]. Also builds on CPU (no driver)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    x2, rb, rh, ch = _tma_view(x)
+    return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, x.shape[3]], layout), [rb, rh, ch]
+
+
 def _descriptors(q, k, v, o):
     """The kernel's TMA descriptors of q, k, v, o (:func:`accepts`'d inputs; o (batch, seqlen, nheads,
     headdim) contiguous) and the tile locators (rb, rh, ch) of q, k, v, in the kernel's argument order. Also
     builds on CPU (no driver needed), which the tests use."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    d = q.shape[3]
-    qo_layout, kv_layout = _layouts(d, q.dtype)
-    hm, bn = _HALF_M.value, _BLOCK_N.value
+    qo_layout, kv_layout = _layouts(q.shape[3], q.dtype)
     descs, where = [], []
-    for x, rows, layout in ((q, hm, qo_layout), (k, bn, kv_layout), (v, bn, kv_layout), (o, hm, qo_layout)):
-        x2, rb, rh, ch = _tma_view(x)
-        descs.append(TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, d], layout))
-        if x is not o:  # o is ours, (batch, seqlen, nheads, headdim) contiguous: the kernel knows its tiles
-            where += [rb, rh, ch]
+    for x, rows, layout in ((q, _HALF_M.value, qo_layout), (k, _BLOCK_N.value, kv_layout),
+                            (v, _BLOCK_N.value, kv_layout)):
+        desc, loc = tma_descriptor(x, rows, layout)
+        descs.append(desc)
+        where += loc
+    # o is ours, (batch, seqlen, nheads, headdim) contiguous: the kernel knows its tiles
+    descs.append(tma_descriptor(o, _HALF_M.value, qo_layout)[0])
     return descs, where
 
 
@@ -342,6 +354,11 @@ def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple
 def _require_gluon() -> None:
     if GLUON_ERROR is not None:
         raise RuntimeError(f"Gluon is not available in this Triton: {GLUON_ERROR}")
+
+
+def pointer_type(dtype: torch.dtype) -> str:
+    """The signature type of a pointer argument to a bf16 / fp16 / fp32 tensor."""
+    return {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
 
 
 def tensordesc_type(dtype: torch.dtype, rows: int, head_dim: int, layout) -> str:

@@ -834,24 +834,23 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
         dk, dv, key_sums = attention_bwd_hopper.dkdv(
             q, k, v, do, m, log2l, delta, qr if dk_mode == _DK_GEMM else None, c, tau, causal, dk_dtype, gdv,
             want_key_sums)
-        return (dq, dk, dv, (r if need_r else None), (abs_ds if want_stats else None),
-                (leak if want_stats else None), key_sums)
-    dk = torch.empty((b, nk, hk, d), dtype=dk_dtype, device=dev)
-    dv = torch.empty((b, nk, hk, d), dtype=gdv, device=dev)
-    # Per-block key sums of dk: one slot per key block of the smallest BLOCK_N any config uses.
-    slots = triton.cdiv(grid_k, _MIN_BLOCK_N) if want_key_sums else 1
-    ks = torch.empty((nb, hk, slots, d), dtype=torch.float32, device=dev) if want_key_sums else delta
-    _dkdv_kernel[lambda meta: (triton.cdiv(grid_k, meta["BLOCK_N"]), nb * hk)](
-        q, k, v, do, m, log2l, delta, r, qr, dk, dv, ks, seqlens_arg, *cu_args,
-        *batch_strides(q, packed), *batch_strides(k, packed), *batch_strides(v, packed), *batch_strides(do, packed),
-        *batch_strides(dk, packed), *batch_strides(dv, packed), *batch_strides(qr, packed),
-        slots * d, c, tau, h, hk, nq, nk, *wargs,
-        GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, DK_MODE=dk_mode, HAS_SEQLENS=has_seqlens,
-        DS_BITS=ds_bits, IS_VARLEN=packed, INTERP=INTERPRET, KEY_SUMS=want_key_sums, **wconst,
-    )
-    key_sums = None
-    if want_key_sums:  # the slots the launch's config wrote, summed in fp64
-        used = triton.cdiv(grid_k, _dkdv_kernel.best_config.kwargs["BLOCK_N"])
-        key_sums = ks[:, :, :used].sum(dim=2, dtype=torch.float64)
+    else:
+        dk = torch.empty((b, nk, hk, d), dtype=dk_dtype, device=dev)
+        dv = torch.empty((b, nk, hk, d), dtype=gdv, device=dev)
+        # Per-block key sums of dk: one slot per key block of the smallest BLOCK_N any config uses.
+        slots = triton.cdiv(grid_k, _MIN_BLOCK_N) if want_key_sums else 1
+        ks = torch.empty((nb, hk, slots, d), dtype=torch.float32, device=dev) if want_key_sums else delta
+        _dkdv_kernel[lambda meta: (triton.cdiv(grid_k, meta["BLOCK_N"]), nb * hk)](
+            q, k, v, do, m, log2l, delta, r, qr, dk, dv, ks, seqlens_arg, *cu_args,
+            *batch_strides(q, packed), *batch_strides(k, packed), *batch_strides(v, packed), *batch_strides(do, packed),
+            *batch_strides(dk, packed), *batch_strides(dv, packed), *batch_strides(qr, packed),
+            slots * d, c, tau, h, hk, nq, nk, *wargs,
+            GROUP=h // hk, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, DK_MODE=dk_mode, HAS_SEQLENS=has_seqlens,
+            DS_BITS=ds_bits, IS_VARLEN=packed, INTERP=INTERPRET, KEY_SUMS=want_key_sums, **wconst,
+        )
+        key_sums = None
+        if want_key_sums:  # the slots the launch's config wrote, summed in fp64
+            used = triton.cdiv(grid_k, _dkdv_kernel.best_config.kwargs["BLOCK_N"])
+            key_sums = ks[:, :, :used].sum(dim=2, dtype=torch.float64)
     return (dq, dk, dv, (r if need_r else None), (abs_ds if want_stats else None), (leak if want_stats else None),
             key_sums)

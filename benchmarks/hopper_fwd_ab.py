@@ -1,4 +1,4 @@
-"""Variants of the Gluon forward, A/B against the package's (issue 12; benchmarks/NOTES.md, run 18). H200 only.
+"""Variants of the Gluon forward, A/B against the package's (issue 12; benchmarks/NOTES.md, runs 18–19). H200 only.
 
 Each variant is a copy of kernels/attention_fwd_hopper.py with source edits (written to a temporary file and
 imported as its own module), timed against the package's kernel and cuDNN, forward only, bf16, interleaved
@@ -12,11 +12,9 @@ Variants (``--variants``, comma-separated; default all):
 - ``launch_order``: causal query blocks in launch order instead of heaviest first (run 18: within ±2%, +2% for
   heaviest first at 1×16×8192×128 causal);
 - ``stages3``: a 3-slot K/V ring instead of 2 (fits d 64 only);
-- ``loader_regs40``: 40 registers for the loader partition instead of 24 (the consumers keep 232);
-- ``pipelined``: FA3's intra-warp-group overlap: each consumer issues the next block's S = Q Kᵀ before the
-  softmax and P·V of the current one (same arithmetic: outputs must be bit-identical). Compiled for sm_90 on
-  CPU (Triton 3.6 and 3.9): no spills at d 64 / 128, and the SASS issues the next S's 8 HGMMAs before the
-  block's 66 MUFU.EX2 with no wait between; never run.
+- ``loader_regs40``: 40 registers for the loader partition instead of 24 (the consumers keep 232).
+Run 19 measured all three within the rounds' spread. FA3's intra-warp-group pipelining (the next block's S issued
+before the current softmax) measured 20–30% slower there and was removed from this script (commit 0db54c1 has it).
 
 Usage: python benchmarks/hopper_fwd_ab.py [--variants a,b] [--rounds 2]
 """
@@ -36,43 +34,11 @@ from triton.testing import do_bench
 from lightning_gproj import gproj_attn_func
 from lightning_gproj.kernels import attention_fwd_hopper as H
 
-def _consumer_loop() -> str:
-    """The consumer's key loop as it stands in kernels/attention_fwd_hopper.py (the text "pipelined" replaces)."""
-    src = inspect.getsource(H)
-    start = src.index("        mbarrier.wait(q_bar, 0)\n")
-    end = src.index("            i += 1\n", start) + len("            i += 1\n")
-    return src[start:end]
-
-
-_PIPELINED_LOOP = """        mbarrier.wait(q_bar, 0)
-        diag_from = row0 + half * _HALF_M
-        mbarrier.wait(ready.index(0), 0)
-        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        i = 0
-        for start_n in range(0, hi - _BLOCK_N, _BLOCK_N):
-            st = i % _NUM_STAGES
-            nxt = (i + 1) % _NUM_STAGES
-            mbarrier.wait(ready.index(nxt), ((i + 1) // _NUM_STAGES) & 1)
-            s_next = warpgroup_mma(q, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, v_smem.index(st), offs_m, start_n, diag_from, c, causal)
-            s_next, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
-            mbarrier.arrive(empty.index(st), count=1)
-            s = s_next
-            i += 1
-        st = i % _NUM_STAGES
-        acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, v_smem.index(st), offs_m, hi - _BLOCK_N, diag_from, c, causal)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(st), count=1)
-"""
-_PIPELINED = [(_consumer_loop(), _PIPELINED_LOOP)]  # the loop around the package's _softmax_pv
-
 #: name: the (text in kernels/attention_fwd_hopper.py, its replacement) edits
 VARIANTS = {
     "launch_order": [("            pid_m = gl.num_programs(0) - 1 - pid_m\n", "            pass\n")],
     "stages3": [("    _NUM_STAGES = gl.constexpr(2)\n", "    _NUM_STAGES = gl.constexpr(3)\n")],
     "loader_regs40": [("        ], [4, 1], [232, 24])\n", "        ], [4, 1], [232, 40])\n")],
-    "pipelined": _PIPELINED,
 }
 SHAPES = [(4, 16, 2048, 128, True), (4, 16, 4096, 128, True), (1, 16, 8192, 128, True), (2, 16, 4096, 64, True),
           (2, 16, 4096, 64, False), (4, 16, 2048, 128, False)]

@@ -163,12 +163,14 @@ def hopper_bwd_check(dev):
         v = torch.randn(b, n, hk, d, device=dev, dtype=torch.bfloat16)
         do = torch.randn(b, n, h, d, device=dev, dtype=torch.bfloat16)
         o_r, m_r, l_r = R.forward(q, k, v, d ** -0.5, causal)
-        c2 = []
+        c2, dqs = [], []
         for env in ("1", "0"):
             with mock.patch.dict(os.environ, {"GPROJ_HOPPER_BWD": env}):
-                dk = B.backward(do, q, k, v, o_r, m_r, l_r, d ** -0.5, causal, "gproj", grad_dtype=torch.float32)[1]
+                dq, dk = B.backward(do, q, k, v, o_r, m_r, l_r, d ** -0.5, causal, "gproj", grad_dtype=torch.float32)[:2]
             c2.append((dk.double().sum(1).abs() / dk.double().abs().sum(1)).max().item())
-        print(f"hopper_bwd fp32 dk causal={causal}: C2 Gluon {c2[0]:.1e}, tl.dot {c2[1]:.1e}", flush=True)
+            dqs.append(dq)
+        print(f"hopper_bwd fp32 dk causal={causal}: C2 Gluon {c2[0]:.1e}, tl.dot {c2[1]:.1e}; fp32 dq Gluon vs tl.dot "
+              f"{rel(dqs[0], dqs[1]):.1e} (dtype {dqs[0].dtype})", flush=True)
     print("hopper_bwd worst rel diff vs reference (grads):", worst, flush=True)
 
 
@@ -180,7 +182,7 @@ def main():
     ap.add_argument("--cases", default="base,features,varlen,hopper",
                     help="which Triton-vs-reference groups to run: base (8 shapes, every fix), features (windows, "
                          "softcap), dropout (attention dropout, the reference drawing the kernels' mask), varlen "
-                         "(packed sequences), hopper (the sm_90 Gluon forward), hopper_bwd (the sm_90 Gluon dK/dV pass)")
+                         "(packed sequences), hopper (the sm_90 Gluon forward), hopper_bwd (the sm_90 Gluon backward passes)")
     args = ap.parse_args()
     groups = set(args.cases.split(","))
     if not groups <= {"base", "features", "dropout", "varlen", "hopper", "hopper_bwd"}:

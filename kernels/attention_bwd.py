@@ -28,8 +28,8 @@ Two launches, rounding at the points of kernels/reference.py (DESIGN.md §3, §4
 
 On an sm_90 GPU, for the dense inputs of kernels/attention_bwd_hopper.py (head dim 128, no padding, window,
 softcap, dropout or packing), both passes run as that module's warp-specialized Gluon kernels, with the same
-rounding points: the dQ pass for fix "none" without want_stats, the dK/dV pass for "none", "gproj" with
-the "gemm" schedule and the PyTorch "gproj_uniform".
+rounding points: the dQ pass for fix "none" and "gproj" without want_stats, the dK/dV pass for "none", "gproj"
+with the "gemm" schedule and the PyTorch "gproj_uniform".
 
 fix="gproj_uniform" (the orthogonal projection) runs both passes without corrections, with fp32 dq/dk
 outputs, and applies the rank-one corrections in PyTorch (O(N·d): prefix means / suffix sums when
@@ -804,8 +804,8 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     leak = torch.empty((b, h, nq, d), dtype=torch.float32, device=dev) if want_stats else delta
 
     # sm_90, dense inputs: the warp-specialized Gluon passes (kernels/attention_bwd_hopper.py, same rounding
-    # points): the dQ one for fix "none" without statistics, the dK/dV one for "none", "gproj" with its own-GEMM
-    # dK term and the PyTorch gproj_uniform.
+    # points): the dQ one for fix "none" and "gproj" without statistics, the dK/dV one for "none", "gproj" with
+    # its own-GEMM dK term and the PyTorch gproj_uniform.
     hopper = (not packed and not has_seqlens and ds_bits == 0 and not uniform
               and not (win["WINDOW"] or win["SOFTCAP"] or drop["DROPOUT"]) and attention_bwd_hopper.serves(q, k, v, do))
     do_tma = attention_bwd_hopper.tma_ready(do) if hopper else None
@@ -813,11 +813,13 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
         hopper = False
     else:
         do = do_tma
-    # The Gluon dQ pass reads o by TMA as q's dtype: an o of another dtype or shape keeps the tl.dot pass.
-    o_tma = (attention_bwd_hopper.tma_ready(o) if hopper and not need_r and o.dtype == q.dtype and o.shape == q.shape
-             else None)
-    if o_tma is not None:  # fix="none", no statistics
-        attention_bwd_hopper.dq_pass(q, k, v, do, o_tma, m, log2l, delta, dq, c, tau, causal)
+    # The Gluon dQ pass (fix "none" or "gproj", no statistics) reads o by TMA as q's dtype: an o of another dtype
+    # or shape keeps the tl.dot pass.
+    o_tma = (attention_bwd_hopper.tma_ready(o) if hopper and not want_stats and need_r == gproj
+             and o.dtype == q.dtype and o.shape == q.shape else None)
+    if o_tma is not None:
+        attention_bwd_hopper.dq_pass(q, k, v, do, o_tma, m, log2l, delta, dq, c, tau, causal,
+                                     r if gproj else None, qr if dk_mode == _DK_GEMM else None)
     else:
         _dq_kernel[lambda meta: (triton.cdiv(grid_q, meta["BLOCK_M"]), nb * h)](
             q, k, v, do, o, m, log2l, delta, dq, r, qr, abs_ds, leak, seqlens_arg, *cu_args,

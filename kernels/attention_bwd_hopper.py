@@ -3,13 +3,14 @@
 The two launches of :func:`lightning_gproj.kernels.attention_bwd.backward` for dense inputs, with that module's
 rounding points (kernels/reference.py):
 
-* :func:`dq_pass` (fix "none", no statistics): one program per (128 query rows, batch·head); a 1-warp loader
-  loads the rows' q, dO and o once and streams K/V tiles of 64 keys by TMA through a 2-slot ring; two 4-warp
-  consumers own 64 rows each: D = rowsum(dO∘O) (stored for pass 2), then per tile S = Q Kᵀ, dP = dO Vᵀ
-  (issued together), P = exp2((S − m)·τ·log2e − log2l) (the forward's FMA-safe exponent), dS̃ = P∘(dP − D)
-  rounded, dQ += dS̃ K; dq = τ dQ. fix="gproj" keeps the tl.dot dQ pass: a Gluon version with PK += P̃K,
-  r and Σ_j P̃ in the consumers spilled (25–38 spill stores with Triton 3.6) and ran 0–4% slower than it
-  (benchmarks/NOTES.md, run 19; the code is in commit 2545948).
+* :func:`dq_pass` (fix "none" and "gproj", no statistics): one program per (128 query rows, batch·head); a
+  1-warp loader loads the rows' q, dO and o once and streams K/V tiles of 64 keys by TMA through a 2-slot ring;
+  two 4-warp consumers own 64 rows each: D = rowsum(dO∘O) (stored for pass 2), then per tile S = Q Kᵀ,
+  dP = dO Vᵀ (issued together), P = exp2((S − m)·τ·log2e − log2l) (the forward's FMA-safe exponent),
+  dS̃ = P∘(dP − D) rounded, dQ += dS̃ K; gproj also PK += P̃K and r_i = Σ_j dS̃_ij, Σ_j P̃_ij as GEMMs with an
+  e0 = (1, 0, …, 0) tile (ROWSUM_N columns, the tl.dot kernel's trick: no per-score ALU work), then
+  ρ = r / Σ_j P̃, dQ −= ρ∘PK and −ρ∘Q rounded for pass 2; dq = τ dQ. (Summing r and Σ_j P̃ on the ALUs instead
+  spilled as much and ran 0–4% slower than the tl.dot pass: benchmarks/NOTES.md, run 19; with e0, run 20.)
 * :func:`dkdv` (fix "none", "gproj" with its dK term as its own GEMM, and the PyTorch "gproj_uniform"): one
   program per (128 keys, batch·kv head); the loader loads its K, V rows once and streams (Q, dO[, −ρ∘Q])
   tiles of 64 query rows over the query heads of the GQA group; two consumers own 64 keys each:
@@ -17,7 +18,8 @@ rounding points (kernels/reference.py):
 
 All accumulation in fp32, P̃ and dS̃ as register A operands of asynchronous wgmma; only the order of fp32
 additions differs from the tl.dot kernels. Causal grids: query blocks heaviest first; only tiles that reach
-past the diagonal are masked.
+past the diagonal are masked, and a consumer skips the 64-tile its keys or rows never see (its GEMMs are not
+run; the slot is released).
 
 Served (:func:`serves`): the inputs of the Gluon forward (kernels/attention_fwd_hopper.accepts: bf16 / fp16,
 (batch, seqlen, nheads, headdim) or (batch, nheads, seqlen, headdim) memory per tensor, seqlen_q = seqlen_k a
@@ -30,12 +32,13 @@ with an fp32 dk the per-64-key sums Σ_j dk_j of the stored values, for the C2 p
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
 from lightning_gproj.kernels.attention_fwd_hopper import (
-    GLUON_ERROR, _layouts, _require_gluon, _tma_view, accepts as _fwd_accepts, on_sm90, pointer_type, tma_descriptor,
+    GLUON_ERROR, _gl_dtype, _layouts, _require_gluon, _tma_view, accepts as _fwd_accepts, on_sm90, pointer_type, tma_descriptor,
 )
 
 if GLUON_ERROR is None:
@@ -55,6 +58,8 @@ BLOCK_N = 128
 TILE_ROWS = 64
 KEYS_PER_SUM = TILE_ROWS  # one slot per dK/dV consumer
 HEAD_DIMS = (128,)
+#: Columns of the e0 tile whose GEMM with P̃ or dS̃ sums a row (wgmma's N).
+ROWSUM_N = 8
 
 if GLUON_ERROR is None:
     # Module constants: the partitions of gl.warp_specialize receive their arguments as IR values.
@@ -111,10 +116,19 @@ if GLUON_ERROR is None:
         k = k_smem.index(half)
         v = v_smem.index(half)
         mbarrier.wait(kv_bar, 0)
+        first_m = lo
+        if CAUSAL:
+            first_m = key0  # the rows before these keys see none of them
         i = 0
         for g in range(GROUP):
             stats = stats0 + g * N_CTX  # row statistics of query head h0 + g: (batch, nheads, seqlen) fp32
-            for start_m in range(lo, N_CTX, _BLOCK_M):
+            if CAUSAL:
+                if half == 1:  # the group's first tile (rows start_n … key0 − 1): released unread
+                    st = i % _NUM_STAGES
+                    mbarrier.wait(ready.index(st), (i // _NUM_STAGES) & 1)
+                    mbarrier.arrive(empty.index(st), count=1)
+                    i += 1
+            for start_m in range(first_m, N_CTX, _BLOCK_M):
                 st = i % _NUM_STAGES
                 rows = start_m + gl.arange(0, _BLOCK_M, layout=row_s)
                 mbarrier.wait(ready.index(st), (i // _NUM_STAGES) & 1)
@@ -266,16 +280,25 @@ if GLUON_ERROR is None:
     _DQ_BLOCK_M = gl.constexpr(128)
     _DQ_HALF_M = gl.constexpr(TILE_ROWS)
     _DQ_BLOCK_N = gl.constexpr(TILE_ROWS)
+    _ROWSUM_N = gl.constexpr(ROWSUM_N)
 
     @gluon.jit
-    def _dq_loader(q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty,
-                   q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col, v_row, v_col, hi):
-        # The program's q, dO and o rows, once (two halves of 64 rows, one per consumer); then the K/V tiles.
-        mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes))
+    def _dq_loader(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem,
+                   q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col, v_row, v_col, hi,
+                   GPROJ: gl.constexpr):
+        # The program's q, dO and o rows, once (two halves of 64 rows, one per consumer), with gproj the e0 tile;
+        # then the K/V tiles.
+        rows_bytes: gl.constexpr = 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes)
+        if GPROJ:
+            mbarrier.expect(q_bar, rows_bytes + e0_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(q_bar, rows_bytes)
         for half in gl.static_range(2):
             tma_load(q_desc, [q_row + half * _DQ_HALF_M, q_col], q_bar, q_smem.index(half))
             tma_load(do_desc, [do_row + half * _DQ_HALF_M, do_col], q_bar, do_smem.index(half))
             tma_load(o_desc, [o_row + half * _DQ_HALF_M, o_col], q_bar, o_smem.index(half))
+        if GPROJ:
+            tma_load(e0_desc, [0, 0], q_bar, e0_smem)
         i = 0
         for start_n in range(0, hi, _DQ_BLOCK_N):
             ring_load_pair(k_desc, v_desc, k_smem, v_smem, ready, empty, i, k_row + start_n, k_col, v_row + start_n,
@@ -283,19 +306,40 @@ if GLUON_ERROR is None:
             i += 1
 
     @gluon.jit
-    def _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, M, LOG2L, DELTA,
-                     CAUSAL: gl.constexpr, row0, stats, out_row, out_col, out_stride, hi, c, tau, half):
+    def _dq_loader_none(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem,
+                        e0_smem, q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col, v_row,
+                        v_col, hi):
+        _dq_loader(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem,
+                   q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col, v_row, v_col, hi, False)
+
+    @gluon.jit
+    def _dq_loader_gproj(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem,
+                         e0_smem, q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col, v_row,
+                         v_col, hi):
+        _dq_loader(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem,
+                   q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col, v_row, v_col, hi, True)
+
+    @gluon.jit
+    def _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
+                     GPROJ: gl.constexpr, CAUSAL: gl.constexpr, row0, stats, out_row, out_col, out_stride, hi, c, tau,
+                     store_qr, half):
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _DQ_BLOCK_N, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_DIM, 16])
+        sum_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, _ROWSUM_N, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        sum_a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=sum_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_a: gl.constexpr = gl.SliceLayout(1, acc_layout)
 
         first = row0 + half * _DQ_HALF_M  # this consumer's first query row
+        if CAUSAL:
+            hi = first + _DQ_HALF_M  # seqlen_q = seqlen_k: the rows see no key past the last one; the tile past
+            # it (half 0's last) is the other consumer's alone, unread here (no later tile reuses its slot)
         rows = first + gl.arange(0, _DQ_HALF_M, layout=row_s)
         m = gl.load(M + stats + rows)
         l2 = gl.load(LOG2L + stats + rows)
@@ -308,6 +352,13 @@ if GLUON_ERROR is None:
         di = gl.convert_layout(di, row_s)
 
         dq = gl.zeros([_DQ_HALF_M, HEAD_DIM], gl.float32, layout=acc_layout)
+        if GPROJ:
+            # PK = Σ_j P̃_ij k_j; r_i = Σ_j dS̃_ij and Σ_j P̃_ij on the tensor cores: the 16-bit tile times
+            # e0 = (1, 0, …, 0) per key, column 0 of a [64, 16] accumulator (the tl.dot kernel's trick,
+            # benchmarks/NOTES.md run 16), from the very values the GEMMs consume.
+            pk = gl.zeros([_DQ_HALF_M, HEAD_DIM], gl.float32, layout=acc_layout)
+            r = gl.zeros([_DQ_HALF_M, _ROWSUM_N], gl.float32, layout=sum_layout)
+            ps = gl.zeros([_DQ_HALF_M, _ROWSUM_N], gl.float32, layout=sum_layout)
         zero = gl.zeros([_DQ_HALF_M, _DQ_BLOCK_N], gl.float32, layout=s_layout)
         i = 0
         for start_n in range(0, hi, _DQ_BLOCK_N):
@@ -324,33 +375,66 @@ if GLUON_ERROR is None:
                 if start_n + _DQ_BLOCK_N > first + 1:  # a key of the tile lies past one of the rows
                     cols = start_n + gl.arange(0, _DQ_BLOCK_N, layout=gl.SliceLayout(0, s_layout))
                     p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
-            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+            if GPROJ:
+                p16 = p.to(dtype)  # rounding point: P̃ (GProj's direction)
+                pk = warpgroup_mma(gl.convert_layout(p16, a_layout), k, pk, is_async=True)
+                ps = warpgroup_mma(gl.convert_layout(p16, sum_a_layout), e0_smem, ps, is_async=True)
+                dp = warpgroup_mma_wait(num_outstanding=2, deps=(dp,))
+            else:
+                dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
             ds16 = (p * (dp - di[:, None])).to(dtype)  # rounding point: dS̃, the operand of dQ += dS̃ K
             dq = warpgroup_mma(gl.convert_layout(ds16, a_layout), k, dq, is_async=True)
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+            if GPROJ:
+                r = warpgroup_mma(gl.convert_layout(ds16, sum_a_layout), e0_smem, r, is_async=True)
+                dq, pk, r, ps = warpgroup_mma_wait(num_outstanding=0, deps=(dq, pk, r, ps))
+            else:
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
             mbarrier.arrive(empty.index(st), count=1)
             i += 1
         offs = ((out_row + half * _DQ_HALF_M + gl.arange(0, _DQ_HALF_M, layout=row_a)).to(gl.int64)[:, None] * out_stride
                 + out_col + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))[None, :])
+        if GPROJ:
+            # Column 0 holds the sums, the others 0: adding them is exact. ρ_i = r_i / Σ_j P̃_ij (0 for a row
+            # that sees no key); dQ_i = τ (Σ_j dS̃_ij k_j − ρ_i (P̃K)_i).
+            r = gl.convert_layout(gl.sum(r, axis=1), row_a)
+            rho = r / gl.maximum(gl.convert_layout(gl.sum(ps, axis=1), row_a), 1.1754943508222875e-38)
+            dq = dq - rho[:, None] * pk
         gl.store(DQ + offs, (dq * tau).to(DQ.dtype.element_ty))
+        if GPROJ:
+            gl.store(R + stats + first + gl.arange(0, _DQ_HALF_M, layout=row_a), r)
+            if store_qr != 0:  # −ρ∘Q rounded: the B operand of the dK/dV pass's GProj term (after dq's store)
+                gl.store(QR + offs, (q.load(acc_layout).to(gl.float32) * (-rho)[:, None]).to(QR.dtype.element_ty))
+
+    # One partition per (GPROJ, CAUSAL), as for the dK/dV pass.
+    @gluon.jit
+    def _dq_consumer_none_full(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M,
+                               LOG2L, DELTA, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half):
+        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
+                     False, False, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half)
 
     @gluon.jit
-    def _dq_consumer_full(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, M, LOG2L, DELTA, row0, stats,
-                     out_row, out_col, out_stride, hi, c, tau, half):
-        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, M, LOG2L, DELTA, False,
-                     row0, stats, out_row, out_col, out_stride, hi, c, tau, half)
+    def _dq_consumer_none_causal(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M,
+                                 LOG2L, DELTA, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half):
+        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
+                     False, True, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half)
 
     @gluon.jit
-    def _dq_consumer_causal(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, M, LOG2L, DELTA, row0, stats,
-                     out_row, out_col, out_stride, hi, c, tau, half):
-        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, M, LOG2L, DELTA, True,
-                     row0, stats, out_row, out_col, out_stride, hi, c, tau, half)
+    def _dq_consumer_gproj_full(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M,
+                                LOG2L, DELTA, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half):
+        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
+                     True, False, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half)
 
     @gluon.jit
-    def _hopper_dq_kernel(q_desc, do_desc, o_desc, k_desc, v_desc, DQ, M, LOG2L, DELTA, c, tau, H, GROUP, N_CTX,
-                          q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, o_rb, o_rh, o_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
-                          CAUSAL: gl.constexpr):
-        # Tiles located as in _hopper_dkdv_kernel; dq: (batch, seqlen, nheads, headdim) contiguous.
+    def _dq_consumer_gproj_causal(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M,
+                                  LOG2L, DELTA, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half):
+        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
+                     True, True, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half)
+
+    @gluon.jit
+    def _hopper_dq_kernel(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, DQ, R, QR, M, LOG2L, DELTA, c, tau, H,
+                          GROUP, N_CTX, store_qr, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, o_rb, o_rh, o_ch, k_rb, k_rh,
+                          k_ch, v_rb, v_rh, v_ch, GPROJ: gl.constexpr, CAUSAL: gl.constexpr):
+        # Tiles located as in _hopper_dkdv_kernel; dq and −ρ∘Q: (batch, seqlen, nheads, headdim) contiguous.
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         dtype: gl.constexpr = q_desc.dtype
         pid_m = gl.program_id(0)
@@ -371,25 +455,37 @@ if GLUON_ERROR is None:
         o_smem = gl.allocate_shared_memory(dtype, [2, _DQ_HALF_M, HEAD_DIM], o_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _DQ_BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _DQ_BLOCK_N, HEAD_DIM], v_desc.layout)
+        if GPROJ:
+            e0_smem = gl.allocate_shared_memory(dtype, [_DQ_BLOCK_N, _ROWSUM_N], e0_desc.layout)
+        else:
+            e0_smem = q_smem  # not read
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
         ready, empty = ring_barriers(_NUM_STAGES)
 
         out_row = b * N_CTX + row0
-        args0 = (q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, M, LOG2L, DELTA, row0, stats, out_row,
-                 h * HEAD_DIM, H * HEAD_DIM, hi, c, tau, 0)
-        args1 = (q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready, empty, DQ, M, LOG2L, DELTA, row0, stats, out_row,
-                 h * HEAD_DIM, H * HEAD_DIM, hi, c, tau, 1)
-        loader_args = (q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, ready,
-                       empty, b * q_rb + h * q_rh + row0, h * q_ch, b * do_rb + h * do_rh + row0, h * do_ch,
-                       b * o_rb + h * o_rh + row0, h * o_ch, b * k_rb + hk * k_rh, hk * k_ch, b * v_rb + hk * v_rh,
-                       hk * v_ch, hi)
-        if CAUSAL:
-            gl.warp_specialize([(_dq_consumer_causal, args0), (_dq_consumer_causal, args1),
-                                (_dq_loader, loader_args)], [4, 1], [240, 24])
+        args0 = (q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA, row0,
+                 stats, out_row, h * HEAD_DIM, H * HEAD_DIM, hi, c, tau, store_qr, 0)
+        args1 = (q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA, row0,
+                 stats, out_row, h * HEAD_DIM, H * HEAD_DIM, hi, c, tau, store_qr, 1)
+        loader_args = (q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem,
+                       e0_smem, q_bar, ready, empty, b * q_rb + h * q_rh + row0, h * q_ch, b * do_rb + h * do_rh + row0,
+                       h * do_ch, b * o_rb + h * o_rh + row0, h * o_ch, b * k_rb + hk * k_rh, hk * k_ch,
+                       b * v_rb + hk * v_rh, hk * v_ch, hi)
+        if GPROJ:
+            if CAUSAL:
+                gl.warp_specialize([(_dq_consumer_gproj_causal, args0), (_dq_consumer_gproj_causal, args1),
+                                    (_dq_loader_gproj, loader_args)], [4, 1], [240, 24])
+            else:
+                gl.warp_specialize([(_dq_consumer_gproj_full, args0), (_dq_consumer_gproj_full, args1),
+                                    (_dq_loader_gproj, loader_args)], [4, 1], [240, 24])
         else:
-            gl.warp_specialize([(_dq_consumer_full, args0), (_dq_consumer_full, args1),
-                                (_dq_loader, loader_args)], [4, 1], [240, 24])
+            if CAUSAL:
+                gl.warp_specialize([(_dq_consumer_none_causal, args0), (_dq_consumer_none_causal, args1),
+                                    (_dq_loader_none, loader_args)], [4, 1], [240, 24])
+            else:
+                gl.warp_specialize([(_dq_consumer_none_full, args0), (_dq_consumer_none_full, args1),
+                                    (_dq_loader_none, loader_args)], [4, 1], [240, 24])
 
 
 def enabled() -> bool:
@@ -489,34 +585,54 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal
     return aot_compile_sm90(_hopper_dkdv_kernel, sig, {"GPROJ": bool(gproj), "CAUSAL": bool(causal), **{arg: 1 for arg in ones}})
 
 
-def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float, causal: bool):
-    """The dQ pass of fix="none" on Hopper; call only where :func:`serves` is True, with do and o as
+@functools.lru_cache(maxsize=None)
+def _e0(device: torch.device, dtype: torch.dtype):
+    """The e0 tile (TILE_ROWS keys × ROWSUM_N, ones in column 0) and its TMA descriptor, per device and dtype."""
+    e0 = torch.zeros((TILE_ROWS, ROWSUM_N), dtype=dtype, device=device)
+    e0[:, 0] = 1
+    layout = gl.NVMMASharedLayout.get_default_for([TILE_ROWS, ROWSUM_N], _gl_dtype(dtype))
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    return TensorDescriptor(e0, [TILE_ROWS, ROWSUM_N], [ROWSUM_N, 1], [TILE_ROWS, ROWSUM_N], layout)
+
+
+def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float, causal: bool, r=None, qr=None):
+    """The dQ pass on Hopper, fix "none" or "gproj"; call only where :func:`serves` is True, with do and o as
     :func:`tma_ready` returns them (o shaped like q, in its dtype).
 
     Args:
         q, k, v, do, o: as :func:`lightning_gproj.kernels.attention_bwd.backward` takes them.
         m, log2l: (batch, nheads, seqlen) fp32 from the forward. delta: same shape, written: D = rowsum(dO∘O).
-        dq: (batch, seqlen, nheads, headdim) contiguous in q's dtype or fp32, written: τ Σ_j dS̃_ij k_j,
-            accumulated in fp32 and rounded once.
+        dq: (batch, seqlen, nheads, headdim) contiguous in q's dtype or fp32, written: τ Σ_j dS̃_ij k_j, with
+            fix="gproj" minus τ ρ_i (P̃K)_i (ρ_i = r_i / Σ_j P̃_ij), accumulated in fp32 and rounded once.
         c: τ·log2e. softmax_scale: τ. causal: the causal mask.
+        r: None (fix="none"), or (batch, nheads, seqlen) fp32, written: r_i = Σ_j dS̃_ij (fix="gproj").
+        qr: None, or with r: (batch, seqlen, nheads, headdim) contiguous in q's dtype, written: −ρ∘Q rounded
+            (the B operand of :func:`dkdv`'s GProj term).
     """
     b, n, h, d = q.shape
     hk = k.shape[2]
     descs, where = _descriptors(q, do, o, k, v)
+    gproj = r is not None
+    e0 = _e0(q.device, q.dtype) if gproj else descs[0]  # fix="none": a placeholder the kernel never reads
     _hopper_dq_kernel[(n // _DQ_BLOCK_M.value, b * h)](
-        *descs, dq, m, log2l, delta, float(c), float(softmax_scale), h, h // hk, n, *where, CAUSAL=bool(causal),
+        *descs, e0, dq, delta if r is None else r, q if qr is None else qr, m, log2l, delta, float(c),
+        float(softmax_scale), h, h // hk, n, int(qr is not None), *where, GPROJ=gproj, CAUSAL=bool(causal),
         num_warps=4,
     )
 
 
-def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, causal: bool = False, dq_dtype: torch.dtype | None = None,
-                    ones: tuple[str, ...] = ()):
+def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
+                    dq_dtype: torch.dtype | None = None, ones: tuple[str, ...] = ()):
     """Compile the dQ kernel for sm_90 without a GPU, as :func:`compile_sm90` does the dK/dV one (``ones``:
-    ``GROUP``)."""
+    ``store_qr``, ``GROUP``)."""
     _require_gluon()
     d = HEAD_DIMS[0]
     t = tensordesc_type(dtype, TILE_ROWS, d, _layout(d, dtype))
-    sig = {"q_desc": t, "do_desc": t, "o_desc": t, "k_desc": t, "v_desc": t, "DQ": pointer_type(dq_dtype or dtype),
-           "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32", "tau": "fp32", "H": "i32", "GROUP": "i32",
-           "N_CTX": "i32", **{f"{x}_{w}": "i32" for x in ("q", "do", "o", "k", "v") for w in ("rb", "rh", "ch")}}
-    return aot_compile_sm90(_hopper_dq_kernel, sig, {"CAUSAL": bool(causal), **{arg: 1 for arg in ones}})
+    e0 = (tensordesc_type(dtype, TILE_ROWS, ROWSUM_N,
+                          gl.NVMMASharedLayout.get_default_for([TILE_ROWS, ROWSUM_N], _gl_dtype(dtype))) if gproj else t)
+    sig = {"q_desc": t, "do_desc": t, "o_desc": t, "k_desc": t, "v_desc": t, "e0_desc": e0,
+           "DQ": pointer_type(dq_dtype or dtype), "R": "*fp32", "QR": pointer_type(dtype), "M": "*fp32",
+           "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32", "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32",
+           "store_qr": "i32", **{f"{x}_{w}": "i32" for x in ("q", "do", "o", "k", "v") for w in ("rb", "rh", "ch")}}
+    return aot_compile_sm90(_hopper_dq_kernel, sig, {"GPROJ": bool(gproj), "CAUSAL": bool(causal),
+                                                     **{arg: 1 for arg in ones}})

@@ -36,16 +36,19 @@ def test_compiles_for_sm90_with_wgmma_tma_and_register_split(gproj, causal, dtyp
     assert 0 < kernel.metadata.shared <= SM90_SHARED_MAX
 
 
+@pytest.mark.parametrize("gproj", [False, True], ids=["none", "gproj"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype, dq_dtype, ones", [
-    (torch.bfloat16, None, ()), (torch.float16, None, ("GROUP",)), (torch.bfloat16, torch.float32, ()),
-], ids=["bf16", "fp16-1group", "fp32dq"])
-def test_dq_pass_compiles_for_sm90_with_wgmma_tma_and_register_split(causal, dtype, dq_dtype, ones):
-    kernel = HB.compile_dq_sm90(dtype, causal, dq_dtype, ones)
+    (torch.bfloat16, None, ()), (torch.float16, None, ("GROUP", "store_qr")), (torch.bfloat16, torch.float32, ()),
+], ids=["bf16", "fp16-1group-qr", "fp32dq"])
+def test_dq_pass_compiles_for_sm90_with_wgmma_tma_and_register_split(gproj, causal, dtype, dq_dtype, ones):
+    kernel = HB.compile_dq_sm90(dtype, gproj, causal, dq_dtype, ones)
     ptx = kernel.asm["ptx"]
     assert ".target sm_90a" in ptx
-    # Two consumers × (S, dP, dQ) per K/V tile, as warp-group MMAs.
-    assert ptx.count("wgmma.mma_async") >= 2 * 3
+    # Two consumers × (S, dP, dQ [, P̃K and the row sums of P̃ and dS̃ against e0]) per K/V tile, as warp-group MMAs.
+    assert ptx.count("wgmma.mma_async") >= 2 * (6 if gproj else 3)
+    if gproj:  # the e0 tile's wgmma: N = ROWSUM_N
+        assert f"wgmma.mma_async.sync.aligned.m64n{HB.ROWSUM_N}k16" in ptx
     assert "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx and "setmaxnreg" in ptx
     assert 0 < kernel.metadata.shared <= SM90_SHARED_MAX
 
@@ -125,11 +128,11 @@ class _Launcher:
     (dict(fix="none"), True, True, False),
     (dict(fix="none", want_stats=True), False, True, False),  # r, abs_dS, leak: the tl.dot dQ pass
     (dict(fix="none", o_dtype=torch.float16), False, True, False),  # the Gluon dQ pass reads o as q's dtype
-    (dict(fix="gproj"), False, True, True),  # the tl.dot dQ pass (faster than the Gluon one was, run 19)
+    (dict(fix="gproj"), True, True, True),
     (dict(fix="gproj_uniform"), False, True, False),  # r without the projection: the tl.dot dQ pass
     (dict(fix="none", grad_dtype=torch.float32), True, True, False),
-    (dict(fix="gproj", grad_dtype=torch.float32), False, True, True),
-    (dict(fix="gproj", dk_fold=True), False, False, None),
+    (dict(fix="gproj", grad_dtype=torch.float32), True, True, True),
+    (dict(fix="gproj", dk_fold=True), True, False, False),  # r from the Gluon dQ pass, the fold in tl.dot dK/dV
     (dict(fix="gproj", ds_format="e4m3"), False, False, None),
     (dict(fix="gproj", softcap=30.0), False, False, None),
     (dict(fix="gproj", window_size=(64, 0)), False, False, None),
@@ -144,8 +147,10 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
     other call stays on the tl.dot kernels."""
     seen = {}
 
-    def fake_dq_pass(q, k, v, do, o, m, log2l, delta, dq, c, tau, causal):
-        seen["dq"] = ("gluon",)
+    def fake_dq_pass(q, k, v, do, o, m, log2l, delta, dq, c, tau, causal, r=None, qr=None):
+        seen["dq"] = ("gluon", qr is not None, r is not None)
+        if r is not None:
+            assert r.shape == m.shape and r.dtype == torch.float32
 
     class DqLauncher:
         def __getitem__(self, grid):
@@ -182,8 +187,10 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
         if gemm_term:
             assert seen["qr"].shape == q.shape and seen["qr"].dtype == q.dtype and seen["qr"].is_contiguous()
     assert seen["dq"][0] == ("gluon" if dq_routed else "tl.dot"), seen["dq"]
-    if not dq_routed and gemm_term is not None:  # the tl.dot dQ pass writes −ρ∘Q exactly when Gluon's dK/dV reads it
+    if gemm_term is not None:  # either dQ pass writes −ρ∘Q exactly when Gluon's dK/dV reads it
         assert seen["dq"][1] == gemm_term
+    if dq_routed:  # the Gluon dQ pass projects (and writes r) exactly for fix="gproj"
+        assert seen["dq"][2] == (fix == "gproj")
 
 
 @pytest.mark.parametrize("gproj", [False, True], ids=["none", "gproj"])
@@ -204,6 +211,13 @@ def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj):
                 assert len(args) + len(constexprs) == len(self.names), (len(args), constexprs, self.names)
                 assert set(constexprs) <= {"GPROJ", "CAUSAL"} and constexprs.get("GPROJ", gproj) == gproj
                 assert all(isinstance(a, TensorDescriptor) for a in args[:5])
+                if "e0_desc" in self.names:  # with gproj the e0 tile: ones in column 0 of TILE_ROWS × ROWSUM_N
+                    e0 = args[5]
+                    assert isinstance(e0, TensorDescriptor) and (e0.block_shape == [HB.TILE_ROWS, HB.ROWSUM_N]) == gproj
+                    if gproj:
+                        want = torch.zeros(HB.TILE_ROWS, HB.ROWSUM_N)
+                        want[:, 0] = 1
+                        assert torch.equal(e0.base.float(), want)
                 launched.append(grid)
             return launch
 
@@ -215,7 +229,8 @@ def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj):
     m, log2l, delta = (torch.zeros(b, h, n) for _ in range(3))
     qr = torch.zeros_like(q) if gproj else None
     dq = torch.empty(b, n, h, d)
-    HB.dq_pass(q, k, v, do, o, m, log2l, delta, dq, 1.0, 0.1, True)
+    r = torch.empty(b, h, n) if gproj else None
+    HB.dq_pass(q, k, v, do, o, m, log2l, delta, dq, 1.0, 0.1, True, r, qr)
     dk, dv, key_sums = HB.dkdv(q, k, v, do, m, log2l, delta, qr, 1.0, 0.1, False, torch.float32, torch.bfloat16, True)
     assert launched == [(n // 128, b * h), (n // HB.BLOCK_N, b * hk)]
     assert dk.dtype == torch.float32 and dv.dtype == torch.bfloat16 and dk.shape == dv.shape == k.shape

@@ -3,7 +3,9 @@
 Shapes (B×H×N×d), each without and with the causal mask: 4×16×2048×128, 1×16×8192×128, 2×16×4096×64,
 1×8×16384×128; bf16, inputs from torch.randn. FLOPs: forward 4·B·H·N²·d (× ½ causal), backward
 2.5 × forward. Time: triton.testing.do_bench, median (warm-up first; the first call of each shape
-autotunes / compiles). Peak memory: torch.cuda.max_memory_allocated over one forward+backward, minus
+autotunes / compiles); ``--timer cudagraph``: triton.testing.do_bench_cudagraph instead, the GPU time of calls
+replayed from a CUDA graph, for our kernels only (do_bench launches each call from Python after an L2 flush, so a short call whose host
+time exceeds the flush's GPU time reads slower than its kernels run). Peak memory: torch.cuda.max_memory_allocated over one forward+backward, minus
 the memory held before it (inputs), in MiB.
 
 Methods (benchmarks/_methods.py): gproj, gproj_fold, none, gproj_uniform (our kernels), cudnn (SDPA),
@@ -63,12 +65,21 @@ DESIGN_ANCHORS = {
 MODES = (("fwd", "fwd"), ("bwd", "bwd"), ("fwdbwd", "fwd_bwd"))  # (record key, attn_flops mode)
 
 
+#: How the GPU runs are timed (``--timer``): "do_bench" (triton.testing.do_bench: each call launched from Python
+#: after an L2 flush, so a call whose host time exceeds the flush's GPU time is timed partly on the host) or
+#: "cudagraph" (triton.testing.do_bench_cudagraph: the calls replayed from a CUDA graph, no L2 flush: GPU time only;
+#: our kernels only).
+TIMER = "do_bench"
+
+
 def bench(fn, smoke):
     if smoke:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
-    from triton.testing import do_bench
+    from triton.testing import do_bench, do_bench_cudagraph
+    if TIMER == "cudagraph":
+        return do_bench_cudagraph(fn, rep=100, return_mode="median")
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
@@ -90,12 +101,15 @@ def measure(shape, name, smoke, window=0, softcap=0.0, dropout=0.0):
     q, k, v, do = (torch.randn(b, n, h, d, generator=g, device=dev).bfloat16() for _ in range(4))
     tag = _tag(window, softcap, dropout, "+")
     row = {"shape": [b, h, n, d], "causal": causal, "method": name + tag, "peak_mib": None, "window": window,
-           "softcap": softcap, "dropout": dropout}
+           "softcap": softcap, "dropout": dropout, "timer": TIMER}
     for key, _ in MODES:
         row[f"{key}_tflops"] = row[f"{key}_ms"] = None
     try:
         if feat and name not in M.OURS:
             raise ValueError("window / softcap / dropout are timed for our kernels only")
+        if TIMER == "cudagraph" and name not in M.OURS:  # they failed under graph capture (benchmarks/NOTES.md, run 20)
+            raise ValueError("--timer cudagraph times our kernels only (the SDPA anchors failed under graph capture, "
+                             "cudaErrorStreamCaptureInvalidated, torch 2.11)")
         meth = M.make(name, q, k, v, do, causal, **feat)
         meth.fwd_bwd()  # compile / autotune
         if not smoke:
@@ -153,8 +167,11 @@ def markdown(res):
     def ratio(a, b):
         return fmt(a / b, 2) if isinstance(a, float) and isinstance(b, float) else "—"
 
+    timer = {"do_bench": "triton.testing.do_bench medians (each call launched after an L2 flush)",
+             "cudagraph": "triton.testing.do_bench_cudagraph medians (calls replayed from a CUDA graph: GPU time, "
+                          "no host launch time, no L2 flush)"}[res.get("timer", "do_bench")]
     out = [f"# Attention speed (DESIGN.md §7)\n\n{res['env']}\n\nDate {res['date']}. TFLOP/s from "
-           "triton.testing.do_bench medians; bf16; FLOPs 4·B·H·N²·d (½ causal), bwd 2.5×.\n"]
+           f"{timer}; bf16; FLOPs 4·B·H·N²·d (½ causal), bwd 2.5×.\n"]
     for key, title in (("fwdbwd", "fwd+bwd"), ("fwd", "fwd"), ("bwd", "bwd")):
         out += [f"### {title} TFLOP/s", "", "| B×H×N×d causal | " + " | ".join(methods) + " |",
                 "|---|" + "---|" * len(methods)]
@@ -222,7 +239,7 @@ def chart(res, path):
 
 def records(rows):
     """The --json records: RECORD_KEYS, the times, and ``error`` where there is one."""
-    keep = RECORD_KEYS + ("fwd_ms", "bwd_ms", "fwdbwd_ms", "window", "softcap", "dropout", "error")
+    keep = RECORD_KEYS + ("fwd_ms", "bwd_ms", "fwdbwd_ms", "window", "softcap", "dropout", "timer", "error")
     return [{k: r[k] for k in keep if k in r} for r in rows]
 
 
@@ -303,7 +320,11 @@ def main(argv=None):
     ap.add_argument("--varlen", nargs="?", const="", default=None, metavar="LENGTHS",
                     help=f"time packed sequences vs padded (default lengths {VARLEN_LENGTHS})")
     ap.add_argument("--varlen-heads", default="16,128", help="H,d of --varlen (default 16,128)")
+    ap.add_argument("--timer", choices=("do_bench", "cudagraph"), default="do_bench",
+                    help="do_bench (default) or cudagraph: the GPU time of calls replayed from a CUDA graph (TIMER)")
     args = ap.parse_args(argv)
+    global TIMER
+    TIMER = args.timer
     os.makedirs(args.out, exist_ok=True)
     if args.varlen is not None:
         heads, head_dim = (int(x) for x in args.varlen_heads.split(","))
@@ -319,7 +340,7 @@ def main(argv=None):
     if args.shapes:
         shapes = [shapes[int(i)] for i in args.shapes.split(",")]
     res = {"env": M.env_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": args.smoke,
-           "rows": []}
+           "timer": args.timer, "rows": []}
     for s in shapes:
         for m in methods:
             t0 = time.time()

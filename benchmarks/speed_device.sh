@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Issue 12 on one H200 (benchmarks/NOTES.md, "Run 10 plan"), one device call, nothing to carry:
-#   bash benchmarks/speed_device.sh [all|check|attention|train]
+#   bash benchmarks/speed_device.sh [all|check|attention|graph|train]
 # check:     the backward against reference.py on the GPU (gpu_check.py)
 # attention: benchmarks/attention.py --json, every shape with and without the causal mask, gproj and none,
 #            cuDNN and SDPA-flash (autotuned)
+# graph:     our kernels with --timer cudagraph (GPU time of graph-replayed calls; not in "all"):
+#            results/speed_latest_cudagraph.json
 # train:     benchmarks/train_step.py, both Llama configurations, arms cudnn gproj none (PROFILE_STEPS=2:
 #            also 2 profiled steps per arm; their files can exceed what one device call returns)
 # Never start "train" while other processes use the GPU (run 16: compile processes beside it inflated
@@ -23,7 +25,7 @@ if [[ $what == all || $what == check ]]; then
     python3 benchmarks/gpu_check.py > "$OUT/gpu_check_run10.log" 2>&1
   echo "check rc=$?"
 fi
-if [[ $what == all || $what == attention ]]; then
+if [[ $what == all || $what == attention || $what == graph ]]; then
   # Compiling every autotune candidate of every variant is CPU-bound and took most of run 10's limit:
   # 4 processes side by side fill Triton's cache first (their timings are discarded), so the timed run
   # below still autotunes, on compiled kernels.
@@ -31,6 +33,13 @@ if [[ $what == all || $what == attention ]]; then
     timeout 150 python3 benchmarks/attention.py --out "/tmp/warm_$s" --methods gproj,none --shapes "$s" > /dev/null 2>&1 &
   done
   wait
+fi
+if [[ $what == graph ]]; then
+  timeout 260 python3 benchmarks/attention.py --timer cudagraph --out "$OUT/attention_cudagraph" \
+    --json "$OUT/results/speed_latest_cudagraph.json" --methods gproj,none > "$OUT/attention_cudagraph_run10.log" 2>&1
+  echo "attention (cudagraph) rc=$?"
+fi
+if [[ $what == all || $what == attention ]]; then
   timeout 230 python3 benchmarks/attention.py --out "$OUT/attention" --json "$OUT/results/speed_latest.json" \
     --methods gproj,none,cudnn,sdpa_flash > "$OUT/attention_run10.log" 2>&1
   echo "attention rc=$?"

@@ -6,13 +6,19 @@ tl.dot one (GPROJ_HOPPER_FWD=0), and the gproj backward with the Gluon dK/dV pas
 over N) and GPU µs per call (CUDA events around the same N calls after a synchronize). When host ≥ GPU the
 GPU waits for the launches, and do_bench timings of that call measure Python, not the kernel.
 
-Usage: python benchmarks/launch_overhead.py [--calls 200]   (H200; run alone on the GPU)
+``--profile N``: instead, the first shape's forward and gproj backward (default paths) under cProfile: host µs per
+call over 50 calls started with the GPU idle, then the N functions with the most internal time.
+
+Usage: python benchmarks/launch_overhead.py [--calls 200] [--profile N]   (H200; run alone on the GPU)
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import time
 
 import torch
@@ -38,10 +44,43 @@ def per_call(fn, calls):
     return host, start.elapsed_time(end) / calls * 1e3
 
 
+def profile(top: int) -> int:
+    """Host time per call and the ``top`` functions by internal time of the first shape's forward and gproj
+    backward (module docstring)."""
+    b, h, n, d, causal = SHAPES[0]
+    q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    tau = d ** -0.5
+    o, m, l2 = F.forward(q, k, v, tau, causal)
+    for what, fn in (("fwd", lambda: F.forward(q, k, v, tau, causal)),
+                     ("bwd gproj", lambda: B.backward(do, q, k, v, o, m, l2, tau, causal, "gproj"))):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            fn()
+        host = (time.perf_counter() - t0) / 50 * 1e6
+        torch.cuda.synchronize()
+        print(f"{b}x{h}x{n}x{d} causal={causal} {what}: host {host:.0f} µs/call", flush=True)
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(50):
+            fn()
+        pr.disable()
+        torch.cuda.synchronize()
+        out = io.StringIO()
+        pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(top)
+        print(out.getvalue(), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile the first shape's calls instead")
     args = ap.parse_args(argv)
+    if args.profile:
+        return profile(args.profile)
     for b, h, n, d, causal in SHAPES:
         q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         tau = d ** -0.5

@@ -338,8 +338,9 @@ if GLUON_ERROR is None:
 
         first = row0 + half * _DQ_HALF_M  # this consumer's first query row
         if CAUSAL:
-            hi = first + _DQ_HALF_M  # seqlen_q = seqlen_k: the rows see no key past the last one; the tile past
-            # it (half 0's last) is the other consumer's alone, unread here (no later tile reuses its slot)
+            # seqlen_q = seqlen_k: these rows see no key past the last of them. The tile after it (half 0's
+            # skipped last tile) is released by the other consumer alone: no later tile reuses its slot.
+            hi = first + _DQ_HALF_M
         rows = first + gl.arange(0, _DQ_HALF_M, layout=row_s)
         m = gl.load(M + stats + rows)
         l2 = gl.load(LOG2L + stats + rows)
@@ -354,7 +355,7 @@ if GLUON_ERROR is None:
         dq = gl.zeros([_DQ_HALF_M, HEAD_DIM], gl.float32, layout=acc_layout)
         if GPROJ:
             # PK = Σ_j P̃_ij k_j; r_i = Σ_j dS̃_ij and Σ_j P̃_ij on the tensor cores: the 16-bit tile times
-            # e0 = (1, 0, …, 0) per key, column 0 of a [64, 16] accumulator (the tl.dot kernel's trick,
+            # e0 = (1, 0, …, 0) per key, column 0 of a [64, ROWSUM_N] accumulator (the tl.dot kernel's trick,
             # benchmarks/NOTES.md run 16), from the very values the GEMMs consume.
             pk = gl.zeros([_DQ_HALF_M, HEAD_DIM], gl.float32, layout=acc_layout)
             r = gl.zeros([_DQ_HALF_M, _ROWSUM_N], gl.float32, layout=sum_layout)

@@ -338,8 +338,8 @@ if GLUON_ERROR is None:
 
         first = row0 + half * _DQ_HALF_M  # this consumer's first query row
         if CAUSAL:
-            # seqlen_q = seqlen_k: these rows see no key past the last of them. The tile after it (half 0's
-            # skipped last tile) is released by the other consumer alone: no later tile reuses its slot.
+            # seqlen_q = seqlen_k: these rows see no key past the last of them. Half 0 skips the block's last
+            # tile (only half 1 waits for it and arrives; no later load waits for that slot).
             hi = first + _DQ_HALF_M
         rows = first + gl.arange(0, _DQ_HALF_M, layout=row_s)
         m = gl.load(M + stats + rows)

@@ -290,7 +290,8 @@ def varlen(lengths, heads, head_dim, smoke, out):
                 print(f"{layout} causal={causal} {fix}: " + (row["error"] if "error" in row else
                       f"fwd {row['fwd_ms']:.2f} ms, bwd {row['bwd_ms']:.2f} ms, useful fwd+bwd "
                       f"{row['fwdbwd_tflops']:.0f} TFLOP/s"), flush=True)
-    res = {"env": M.env_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": smoke, "rows": rows}
+    res = {"env": M.env_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": smoke,
+           "timer": TIMER, "rows": rows}
     with open(os.path.join(out, "attention_varlen.json"), "w") as f:
         json.dump(res, f, indent=1)
     lines = ["| causal | fix | packed fwd+bwd ms | padded fwd+bwd ms | packed / padded |", "|---|---|---|---|---|"]

@@ -586,14 +586,24 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal
     return aot_compile_sm90(_hopper_dkdv_kernel, sig, {"GPROJ": bool(gproj), "CAUSAL": bool(causal), **{arg: 1 for arg in ones}})
 
 
-@functools.lru_cache(maxsize=None)
 def _e0(device: torch.device, dtype: torch.dtype):
-    """The e0 tile (TILE_ROWS keys × ROWSUM_N, ones in column 0) and its TMA descriptor, per device and dtype."""
+    """The e0 tile (TILE_ROWS keys × ROWSUM_N, ones in column 0) and its TMA descriptor: cached per device and dtype,
+    except while a CUDA graph is being captured (its fill would be recorded, not run, and an eager call before the
+    graph's first replay would read the unfilled tile): then a fresh one, filled at each replay."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _e0_tile(device, dtype)
+    return _e0_cached(device, dtype)
+
+
+def _e0_tile(device: torch.device, dtype: torch.dtype):
     e0 = torch.zeros((TILE_ROWS, ROWSUM_N), dtype=dtype, device=device)
     e0[:, 0] = 1
     layout = gl.NVMMASharedLayout.get_default_for([TILE_ROWS, ROWSUM_N], _gl_dtype(dtype))
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     return TensorDescriptor(e0, [TILE_ROWS, ROWSUM_N], [ROWSUM_N, 1], [TILE_ROWS, ROWSUM_N], layout)
+
+
+_e0_cached = functools.lru_cache(maxsize=None)(_e0_tile)
 
 
 def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float, causal: bool, r=None, qr=None):

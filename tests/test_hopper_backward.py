@@ -235,3 +235,19 @@ def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj):
     assert launched == [(n // 128, b * h), (n // HB.BLOCK_N, b * hk)]
     assert dk.dtype == torch.float32 and dv.dtype == torch.bfloat16 and dk.shape == dv.shape == k.shape
     assert key_sums.shape == (b, hk, d) and key_sums.dtype == torch.float64
+
+
+def test_e0_tile_is_cached_except_under_graph_capture(monkeypatch):
+    """The e0 tile is built once per (device, dtype); while a CUDA graph is captured a fresh one is built (a cached
+    tile whose fill was only recorded would be read unfilled by eager calls before the first replay)."""
+    ones_col0 = torch.zeros(HB.TILE_ROWS, HB.ROWSUM_N)
+    ones_col0[:, 0] = 1
+    first, again = HB._e0(torch.device("cpu"), torch.bfloat16), HB._e0(torch.device("cpu"), torch.bfloat16)
+    assert first is again and torch.equal(first.base.float(), ones_col0)
+    assert HB._e0(torch.device("cpu"), torch.float16).base.dtype == torch.float16
+    built = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(HB, "_e0_tile", lambda device, dtype: built.append(device) or "fresh")
+    monkeypatch.setattr(HB, "_e0_cached", lambda device, dtype: "cached")
+    assert HB._e0(torch.device("cuda", 0), torch.bfloat16) == "fresh" and built == [torch.device("cuda", 0)]
+    assert HB._e0(torch.device("cpu"), torch.bfloat16) == "cached"  # no capture on a CPU tensor

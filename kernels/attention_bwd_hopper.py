@@ -71,7 +71,9 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _loader(q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready,
                 empty, k_row, k_col, v_row, v_col, q_b, q_rh, q_ch, do_b, do_rh, do_ch, qr_b, qr_rh, qr_ch, h0, GROUP,
-                lo, N_CTX, GPROJ: gl.constexpr):
+                lo, N_CTX, GPROJ):
+        # GPROJ arrives as a value through gl.warp_specialize, not a constexpr: both branches below compile (their
+        # operands are shaped alike) and the constant folds them away (the PTX equals a constexpr variant's).
         # The program's K and V rows, once, as two halves of 64 keys (one per consumer).
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
         for half in gl.static_range(2):
@@ -168,8 +170,9 @@ if GLUON_ERROR is None:
         if key_sums != 0:  # dk is fp32 here: Σ over these 64 keys of the values just stored
             gl.store(KS + half * HEAD_DIM + cols, gl.sum(dk, axis=0))
 
-    # The partitions, one per (GPROJ, CAUSAL): constexpr arguments do not survive gl.warp_specialize, and with
-    # the mask's code compiled in for non-causal calls the consumers spilled ~4× more (Triton 3.6's ptxas).
+    # The consumers, one per (GPROJ, CAUSAL): constexpr arguments do not survive gl.warp_specialize (the loader
+    # takes GPROJ as a value), and with the mask's or GProj's code compiled in where it is not used the consumers
+    # spilled ~4× more (Triton 3.6's ptxas).
     @gluon.jit
     def _consumer_none_full(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA,
                   start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau, key_sums, half):
@@ -197,22 +200,6 @@ if GLUON_ERROR is None:
         _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, half,
                   True, True, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau,
                   key_sums)
-
-    @gluon.jit
-    def _loader_none(q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar,
-                     ready, empty, k_row, k_col, v_row, v_col, q_b, q_rh, q_ch, do_b, do_rh, do_ch, qr_b, qr_rh, qr_ch,
-                     h0, GROUP, lo, N_CTX):
-        _loader(q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready,
-                empty, k_row, k_col, v_row, v_col, q_b, q_rh, q_ch, do_b, do_rh, do_ch, qr_b, qr_rh, qr_ch, h0, GROUP,
-                lo, N_CTX, False)
-
-    @gluon.jit
-    def _loader_gproj(q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar,
-                      ready, empty, k_row, k_col, v_row, v_col, q_b, q_rh, q_ch, do_b, do_rh, do_ch, qr_b, qr_rh, qr_ch,
-                      h0, GROUP, lo, N_CTX):
-        _loader(q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready,
-                empty, k_row, k_col, v_row, v_col, q_b, q_rh, q_ch, do_b, do_rh, do_ch, qr_b, qr_rh, qr_ch, h0, GROUP,
-                lo, N_CTX, True)
 
     @gluon.jit
     def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, DK, DV, KS, M, LOG2L, DELTA, c, tau, H, GROUP,
@@ -256,23 +243,23 @@ if GLUON_ERROR is None:
         loader_args = (q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar,
                        ready, empty, b * k_rb + hk * k_rh + start_n, hk * k_ch, b * v_rb + hk * v_rh + start_n,
                        hk * v_ch, b * q_rb, q_rh, q_ch, b * do_rb, do_rh, do_ch, b * qr_rb, qr_rh, qr_ch, h0, GROUP, lo,
-                       N_CTX)
+                       N_CTX, GPROJ)
         # 240 registers for each consumer, 24 for the loader: the register file's even split (run 18's probe:
         # fewer spills than 232 / 248).
         if GPROJ:
             if CAUSAL:
                 gl.warp_specialize([(_consumer_gproj_causal, args0), (_consumer_gproj_causal, args1),
-                                    (_loader_gproj, loader_args)], [4, 1], [240, 24])
+                                    (_loader, loader_args)], [4, 1], [240, 24])
             else:
                 gl.warp_specialize([(_consumer_gproj_full, args0), (_consumer_gproj_full, args1),
-                                    (_loader_gproj, loader_args)], [4, 1], [240, 24])
+                                    (_loader, loader_args)], [4, 1], [240, 24])
         else:
             if CAUSAL:
                 gl.warp_specialize([(_consumer_none_causal, args0), (_consumer_none_causal, args1),
-                                    (_loader_none, loader_args)], [4, 1], [240, 24])
+                                    (_loader, loader_args)], [4, 1], [240, 24])
             else:
                 gl.warp_specialize([(_consumer_none_full, args0), (_consumer_none_full, args1),
-                                    (_loader_none, loader_args)], [4, 1], [240, 24])
+                                    (_loader, loader_args)], [4, 1], [240, 24])
 
 
 if GLUON_ERROR is None:
@@ -285,9 +272,9 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _dq_loader(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem,
                    q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col, v_row, v_col, hi,
-                   GPROJ: gl.constexpr):
+                   GPROJ):
         # The program's q, dO and o rows, once (two halves of 64 rows, one per consumer), with gproj the e0 tile;
-        # then the K/V tiles.
+        # then the K/V tiles. GPROJ: a value, as in _loader (fix "none" passes an e0 stand-in of a q tile's shape).
         rows_bytes: gl.constexpr = 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes)
         if GPROJ:
             mbarrier.expect(q_bar, rows_bytes + e0_desc.block_type.nbytes)
@@ -304,20 +291,6 @@ if GLUON_ERROR is None:
             ring_load_pair(k_desc, v_desc, k_smem, v_smem, ready, empty, i, k_row + start_n, k_col, v_row + start_n,
                            v_col, _NUM_STAGES)
             i += 1
-
-    @gluon.jit
-    def _dq_loader_none(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem,
-                        e0_smem, q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col, v_row,
-                        v_col, hi):
-        _dq_loader(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem,
-                   q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col, v_row, v_col, hi, False)
-
-    @gluon.jit
-    def _dq_loader_gproj(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem,
-                         e0_smem, q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col, v_row,
-                         v_col, hi):
-        _dq_loader(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem,
-                   q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col, v_row, v_col, hi, True)
 
     @gluon.jit
     def _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
@@ -459,7 +432,7 @@ if GLUON_ERROR is None:
         if GPROJ:
             e0_smem = gl.allocate_shared_memory(dtype, [_DQ_BLOCK_N, _ROWSUM_N], e0_desc.layout)
         else:
-            e0_smem = q_smem  # not read
+            e0_smem = q_smem.index(0)  # not read; shaped like the stand-in e0_desc (q's) for the loader's dead branch
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
         ready, empty = ring_barriers(_NUM_STAGES)
@@ -472,21 +445,21 @@ if GLUON_ERROR is None:
         loader_args = (q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem,
                        e0_smem, q_bar, ready, empty, b * q_rb + h * q_rh + row0, h * q_ch, b * do_rb + h * do_rh + row0,
                        h * do_ch, b * o_rb + h * o_rh + row0, h * o_ch, b * k_rb + hk * k_rh, hk * k_ch,
-                       b * v_rb + hk * v_rh, hk * v_ch, hi)
+                       b * v_rb + hk * v_rh, hk * v_ch, hi, GPROJ)
         if GPROJ:
             if CAUSAL:
                 gl.warp_specialize([(_dq_consumer_gproj_causal, args0), (_dq_consumer_gproj_causal, args1),
-                                    (_dq_loader_gproj, loader_args)], [4, 1], [240, 24])
+                                    (_dq_loader, loader_args)], [4, 1], [240, 24])
             else:
                 gl.warp_specialize([(_dq_consumer_gproj_full, args0), (_dq_consumer_gproj_full, args1),
-                                    (_dq_loader_gproj, loader_args)], [4, 1], [240, 24])
+                                    (_dq_loader, loader_args)], [4, 1], [240, 24])
         else:
             if CAUSAL:
                 gl.warp_specialize([(_dq_consumer_none_causal, args0), (_dq_consumer_none_causal, args1),
-                                    (_dq_loader_none, loader_args)], [4, 1], [240, 24])
+                                    (_dq_loader, loader_args)], [4, 1], [240, 24])
             else:
                 gl.warp_specialize([(_dq_consumer_none_full, args0), (_dq_consumer_none_full, args1),
-                                    (_dq_loader_none, loader_args)], [4, 1], [240, 24])
+                                    (_dq_loader, loader_args)], [4, 1], [240, 24])
 
 
 def enabled() -> bool:
@@ -598,9 +571,12 @@ def _e0(device: torch.device, dtype: torch.dtype):
 def _e0_tile(device: torch.device, dtype: torch.dtype):
     e0 = torch.zeros((TILE_ROWS, ROWSUM_N), dtype=dtype, device=device)
     e0[:, 0] = 1
-    layout = gl.NVMMASharedLayout.get_default_for([TILE_ROWS, ROWSUM_N], _gl_dtype(dtype))
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    return TensorDescriptor(e0, [TILE_ROWS, ROWSUM_N], [ROWSUM_N, 1], [TILE_ROWS, ROWSUM_N], layout)
+    return TensorDescriptor(e0, [TILE_ROWS, ROWSUM_N], [ROWSUM_N, 1], [TILE_ROWS, ROWSUM_N], _e0_layout(dtype))
+
+
+def _e0_layout(dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for([TILE_ROWS, ROWSUM_N], _gl_dtype(dtype))
 
 
 _e0_cached = functools.lru_cache(maxsize=None)(_e0_tile)
@@ -639,8 +615,7 @@ def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, cau
     _require_gluon()
     d = HEAD_DIMS[0]
     t = tensordesc_type(dtype, TILE_ROWS, d, _layout(d, dtype))
-    e0 = (tensordesc_type(dtype, TILE_ROWS, ROWSUM_N,
-                          gl.NVMMASharedLayout.get_default_for([TILE_ROWS, ROWSUM_N], _gl_dtype(dtype))) if gproj else t)
+    e0 = tensordesc_type(dtype, TILE_ROWS, ROWSUM_N, _e0_layout(dtype)) if gproj else t
     sig = {"q_desc": t, "do_desc": t, "o_desc": t, "k_desc": t, "v_desc": t, "e0_desc": e0,
            "DQ": pointer_type(dq_dtype or dtype), "R": "*fp32", "QR": pointer_type(dtype), "M": "*fp32",
            "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32", "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32",

@@ -806,8 +806,8 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     # sm_90, dense inputs: the warp-specialized Gluon passes (kernels/attention_bwd_hopper.py, same rounding
     # points): the dQ one for fix "none" and "gproj" without statistics, the dK/dV one for "none", "gproj" with
     # its own-GEMM dK term and the PyTorch gproj_uniform.
-    hopper = (not packed and not has_seqlens and ds_bits == 0 and not uniform
-              and not (win["WINDOW"] or win["SOFTCAP"] or drop["DROPOUT"]) and attention_bwd_hopper.serves(q, k, v, do))
+    hopper = (not packed and not has_seqlens and ds_bits == 0 and not (win["WINDOW"] or win["SOFTCAP"] or drop["DROPOUT"])
+              and attention_bwd_hopper.serves(q, k, v, do))
     do_tma = attention_bwd_hopper.tma_ready(do) if hopper else None
     if do_tma is None:
         hopper = False

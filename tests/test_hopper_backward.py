@@ -15,8 +15,7 @@ import torch
 from lightning_gproj.kernels import attention_bwd as B
 from lightning_gproj.kernels import attention_bwd_hopper as HB
 
-#: Shared memory one block may use on sm_90 (227 KB, the CUDA opt-in maximum on H100 / H200).
-SM90_SHARED_MAX = 232448
+from _hopper import assert_hopper_kernel
 
 
 @pytest.mark.parametrize("gproj", [False, True], ids=["none", "gproj"])
@@ -25,15 +24,8 @@ SM90_SHARED_MAX = 232448
     (torch.bfloat16, None, ()), (torch.float16, None, ("GROUP",)), (torch.bfloat16, torch.float32, ("key_sums",)),
 ], ids=["bf16", "fp16-1group", "fp32dk-keysums"])
 def test_compiles_for_sm90_with_wgmma_tma_and_register_split(gproj, causal, dtype, dk_dtype, ones):
-    kernel = HB.compile_sm90(dtype, gproj, causal, dk_dtype, ones)
-    ptx = kernel.asm["ptx"]
-    assert ".target sm_90a" in ptx
-    # Two consumers × (Sᵀ, dPᵀ, dV, dK [, GProj's dK term]) per (Q, dO) tile, as warp-group MMAs.
-    assert ptx.count("wgmma.mma_async") >= 2 * (5 if gproj else 4)
-    assert "cp.async.bulk.tensor" in ptx  # TMA loads of k, v, q, do (and −ρ∘Q)
-    assert "mbarrier" in ptx
-    assert "setmaxnreg" in ptx  # the loader gives its registers to the consumers
-    assert 0 < kernel.metadata.shared <= SM90_SHARED_MAX
+    # Two consumers × (Sᵀ, dPᵀ, dV, dK [, GProj's dK term]) per (Q, dO) tile.
+    assert_hopper_kernel(HB.compile_sm90(dtype, gproj, causal, dk_dtype, ones), 2 * (5 if gproj else 4))
 
 
 @pytest.mark.parametrize("gproj", [False, True], ids=["none", "gproj"])
@@ -43,14 +35,10 @@ def test_compiles_for_sm90_with_wgmma_tma_and_register_split(gproj, causal, dtyp
 ], ids=["bf16", "fp16-1group-qr", "fp32dq"])
 def test_dq_pass_compiles_for_sm90_with_wgmma_tma_and_register_split(gproj, causal, dtype, dq_dtype, ones):
     kernel = HB.compile_dq_sm90(dtype, gproj, causal, dq_dtype, ones)
-    ptx = kernel.asm["ptx"]
-    assert ".target sm_90a" in ptx
-    # Two consumers × (S, dP, dQ [, P̃K and the row sums of P̃ and dS̃ against e0]) per K/V tile, as warp-group MMAs.
-    assert ptx.count("wgmma.mma_async") >= 2 * (6 if gproj else 3)
+    # Two consumers × (S, dP, dQ [, P̃K and the row sums of P̃ and dS̃ against e0]) per K/V tile.
+    assert_hopper_kernel(kernel, 2 * (6 if gproj else 3))
     if gproj:  # the e0 tile's wgmma: N = ROWSUM_N
-        assert f"wgmma.mma_async.sync.aligned.m64n{HB.ROWSUM_N}k16" in ptx
-    assert "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx and "setmaxnreg" in ptx
-    assert 0 < kernel.metadata.shared <= SM90_SHARED_MAX
+        assert f"wgmma.mma_async.sync.aligned.m64n{HB.ROWSUM_N}k16" in kernel.asm["ptx"]
 
 
 def _t(b=2, n=256, h=4, d=128, dtype=torch.bfloat16):

@@ -1,13 +1,13 @@
 """Host time per call against GPU time per call of our kernels (issue 12): is a short call CPU-bound?
 
 For each shape: the forward through attention_fwd.forward with the Gluon kernel (default on sm_90) and with the
-tl.dot one (GPROJ_HOPPER_FWD=0), and the gproj backward with the Gluon dK/dV pass and without
+tl.dot one (GPROJ_HOPPER_FWD=0), and the gproj backward with the Gluon passes and without
 (GPROJ_HOPPER_BWD=0): host µs per call (wall time of N back-to-back calls with no synchronization between them,
 over N) and GPU µs per call (CUDA events around the same N calls after a synchronize). When host ≥ GPU the
 GPU waits for the launches, and do_bench timings of that call measure Python, not the kernel.
 
-``--profile N``: instead, the first shape's forward and gproj backward (default paths) under cProfile: host µs per
-call over 50 calls started with the GPU idle, then the N functions with the most internal time.
+``--profile N``: instead, the first shape's forward and gproj backward (default paths): host and GPU µs per call over
+50 calls (as above), then the same calls under cProfile and the N functions with the most internal time.
 
 Usage: python benchmarks/launch_overhead.py [--calls 200] [--profile N]   (H200; run alone on the GPU)
 """
@@ -53,15 +53,8 @@ def profile(top: int) -> int:
     o, m, l2 = F.forward(q, k, v, tau, causal)
     for what, fn in (("fwd", lambda: F.forward(q, k, v, tau, causal)),
                      ("bwd gproj", lambda: B.backward(do, q, k, v, o, m, l2, tau, causal, "gproj"))):
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(50):
-            fn()
-        host = (time.perf_counter() - t0) / 50 * 1e6
-        torch.cuda.synchronize()
-        print(f"{b}x{h}x{n}x{d} causal={causal} {what}: host {host:.0f} µs/call", flush=True)
+        host, gpu = per_call(fn, 50)
+        print(f"{b}x{h}x{n}x{d} causal={causal} {what}: host {host:.0f} µs/call, GPU {gpu:.0f} µs/call", flush=True)
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(50):
@@ -88,7 +81,7 @@ def main(argv=None) -> int:
         for what, env, fn in (
             ("fwd gluon", ("GPROJ_HOPPER_FWD", "1"), lambda: F.forward(q, k, v, tau, causal)),
             ("fwd tl.dot", ("GPROJ_HOPPER_FWD", "0"), lambda: F.forward(q, k, v, tau, causal)),
-            ("bwd gproj gluon dK/dV", ("GPROJ_HOPPER_BWD", "1"), lambda: B.backward(do, q, k, v, o, m, l2, tau, causal, "gproj")),
+            ("bwd gproj gluon", ("GPROJ_HOPPER_BWD", "1"), lambda: B.backward(do, q, k, v, o, m, l2, tau, causal, "gproj")),
             ("bwd gproj tl.dot", ("GPROJ_HOPPER_BWD", "0"), lambda: B.backward(do, q, k, v, o, m, l2, tau, causal, "gproj")),
         ):
             os.environ[env[0]] = env[1]

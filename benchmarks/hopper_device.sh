@@ -14,8 +14,13 @@
 #        against the default (Gluon where served), cuDNN in the second run;
 # train: train_step.py, both Llama configurations, arms cudnn / gproj / none (nothing else on the GPU);
 #        ROUNDS=R runs the arms R times in alternating order (train_step.py --rounds; limit 200·R s).
-# Each phase has its own limit (check 100, c2 120, base 220, bwdcheck 300, ab and bwdab 2×100, train 200·R s):
-# pick phases so that they end inside 600 s.
+# softcap: gpu_check.py --cases hopper,hopper_bwd --hopper-softcap 30: the Gluon kernels with a logit softcap
+#        against reference.py and the tl.dot kernels (AUTOTUNE=0);
+# softcapfid: fidelity.py --quick --mus 0,200,1000 --softcap 30, gproj and none (AUTOTUNE=0);
+# softcapspeed: attention.py --softcap 30 on 4×16×2048×128 full and causal, 1×16×8192×128 causal and
+#        2×16×4096×64 causal, gproj and none, plain and capped side by side (AUTOTUNE=0, as run 18).
+# Each phase has its own limit (check 100, c2 120, base 220, bwdcheck 300, ab and bwdab 2×100, train 200·R s,
+# softcap 300, softcapfid 100, softcapspeed 130): pick phases so that they end inside 600 s.
 set -u
 phases=${*:-check c2 base ab}
 rm -rf /tmp/site
@@ -56,6 +61,18 @@ for phase in $phases; do
       timeout $((200 * ${ROUNDS:-1})) python3 benchmarks/train_step.py --out "$OUT/results/train_step_latest.json" --arms cudnn,gproj,none ${ROUNDS:+--rounds $ROUNDS} \
         --warmup 5 --steps 15 > "$OUT/train_step.log" 2>&1
       echo "train rc=$?"; grep -E "step .* ms" "$OUT/train_step.log"; tail -n 12 "$OUT/train_step.log" ;;
-    *) echo "unknown phase $phase (check, c2, base, bwdcheck, ab, bwdab, train)"; exit 2 ;;
+    softcap)
+      GPROJ_TRITON_AUTOTUNE=0 timeout 300 python3 benchmarks/gpu_check.py --cases hopper,hopper_bwd --hopper-softcap 30 \
+        > "$OUT/gpu_check_hopper_softcap.log" 2>&1
+      echo "softcap rc=$?"; grep -E "hopper" "$OUT/gpu_check_hopper_softcap.log" ;;
+    softcapfid)
+      GPROJ_TRITON_AUTOTUNE=0 timeout 100 python3 benchmarks/fidelity.py --quick --mus 0,200,1000 --methods gproj,none \
+        --softcap 30 --out "$OUT/fidelity_softcap" > "$OUT/fidelity_softcap.log" 2>&1
+      echo "softcapfid rc=$?"; rm -f "$OUT/fidelity_softcap"/*.png; tail -n 30 "$OUT/fidelity_softcap.log" ;;
+    softcapspeed)
+      GPROJ_TRITON_AUTOTUNE=0 timeout 130 python3 benchmarks/attention.py --methods gproj,none --shapes 0,1,3,5 --softcap 30 \
+        --out "$OUT/speed_softcap" > "$OUT/speed_softcap.log" 2>&1
+      echo "softcapspeed rc=$?"; rm -f "$OUT/speed_softcap"/*.png; cat "$OUT/speed_softcap/attention.md" ;;
+    *) echo "unknown phase $phase (check, c2, base, bwdcheck, ab, bwdab, train, softcap, softcapfid, softcapspeed)"; exit 2 ;;
   esac
 done

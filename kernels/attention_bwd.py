@@ -27,9 +27,9 @@ Two launches, rounding at the points of kernels/reference.py (DESIGN.md §3, §4
    The choice of default is recorded in benchmarks/NOTES.md with the measurements behind it.
 
 On an sm_90 GPU, for the dense inputs of kernels/attention_bwd_hopper.py (head dim 128, no padding, window,
-softcap, dropout or packing), both passes run as that module's warp-specialized Gluon kernels, with the same
-rounding points: the dQ pass for fix "none" and "gproj" without want_stats, the dK/dV pass for "none", "gproj"
-with the "gemm" schedule and the PyTorch "gproj_uniform".
+dropout or packing; softcap served), both passes run as that module's warp-specialized Gluon kernels, with the
+same rounding points: the dQ pass for fix "none" and "gproj" without want_stats, the dK/dV pass for "none",
+"gproj" with the "gemm" schedule and the PyTorch "gproj_uniform" (not softcap's in-kernel uniform one).
 
 fix="gproj_uniform" (the orthogonal projection) runs both passes without corrections, with fp32 dq/dk
 outputs, and applies the rank-one corrections in PyTorch (O(N·d): prefix means / suffix sums when
@@ -786,6 +786,7 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     gproj = fix == "gproj" or uniform  # the in-kernel projection, P̃ or the visible-key mask as direction
     if win["SOFTCAP"]:
         c = LOG2E  # τ sits inside the tanh
+    softcap = win["cap"] if win["SOFTCAP"] else 0.0
     sc = tau / win["cap"]
     wargs = (win["WL"], win["WR"], sc, win["cap"])
     wargs += (drop["seed_lo"], drop["seed_hi"], drop["drop_off"], drop["drop_thr"], drop["drop_scale"], *tune_lengths(nq, nk, varlen))
@@ -804,9 +805,9 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     leak = torch.empty((b, h, nq, d), dtype=torch.float32, device=dev) if want_stats else delta
 
     # sm_90, dense inputs: the warp-specialized Gluon passes (kernels/attention_bwd_hopper.py, same rounding
-    # points): the dQ one for fix "none" and "gproj" without statistics, the dK/dV one for "none", "gproj" with
-    # its own-GEMM dK term and the PyTorch gproj_uniform.
-    hopper = (not packed and not has_seqlens and ds_bits == 0 and not (win["WINDOW"] or win["SOFTCAP"] or drop["DROPOUT"])
+    # points), softcap included: the dQ one for fix "none" and "gproj" without statistics, the dK/dV one for
+    # "none", "gproj" with its own-GEMM dK term and the PyTorch gproj_uniform (not the in-kernel uniform one).
+    hopper = (not packed and not has_seqlens and ds_bits == 0 and not (win["WINDOW"] or uniform or drop["DROPOUT"])
               and attention_bwd_hopper.serves(q, k, v, do))
     do_tma = attention_bwd_hopper.tma_ready(do) if hopper else None
     if do_tma is None:
@@ -819,7 +820,7 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
              and o.dtype == q.dtype and o.shape == q.shape else None)
     if o_tma is not None:
         attention_bwd_hopper.dq_pass(q, k, v, do, o_tma, m, log2l, delta, dq, c, tau, causal,
-                                     r if gproj else None, qr if dk_mode == _DK_GEMM else None)
+                                     r if gproj else None, qr if dk_mode == _DK_GEMM else None, softcap)
     else:
         _dq_kernel[lambda meta: (triton.cdiv(grid_q, meta["BLOCK_M"]), nb * h)](
             q, k, v, do, o, m, log2l, delta, dq, r, qr, abs_ds, leak, seqlens_arg, *cu_args,
@@ -835,7 +836,7 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     if hopper and dk_mode != _DK_FOLD:
         dk, dv, key_sums = attention_bwd_hopper.dkdv(
             q, k, v, do, m, log2l, delta, qr if dk_mode == _DK_GEMM else None, c, tau, causal, dk_dtype, gdv,
-            want_key_sums)
+            want_key_sums, softcap)
     else:
         dk = torch.empty((b, nk, hk, d), dtype=dk_dtype, device=dev)
         dv = torch.empty((b, nk, hk, d), dtype=gdv, device=dev)

@@ -24,8 +24,8 @@ run; the slot is released).
 Served (:func:`serves`): the inputs of the Gluon forward (kernels/attention_fwd_hopper.accepts: bf16 / fp16,
 (batch, seqlen, nheads, headdim) or (batch, nheads, seqlen, headdim) memory per tensor, seqlen_q = seqlen_k a
 multiple of 128, GQA) at head dim 128 only — at 64 the Gluon dK/dV pass was not faster than the tl.dot one
-(benchmarks/NOTES.md, run 19) —, dS rounded to the input dtype, no key padding, window, softcap, dropout or
-packed sequences; do and o in any strides (copied when not in a served order). Gradients in 16-bit or fp32;
+(benchmarks/NOTES.md, run 19) —, dS rounded to the input dtype, logit softcap (X̃ = bf16(dZ∘g) as the dS operand,
+kernels/reference.py), no key padding, window, dropout or packed sequences; do and o in any strides (copied when not in a served order). Gradients in 16-bit or fp32;
 with an fp32 dk the per-64-key sums Σ_j dk_j of the stored values, for the C2 projection
 (kernels/reference.project_key_sum_). ``GPROJ_HOPPER_BWD=0`` keeps every call on the tl.dot kernels.
 """
@@ -47,7 +47,7 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
     from lightning_gproj.kernels.attention_fwd_hopper import (
-        aot_compile_sm90, ring_barriers, ring_load_pair, tensordesc_type, tma_load,
+        aot_compile_sm90, rcp_approx, ring_barriers, ring_load_pair, tanh_and_grad, tensordesc_type, tma_load,
     )
 
 __all__ = ["dq_pass", "dkdv", "serves", "accepts", "tma_ready", "compile_sm90", "compile_dq_sm90", "BLOCK_N",
@@ -98,8 +98,8 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA,
-                  half, GPROJ: gl.constexpr, CAUSAL: gl.constexpr, start_n, out_row, out_col, out_stride, stats0, GROUP,
-                  lo, N_CTX, c, tau, key_sums):
+                  half, GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, start_n, out_row, out_col,
+                  out_stride, stats0, GROUP, lo, N_CTX, c, tau, key_sums, sc, cap):
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
         dtype: gl.constexpr = k_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -142,21 +142,33 @@ if GLUON_ERROR is None:
                 # m, log2l loaded here, not before the GEMMs: live across them they spilled (Triton 3.6).
                 m = gl.load(M + stats + rows)
                 l2 = gl.load(LOG2L + stats + rows)
+                if SOFTCAP:  # the capped logits z = cap·tanh(s·sc), bit for bit the forward's; g = 1 − tanh²
+                    tT, gT = tanh_and_grad(sT * sc)
+                    sT = cap * tT
                 # The forward's exponent: (s − m) is exactly 0 at the row max, then scale, then normalize.
                 pT = gl.exp2((sT - m[None, :]) * c - l2[None, :])
                 if CAUSAL:
                     if start_m < key0 + _HALF_N:  # the tile reaches into these keys: mask keys past the row
                         pT = gl.where(keys[:, None] <= rows[None, :], pT, 0.0)
-                p16 = gl.convert_layout(pT.to(dtype), a_layout)  # rounding point: P̃
+                pr = pT.to(dtype)  # rounding point: P̃
+                p16 = gl.convert_layout(pr, a_layout)
                 dv = warpgroup_mma(p16, do, dv, is_async=True)
                 if GPROJ:
-                    # GProj's dK term P̃ᵀ(−ρ∘Q), its B operand rounded once per query row by the dQ pass.
+                    # GProj's dK term P̃ᵀ(−ρ∘Q), its B operand rounded once per query row by the dQ pass; with
+                    # softcap its direction is bf16(P̃∘g), as in the dQ pass.
+                    if SOFTCAP:
+                        p16 = gl.convert_layout((pr.to(gl.float32) * gT).to(dtype), a_layout)
                     dk = warpgroup_mma(p16, qr_smem.index(st), dk, is_async=True)
+                if SOFTCAP:
+                    # The operand X = dZ∘g = (P∘g)∘(dP − D) (kernels/reference.py): P∘g formed before the wait, so
+                    # that one tile, not P and g, stays live across it.
+                    pT = pT * gT
+                if GPROJ:
                     dpT = warpgroup_mma_wait(num_outstanding=2, deps=(dpT,))
                 else:
                     dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
                 di = gl.load(DELTA + stats + rows)  # loaded where dS needs it: shorter-lived, fewer spills
-                ds16 = gl.convert_layout((pT * (dpT - di[None, :])).to(dtype), a_layout)  # rounding point: dS̃
+                ds16 = gl.convert_layout((pT * (dpT - di[None, :])).to(dtype), a_layout)  # rounding point: dS̃ (X̃)
                 dk = warpgroup_mma(ds16, q, dk, is_async=True)
                 dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
                 mbarrier.arrive(empty.index(st), count=1)
@@ -170,96 +182,75 @@ if GLUON_ERROR is None:
         if key_sums != 0:  # dk is fp32 here: Σ over these 64 keys of the values just stored
             gl.store(KS + half * HEAD_DIM + cols, gl.sum(dk, axis=0))
 
-    # The consumers, one per (GPROJ, CAUSAL): constexpr arguments do not survive gl.warp_specialize (the loader
-    # takes GPROJ as a value), and with the mask's or GProj's code compiled in where it is not used the consumers
-    # spilled ~4× more (Triton 3.6's ptxas).
-    @gluon.jit
-    def _consumer_none_full(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA,
-                  start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau, key_sums, half):
-        _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, half,
-                  False, False, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau,
-                  key_sums)
+    def _dkdv_partition(gproj: bool, causal: bool, softcap: bool):
+        """A dK/dV consumer partition with (GPROJ, CAUSAL, SOFTCAP) compiled in: constexpr arguments do not survive
+        gl.warp_specialize (the loader takes GPROJ as a value), closure constants do; with the mask's, GProj's or the
+        softcap's code compiled in where it is not used the consumers spilled ~4× more (Triton 3.6's ptxas)."""
+        GPROJ, CAUSAL, SOFTCAP = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(softcap)
 
-    @gluon.jit
-    def _consumer_none_causal(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA,
-                  start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau, key_sums, half):
-        _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, half,
-                  False, True, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau,
-                  key_sums)
+        @gluon.jit
+        def consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, start_n,
+                     out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau, key_sums, sc, cap, half):
+            _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, half,
+                      GPROJ, CAUSAL, SOFTCAP, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau,
+                      key_sums, sc, cap)
 
-    @gluon.jit
-    def _consumer_gproj_full(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA,
-                  start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau, key_sums, half):
-        _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, half,
-                  True, False, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau,
-                  key_sums)
+        return consumer
 
-    @gluon.jit
-    def _consumer_gproj_causal(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA,
-                  start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau, key_sums, half):
-        _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, half,
-                  True, True, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau,
-                  key_sums)
+    @functools.lru_cache(maxsize=None)
+    def _dkdv_kernel_for(gproj: bool, causal: bool, softcap: bool):
+        """The dK/dV kernel with GProj's dK term (gproj), the causal mask and the softcap compiled in or out."""
+        GPROJ, CAUSAL = gl.constexpr(gproj), gl.constexpr(causal)
+        consumer = _dkdv_partition(gproj, causal, softcap)
 
-    @gluon.jit
-    def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, DK, DV, KS, M, LOG2L, DELTA, c, tau, H, GROUP,
-                            N_CTX, key_sums, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb, qr_rh, qr_ch,
-                            k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, GPROJ: gl.constexpr, CAUSAL: gl.constexpr):
-        # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch)
-        # (kernels/attention_fwd_hopper._tma_view). dk, dv: (batch, seqlen, nheads_k, headdim) contiguous.
-        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-        dtype: gl.constexpr = q_desc.dtype
-        pid_n = gl.program_id(0)
-        pid_bh = gl.program_id(1)
-        HK = H // GROUP
-        b = pid_bh // HK
-        hk = pid_bh % HK
-        h0 = hk * GROUP
-        start_n = pid_n * _BLOCK_N
-        lo = 0
-        if CAUSAL:
-            lo = start_n  # earlier query rows see none of these keys (seqlen_q = seqlen_k)
-        stats0 = (b * H + h0).to(gl.int64) * N_CTX
-        ks = KS + pid_bh.to(gl.int64) * (N_CTX // _HALF_N) * HEAD_DIM + pid_n * 2 * HEAD_DIM
-
-        q_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_M, HEAD_DIM], do_desc.layout)
-        if GPROJ:
-            qr_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_M, HEAD_DIM], qr_desc.layout)
-        else:
-            qr_smem = q_smem  # not read
-        k_smem = gl.allocate_shared_memory(dtype, [2, _HALF_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [2, _HALF_N, HEAD_DIM], v_desc.layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        ready, empty = ring_barriers(_NUM_STAGES)
-
-        # The two consumers' arguments differ in the last one, their half of the keys (Gluon has no *tuple).
-        out_row = b * N_CTX + start_n
-        args0 = (q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, ks, M, LOG2L, DELTA, start_n,
-                 out_row, hk * HEAD_DIM, HK * HEAD_DIM, stats0, GROUP, lo, N_CTX, c, tau, key_sums, 0)
-        args1 = (q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, ks, M, LOG2L, DELTA, start_n,
-                 out_row, hk * HEAD_DIM, HK * HEAD_DIM, stats0, GROUP, lo, N_CTX, c, tau, key_sums, 1)
-        loader_args = (q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar,
-                       ready, empty, b * k_rb + hk * k_rh + start_n, hk * k_ch, b * v_rb + hk * v_rh + start_n,
-                       hk * v_ch, b * q_rb, q_rh, q_ch, b * do_rb, do_rh, do_ch, b * qr_rb, qr_rh, qr_ch, h0, GROUP, lo,
-                       N_CTX, GPROJ)
-        # 240 registers for each consumer, 24 for the loader: the register file's even split (run 18's probe:
-        # fewer spills than 232 / 248).
-        if GPROJ:
+        @gluon.jit
+        def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, DK, DV, KS, M, LOG2L, DELTA, c, tau, H, GROUP,
+                                N_CTX, key_sums, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb, qr_rh, qr_ch,
+                                k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap):
+            # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch)
+            # (kernels/attention_fwd_hopper._tma_view). dk, dv: (batch, seqlen, nheads_k, headdim) contiguous.
+            HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+            dtype: gl.constexpr = q_desc.dtype
+            pid_n = gl.program_id(0)
+            pid_bh = gl.program_id(1)
+            HK = H // GROUP
+            b = pid_bh // HK
+            hk = pid_bh % HK
+            h0 = hk * GROUP
+            start_n = pid_n * _BLOCK_N
+            lo = 0
             if CAUSAL:
-                gl.warp_specialize([(_consumer_gproj_causal, args0), (_consumer_gproj_causal, args1),
-                                    (_loader, loader_args)], [4, 1], [240, 24])
+                lo = start_n  # earlier query rows see none of these keys (seqlen_q = seqlen_k)
+            stats0 = (b * H + h0).to(gl.int64) * N_CTX
+            ks = KS + pid_bh.to(gl.int64) * (N_CTX // _HALF_N) * HEAD_DIM + pid_n * 2 * HEAD_DIM
+
+            q_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_M, HEAD_DIM], q_desc.layout)
+            do_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_M, HEAD_DIM], do_desc.layout)
+            if GPROJ:
+                qr_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_M, HEAD_DIM], qr_desc.layout)
             else:
-                gl.warp_specialize([(_consumer_gproj_full, args0), (_consumer_gproj_full, args1),
-                                    (_loader, loader_args)], [4, 1], [240, 24])
-        else:
-            if CAUSAL:
-                gl.warp_specialize([(_consumer_none_causal, args0), (_consumer_none_causal, args1),
-                                    (_loader, loader_args)], [4, 1], [240, 24])
-            else:
-                gl.warp_specialize([(_consumer_none_full, args0), (_consumer_none_full, args1),
-                                    (_loader, loader_args)], [4, 1], [240, 24])
+                qr_smem = q_smem  # not read
+            k_smem = gl.allocate_shared_memory(dtype, [2, _HALF_N, HEAD_DIM], k_desc.layout)
+            v_smem = gl.allocate_shared_memory(dtype, [2, _HALF_N, HEAD_DIM], v_desc.layout)
+            kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(kv_bar, count=1)
+            ready, empty = ring_barriers(_NUM_STAGES)
+
+            # The two consumers' arguments differ in the last one, their half of the keys (Gluon has no *tuple).
+            out_row = b * N_CTX + start_n
+            args0 = (q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, ks, M, LOG2L, DELTA, start_n,
+                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, stats0, GROUP, lo, N_CTX, c, tau, key_sums, sc, cap, 0)
+            args1 = (q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, ks, M, LOG2L, DELTA, start_n,
+                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, stats0, GROUP, lo, N_CTX, c, tau, key_sums, sc, cap, 1)
+            loader_args = (q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar,
+                           ready, empty, b * k_rb + hk * k_rh + start_n, hk * k_ch, b * v_rb + hk * v_rh + start_n,
+                           hk * v_ch, b * q_rb, q_rh, q_ch, b * do_rb, do_rh, do_ch, b * qr_rb, qr_rh, qr_ch, h0, GROUP, lo,
+                           N_CTX, GPROJ)
+            # 240 registers for each consumer, 24 for the loader: the register file's even split (run 18's probe:
+            # fewer spills than 232 / 248).
+            gl.warp_specialize([(consumer, args0), (consumer, args1), (_loader, loader_args)], [4, 1], [240, 24])
+
+        return _hopper_dkdv_kernel
 
 
 if GLUON_ERROR is None:
@@ -294,8 +285,8 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     GPROJ: gl.constexpr, CAUSAL: gl.constexpr, row0, stats, out_row, out_col, out_stride, hi, c, tau,
-                     store_qr, half):
+                     GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, row0, stats, out_row, out_col,
+                     out_stride, hi, c, tau, store_qr, sc, cap, half):
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -329,10 +320,15 @@ if GLUON_ERROR is None:
         if GPROJ:
             # PK = Σ_j P̃_ij k_j; r_i = Σ_j dS̃_ij and Σ_j P̃_ij on the tensor cores: the 16-bit tile times
             # e0 = (1, 0, …, 0) per key, column 0 of a [64, ROWSUM_N] accumulator (the tl.dot kernel's trick,
-            # benchmarks/NOTES.md run 16), from the very values the GEMMs consume.
+            # benchmarks/NOTES.md run 16), from the very values the GEMMs consume. Softcap divides each score by
+            # g first (r = Σ_j X̃_ij / g_ij), so it sums on the ALUs into row vectors, as the tl.dot kernel does.
             pk = gl.zeros([_DQ_HALF_M, HEAD_DIM], gl.float32, layout=acc_layout)
-            r = gl.zeros([_DQ_HALF_M, _ROWSUM_N], gl.float32, layout=sum_layout)
-            ps = gl.zeros([_DQ_HALF_M, _ROWSUM_N], gl.float32, layout=sum_layout)
+            if SOFTCAP:
+                r = gl.zeros([_DQ_HALF_M], gl.float32, layout=row_s)
+                ps = gl.zeros([_DQ_HALF_M], gl.float32, layout=row_s)
+            else:
+                r = gl.zeros([_DQ_HALF_M, _ROWSUM_N], gl.float32, layout=sum_layout)
+                ps = gl.zeros([_DQ_HALF_M, _ROWSUM_N], gl.float32, layout=sum_layout)
         zero = gl.zeros([_DQ_HALF_M, _DQ_BLOCK_N], gl.float32, layout=s_layout)
         i = 0
         for start_n in range(0, hi, _DQ_BLOCK_N):
@@ -343,6 +339,9 @@ if GLUON_ERROR is None:
             s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
             dp = warpgroup_mma(do, v.permute((1, 0)), zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            if SOFTCAP:  # the capped logits z = cap·tanh(s·sc), bit for bit the forward's; g = 1 − tanh²
+                t, g = tanh_and_grad(s * sc)
+                s = cap * t
             # The forward's exponent: (s − m) is exactly 0 at the row max, then scale, then normalize.
             p = gl.exp2((s - m[:, None]) * c - l2[:, None])
             if CAUSAL:
@@ -351,16 +350,37 @@ if GLUON_ERROR is None:
                     p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
             if GPROJ:
                 p16 = p.to(dtype)  # rounding point: P̃ (GProj's direction)
-                pk = warpgroup_mma(gl.convert_layout(p16, a_layout), k, pk, is_async=True)
-                ps = warpgroup_mma(gl.convert_layout(p16, sum_a_layout), e0_smem, ps, is_async=True)
-                dp = warpgroup_mma_wait(num_outstanding=2, deps=(dp,))
+                if SOFTCAP:
+                    # The direction bf16(P̃∘g) and Σ_j of it over g (kernels/attention_bwd._dq_inner); 1/g only
+                    # where it is finite (fp32 tiny), else X̃ ≈ 0 and r takes dZ = P̃∘(dP − D) below.
+                    pw = (p16.to(gl.float32) * g).to(dtype)
+                    pk = warpgroup_mma(gl.convert_layout(pw, a_layout), k, pk, is_async=True)
+                    inv_g = gl.where(g >= 1.1754943508222875e-38, rcp_approx(g), 0.0)
+                    ps += gl.sum(pw.to(gl.float32) * inv_g, axis=1)
+                else:
+                    pk = warpgroup_mma(gl.convert_layout(p16, a_layout), k, pk, is_async=True)
+                    ps = warpgroup_mma(gl.convert_layout(p16, sum_a_layout), e0_smem, ps, is_async=True)
+            if SOFTCAP:
+                # The operand X = dZ∘g = (P∘g)∘(dP − D) (kernels/reference.py): P∘g formed before the wait, so that
+                # one tile, not P and g, stays live across it.
+                p = p * g
+            if GPROJ:
+                if SOFTCAP:
+                    dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
+                else:
+                    dp = warpgroup_mma_wait(num_outstanding=2, deps=(dp,))
             else:
                 dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
-            ds16 = (p * (dp - di[:, None])).to(dtype)  # rounding point: dS̃, the operand of dQ += dS̃ K
+            dp = dp - di[:, None]
+            ds16 = (p * dp).to(dtype)  # rounding point: dS̃ (with softcap X̃ = bf16(dZ∘g)), the operand of dQ += dS̃ K
             dq = warpgroup_mma(gl.convert_layout(ds16, a_layout), k, dq, is_async=True)
             if GPROJ:
-                r = warpgroup_mma(gl.convert_layout(ds16, sum_a_layout), e0_smem, r, is_async=True)
-                dq, pk, r, ps = warpgroup_mma_wait(num_outstanding=0, deps=(dq, pk, r, ps))
+                if SOFTCAP:  # r_i = Σ_j dZ̃_ij, dZ̃ = X̃ / g: the zero-sum quantity (docs/architecture.md)
+                    r += gl.sum(gl.where(inv_g != 0.0, ds16.to(gl.float32) * inv_g, p16.to(gl.float32) * dp), axis=1)
+                    dq, pk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, pk))
+                else:
+                    r = warpgroup_mma(gl.convert_layout(ds16, sum_a_layout), e0_smem, r, is_async=True)
+                    dq, pk, r, ps = warpgroup_mma_wait(num_outstanding=0, deps=(dq, pk, r, ps))
             else:
                 dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
             mbarrier.arrive(empty.index(st), count=1)
@@ -370,8 +390,11 @@ if GLUON_ERROR is None:
         if GPROJ:
             # Column 0 holds the sums, the others 0: adding them is exact. ρ_i = r_i / Σ_j P̃_ij (0 for a row
             # that sees no key); dQ_i = τ (Σ_j dS̃_ij k_j − ρ_i (P̃K)_i).
-            r = gl.convert_layout(gl.sum(r, axis=1), row_a)
-            rho = r / gl.maximum(gl.convert_layout(gl.sum(ps, axis=1), row_a), 1.1754943508222875e-38)
+            if not SOFTCAP:
+                r = gl.sum(r, axis=1)
+                ps = gl.sum(ps, axis=1)
+            r = gl.convert_layout(r, row_a)
+            rho = r / gl.maximum(gl.convert_layout(ps, row_a), 1.1754943508222875e-38)
             dq = dq - rho[:, None] * pk
         gl.store(DQ + offs, (dq * tau).to(DQ.dtype.element_ty))
         if GPROJ:
@@ -379,87 +402,70 @@ if GLUON_ERROR is None:
             if store_qr != 0:  # −ρ∘Q rounded: the B operand of the dK/dV pass's GProj term (after dq's store)
                 gl.store(QR + offs, (q.load(acc_layout).to(gl.float32) * (-rho)[:, None]).to(QR.dtype.element_ty))
 
-    # One partition per (GPROJ, CAUSAL), as for the dK/dV pass.
-    @gluon.jit
-    def _dq_consumer_none_full(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M,
-                               LOG2L, DELTA, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half):
-        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     False, False, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half)
+    def _dq_partition(gproj: bool, causal: bool, softcap: bool):
+        """A dQ consumer partition with (GPROJ, CAUSAL, SOFTCAP) compiled in, as :func:`_dkdv_partition`."""
+        GPROJ, CAUSAL, SOFTCAP = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(softcap)
 
-    @gluon.jit
-    def _dq_consumer_none_causal(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M,
-                                 LOG2L, DELTA, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half):
-        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     False, True, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half)
+        @gluon.jit
+        def consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
+                     row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, sc, cap, half):
+            _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L,
+                         DELTA, GPROJ, CAUSAL, SOFTCAP, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr,
+                         sc, cap, half)
 
-    @gluon.jit
-    def _dq_consumer_gproj_full(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M,
-                                LOG2L, DELTA, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half):
-        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     True, False, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half)
+        return consumer
 
-    @gluon.jit
-    def _dq_consumer_gproj_causal(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M,
-                                  LOG2L, DELTA, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half):
-        _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     True, True, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, half)
+    @functools.lru_cache(maxsize=None)
+    def _dq_kernel_for(gproj: bool, causal: bool, softcap: bool):
+        """The dQ kernel with GProj's projection (gproj), the causal mask and the softcap compiled in or out."""
+        GPROJ, CAUSAL = gl.constexpr(gproj), gl.constexpr(causal)
+        consumer = _dq_partition(gproj, causal, softcap)
 
-    @gluon.jit
-    def _hopper_dq_kernel(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, DQ, R, QR, M, LOG2L, DELTA, c, tau, H,
-                          GROUP, N_CTX, store_qr, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, o_rb, o_rh, o_ch, k_rb, k_rh,
-                          k_ch, v_rb, v_rh, v_ch, GPROJ: gl.constexpr, CAUSAL: gl.constexpr):
-        # Tiles located as in _hopper_dkdv_kernel; dq and −ρ∘Q: (batch, seqlen, nheads, headdim) contiguous.
-        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-        dtype: gl.constexpr = q_desc.dtype
-        pid_m = gl.program_id(0)
-        if CAUSAL:  # heaviest query blocks (the most keys) first
-            pid_m = gl.num_programs(0) - 1 - pid_m
-        pid_bh = gl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
-        hk = h // GROUP
-        row0 = pid_m * _DQ_BLOCK_M
-        hi = N_CTX
-        if CAUSAL:
-            hi = row0 + _DQ_BLOCK_M  # seqlen_q = seqlen_k: no row of the block sees a key past its last row
-        stats = pid_bh.to(gl.int64) * N_CTX
-
-        q_smem = gl.allocate_shared_memory(dtype, [2, _DQ_HALF_M, HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [2, _DQ_HALF_M, HEAD_DIM], do_desc.layout)
-        o_smem = gl.allocate_shared_memory(dtype, [2, _DQ_HALF_M, HEAD_DIM], o_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _DQ_BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _DQ_BLOCK_N, HEAD_DIM], v_desc.layout)
-        if GPROJ:
-            e0_smem = gl.allocate_shared_memory(dtype, [_DQ_BLOCK_N, _ROWSUM_N], e0_desc.layout)
-        else:
-            e0_smem = q_smem.index(0)  # not read; shaped like the stand-in e0_desc (q's) for the loader's dead branch
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        ready, empty = ring_barriers(_NUM_STAGES)
-
-        out_row = b * N_CTX + row0
-        args0 = (q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA, row0,
-                 stats, out_row, h * HEAD_DIM, H * HEAD_DIM, hi, c, tau, store_qr, 0)
-        args1 = (q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA, row0,
-                 stats, out_row, h * HEAD_DIM, H * HEAD_DIM, hi, c, tau, store_qr, 1)
-        loader_args = (q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem,
-                       e0_smem, q_bar, ready, empty, b * q_rb + h * q_rh + row0, h * q_ch, b * do_rb + h * do_rh + row0,
-                       h * do_ch, b * o_rb + h * o_rh + row0, h * o_ch, b * k_rb + hk * k_rh, hk * k_ch,
-                       b * v_rb + hk * v_rh, hk * v_ch, hi, GPROJ)
-        if GPROJ:
+        @gluon.jit
+        def _hopper_dq_kernel(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, DQ, R, QR, M, LOG2L, DELTA, c, tau, H,
+                              GROUP, N_CTX, store_qr, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, o_rb, o_rh, o_ch, k_rb, k_rh,
+                              k_ch, v_rb, v_rh, v_ch, sc, cap):
+            # Tiles located as in _hopper_dkdv_kernel; dq and −ρ∘Q: (batch, seqlen, nheads, headdim) contiguous.
+            HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+            dtype: gl.constexpr = q_desc.dtype
+            pid_m = gl.program_id(0)
+            if CAUSAL:  # heaviest query blocks (the most keys) first
+                pid_m = gl.num_programs(0) - 1 - pid_m
+            pid_bh = gl.program_id(1)
+            b = pid_bh // H
+            h = pid_bh % H
+            hk = h // GROUP
+            row0 = pid_m * _DQ_BLOCK_M
+            hi = N_CTX
             if CAUSAL:
-                gl.warp_specialize([(_dq_consumer_gproj_causal, args0), (_dq_consumer_gproj_causal, args1),
-                                    (_dq_loader, loader_args)], [4, 1], [240, 24])
+                hi = row0 + _DQ_BLOCK_M  # seqlen_q = seqlen_k: no row of the block sees a key past its last row
+            stats = pid_bh.to(gl.int64) * N_CTX
+
+            q_smem = gl.allocate_shared_memory(dtype, [2, _DQ_HALF_M, HEAD_DIM], q_desc.layout)
+            do_smem = gl.allocate_shared_memory(dtype, [2, _DQ_HALF_M, HEAD_DIM], do_desc.layout)
+            o_smem = gl.allocate_shared_memory(dtype, [2, _DQ_HALF_M, HEAD_DIM], o_desc.layout)
+            k_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _DQ_BLOCK_N, HEAD_DIM], k_desc.layout)
+            v_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _DQ_BLOCK_N, HEAD_DIM], v_desc.layout)
+            if GPROJ:
+                e0_smem = gl.allocate_shared_memory(dtype, [_DQ_BLOCK_N, _ROWSUM_N], e0_desc.layout)
             else:
-                gl.warp_specialize([(_dq_consumer_gproj_full, args0), (_dq_consumer_gproj_full, args1),
-                                    (_dq_loader, loader_args)], [4, 1], [240, 24])
-        else:
-            if CAUSAL:
-                gl.warp_specialize([(_dq_consumer_none_causal, args0), (_dq_consumer_none_causal, args1),
-                                    (_dq_loader, loader_args)], [4, 1], [240, 24])
-            else:
-                gl.warp_specialize([(_dq_consumer_none_full, args0), (_dq_consumer_none_full, args1),
-                                    (_dq_loader, loader_args)], [4, 1], [240, 24])
+                e0_smem = q_smem.index(0)  # not read; shaped like the stand-in e0_desc (q's) for the loader's dead branch
+            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(q_bar, count=1)
+            ready, empty = ring_barriers(_NUM_STAGES)
+
+            out_row = b * N_CTX + row0
+            args0 = (q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA, row0,
+                     stats, out_row, h * HEAD_DIM, H * HEAD_DIM, hi, c, tau, store_qr, sc, cap, 0)
+            args1 = (q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA, row0,
+                     stats, out_row, h * HEAD_DIM, H * HEAD_DIM, hi, c, tau, store_qr, sc, cap, 1)
+            loader_args = (q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem,
+                           e0_smem, q_bar, ready, empty, b * q_rb + h * q_rh + row0, h * q_ch, b * do_rb + h * do_rh + row0,
+                           h * do_ch, b * o_rb + h * o_rh + row0, h * o_ch, b * k_rb + hk * k_rh, hk * k_ch,
+                           b * v_rb + hk * v_rh, hk * v_ch, hi, GPROJ)
+            gl.warp_specialize([(consumer, args0), (consumer, args1), (_dq_loader, loader_args)], [4, 1], [240, 24])
+
+        return _hopper_dq_kernel
 
 
 def enabled() -> bool:
@@ -488,8 +494,7 @@ def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor)
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
     """Whether :func:`dkdv` serves these (already validated) inputs: an sm_90 GPU (not the interpreter, Gluon
     importable, GPROJ_HOPPER_BWD not 0) and :func:`accepts`. The caller checks the rest (fix "none" or "gproj"
-    with its own-GEMM dK term, ds_format "bf16", no key padding, window, softcap, dropout or packing). Never
-    raises."""
+    with its own-GEMM dK term, ds_format "bf16", no key padding, window, dropout or packing). Never raises."""
     return enabled() and on_sm90(q) and accepts(q, k, v, do)
 
 
@@ -511,7 +516,7 @@ def _descriptors(*tensors):
 
 
 def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causal: bool, dk_dtype: torch.dtype,
-         dv_dtype: torch.dtype, want_key_sums: bool):
+         dv_dtype: torch.dtype, want_key_sums: bool, softcap: float = 0.0):
     """The dK/dV pass on Hopper; call only where :func:`serves` is True, after the dQ pass.
 
     Args:
@@ -520,9 +525,11 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
             the dQ pass.
         qr: None (fix="none") or bf16(−ρ∘Q), (batch, seqlen, nheads, headdim) contiguous in q's dtype, from the
             dQ pass (fix="gproj": the dK term P̃ᵀ(−ρ∘Q) runs as its own GEMM).
-        c: the exponent's factor τ·log2e. softmax_scale: τ. causal: the causal mask.
+        c: the exponent's factor τ·log2e (log2e with softcap). softmax_scale: τ. causal: the causal mask.
         dk_dtype, dv_dtype: q's dtype or torch.float32.
         want_key_sums: with an fp32 dk, also Σ_j dk_j over each batch row's keys.
+        softcap: 0 (off) or the cap of the logits z = cap·tanh(τ s / cap); the dK operand is then X̃ = bf16(dZ∘g),
+            g = 1 − tanh², and GProj's dK direction bf16(P̃∘g) (kernels/reference.py).
 
     Returns:
         dk, dv (batch, seqlen, nheads_k, headdim) contiguous in dk_dtype / dv_dtype (GQA: summed over each kv
@@ -536,15 +543,16 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
     slots = n // KEYS_PER_SUM
     ks = torch.empty((b, hk, slots, d), dtype=torch.float32, device=q.device) if want_key_sums else delta
     descs, where = _descriptors(q, do, q if qr is None else qr, k, v)  # q: a placeholder the kernel never reads
-    _hopper_dkdv_kernel[(n // BLOCK_N, b * hk)](
+    sc, cap = _softcap_args(softmax_scale, softcap)
+    _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0)[(n // BLOCK_N, b * hk)](
         *descs, dk, dv, ks, m, log2l, delta, float(c), float(softmax_scale), h, h // hk, n,
-        int(bool(want_key_sums)), *where, GPROJ=qr is not None, CAUSAL=bool(causal), num_warps=4,
+        int(bool(want_key_sums)), *where, sc, cap, num_warps=4,
     )
     return dk, dv, (ks.sum(dim=2, dtype=torch.float64) if want_key_sums else None)
 
 
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
-                 dk_dtype: torch.dtype | None = None, ones: tuple[str, ...] = ()):
+                 dk_dtype: torch.dtype | None = None, ones: tuple[str, ...] = (), softcap: bool = False):
     """Compile the kernel for sm_90 without a GPU (Triton's ahead-of-time path), as CI does: head dim 128, dk
     in ``dk_dtype`` (default: ``dtype``; torch.float32 for the fp32-dk path), dv in ``dtype``. ``ones`` names
     integer arguments compiled as the constant 1, as Triton specializes them at launch (``key_sums``,
@@ -555,8 +563,8 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal
     sig = {"q_desc": t, "do_desc": t, "qr_desc": t, "k_desc": t, "v_desc": t, "DK": pointer_type(dk_dtype or dtype),
            "DV": pointer_type(dtype), "KS": "*fp32", "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32",
            "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "key_sums": "i32",
-           **{f"{x}_{w}": "i32" for x in ("q", "do", "qr", "k", "v") for w in ("rb", "rh", "ch")}}
-    return aot_compile_sm90(_hopper_dkdv_kernel, sig, {"GPROJ": bool(gproj), "CAUSAL": bool(causal), **{arg: 1 for arg in ones}})
+           **{f"{x}_{w}": "i32" for x in ("q", "do", "qr", "k", "v") for w in ("rb", "rh", "ch")}, "sc": "fp32", "cap": "fp32"}
+    return aot_compile_sm90(_dkdv_kernel_for(bool(gproj), bool(causal), bool(softcap)), sig, {arg: 1 for arg in ones})
 
 
 def _e0(device: torch.device, dtype: torch.dtype):
@@ -582,7 +590,8 @@ def _e0_layout(dtype: torch.dtype):
 _e0_cached = functools.lru_cache(maxsize=None)(_e0_tile)
 
 
-def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float, causal: bool, r=None, qr=None):
+def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float, causal: bool, r=None, qr=None,
+            softcap: float = 0.0):
     """The dQ pass on Hopper, fix "none" or "gproj"; call only where :func:`serves` is True, with do and o as
     :func:`tma_ready` returns them (o shaped like q, in its dtype).
 
@@ -591,25 +600,33 @@ def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float,
         m, log2l: (batch, nheads, seqlen) fp32 from the forward. delta: same shape, written: D = rowsum(dO∘O).
         dq: (batch, seqlen, nheads, headdim) contiguous in q's dtype or fp32, written: τ Σ_j dS̃_ij k_j, with
             fix="gproj" minus τ ρ_i (P̃K)_i (ρ_i = r_i / Σ_j P̃_ij), accumulated in fp32 and rounded once.
-        c: τ·log2e. softmax_scale: τ. causal: the causal mask.
+        c: τ·log2e (log2e with softcap). softmax_scale: τ. causal: the causal mask.
         r: None (fix="none"), or (batch, nheads, seqlen) fp32, written: r_i = Σ_j dS̃_ij (fix="gproj").
         qr: None, or with r: (batch, seqlen, nheads, headdim) contiguous in q's dtype, written: −ρ∘Q rounded
             (the B operand of :func:`dkdv`'s GProj term).
+        softcap: 0 (off) or the cap of the logits z = cap·tanh(τ s / cap): the dQ operand is X̃ = bf16(dZ∘g),
+            g = 1 − tanh², r_i = Σ_j X̃_ij / g_ij and GProj's direction bf16(P̃∘g) (kernels/reference.py).
     """
     b, n, h, d = q.shape
     hk = k.shape[2]
     descs, where = _descriptors(q, do, o, k, v)
     gproj = r is not None
     e0 = _e0(q.device, q.dtype) if gproj else descs[0]  # fix="none": a placeholder the kernel never reads
-    _hopper_dq_kernel[(n // _DQ_BLOCK_M.value, b * h)](
+    sc, cap = _softcap_args(softmax_scale, softcap)
+    _dq_kernel_for(gproj, bool(causal), softcap > 0)[(n // _DQ_BLOCK_M.value, b * h)](
         *descs, e0, dq, delta if r is None else r, q if qr is None else qr, m, log2l, delta, float(c),
-        float(softmax_scale), h, h // hk, n, int(qr is not None), *where, GPROJ=gproj, CAUSAL=bool(causal),
-        num_warps=4,
+        float(softmax_scale), h, h // hk, n, int(qr is not None), *where, sc, cap, num_warps=4,
     )
 
 
+def _softcap_args(softmax_scale: float, softcap: float) -> tuple[float, float]:
+    """(sc, cap) of the tanh's argument s·sc = τ s / cap and the cap (1.0 when softcap is 0, unused)."""
+    cap = float(softcap) if softcap > 0 else 1.0
+    return float(softmax_scale) / cap, cap
+
+
 def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
-                    dq_dtype: torch.dtype | None = None, ones: tuple[str, ...] = ()):
+                    dq_dtype: torch.dtype | None = None, ones: tuple[str, ...] = (), softcap: bool = False):
     """Compile the dQ kernel for sm_90 without a GPU, as :func:`compile_sm90` does the dK/dV one (``ones``:
     ``store_qr``, ``GROUP``)."""
     _require_gluon()
@@ -619,6 +636,6 @@ def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, cau
     sig = {"q_desc": t, "do_desc": t, "o_desc": t, "k_desc": t, "v_desc": t, "e0_desc": e0,
            "DQ": pointer_type(dq_dtype or dtype), "R": "*fp32", "QR": pointer_type(dtype), "M": "*fp32",
            "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32", "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32",
-           "store_qr": "i32", **{f"{x}_{w}": "i32" for x in ("q", "do", "o", "k", "v") for w in ("rb", "rh", "ch")}}
-    return aot_compile_sm90(_hopper_dq_kernel, sig, {"GPROJ": bool(gproj), "CAUSAL": bool(causal),
-                                                     **{arg: 1 for arg in ones}})
+           "store_qr": "i32", **{f"{x}_{w}": "i32" for x in ("q", "do", "o", "k", "v") for w in ("rb", "rh", "ch")},
+           "sc": "fp32", "cap": "fp32"}
+    return aot_compile_sm90(_dq_kernel_for(bool(gproj), bool(causal), bool(softcap)), sig, {arg: 1 for arg in ones})

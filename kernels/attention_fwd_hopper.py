@@ -19,8 +19,9 @@ O = acc / l rounded once.
 
 Served (:func:`serves`): bf16 / fp16, (batch, seqlen, nheads, headdim) tensors whose memory is contiguous
 in that order or in (batch, nheads, seqlen, headdim) order (each tensor its own), 16-byte aligned,
-seqlen_q = seqlen_k a multiple of 128, head dim 64 or 128, GQA, causal or not; no key padding, window,
-softcap, dropout or packed sequences. Speed on the H200: benchmarks/NOTES.md (run 18).
+seqlen_q = seqlen_k a multiple of 128, head dim 64 or 128, GQA, causal or not, logit softcap (its tanh as
+the tl.dot kernels form it); no key padding, window, dropout or packed sequences. Speed on the H200:
+benchmarks/NOTES.md (runs 18, 21).
 """
 
 from __future__ import annotations
@@ -97,10 +98,27 @@ if GLUON_ERROR is None:
             i += 1
 
     @gluon.jit
-    def _softmax_pv(s, acc, m_i, l_i, v_tile, offs_m, start_n, diag_from, c, causal):
-        """One key block of the online softmax: mask S on and past the diagonal (rows from ``diag_from``),
-        update the row max m and sum l, rescale acc and issue the asynchronous acc += P̃·V; returns (acc, m, l),
-        acc still to be waited for."""
+    def tanh_and_grad(x):
+        """(tanh x, 1 − tanh² x) in fp32 by the ops of kernels/_triton_utils.tanh_and_grad_f32 (``ex2.approx.ftz``
+        and ``rcp.approx.ftz``, then the same arithmetic), so that these kernels and the tl.dot ones rebuild
+        bit-identical capped logits from the same scores."""
+        e = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [gl.abs(x) * -2.8853900817779268],
+                                      dtype=gl.float32, is_pure=True, pack=1)
+        r = rcp_approx(1.0 + e)
+        t = (1.0 - e) * r
+        return gl.where(x < 0, -t, t), 4.0 * e * r * r
+
+    @gluon.jit
+    def rcp_approx(x):
+        """1/x as ``rcp.approx.ftz.f32`` (kernels/_triton_utils.rcp_ftz)."""
+        return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
+    def _softmax_pv(s, acc, m_i, l_i, v_tile, offs_m, start_n, diag_from, c, causal, sc, cap, SOFTCAP: gl.constexpr):
+        """One key block of the online softmax: with SOFTCAP the capped logits z = cap·tanh(s·sc) replace the
+        scores; mask them on and past the diagonal (rows from ``diag_from``), update the row max m and sum l,
+        rescale acc and issue the asynchronous acc += P̃·V; returns (acc, m, l), acc still to be waited for."""
         HEAD_DIM: gl.constexpr = acc.shape[1]
         dtype: gl.constexpr = v_tile.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -109,6 +127,9 @@ if GLUON_ERROR is None:
                                                            instr_shape=[16, HEAD_DIM, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        if SOFTCAP:
+            t, _ = tanh_and_grad(s * sc)
+            s = cap * t
         if causal != 0:
             if start_n + _BLOCK_N > diag_from:  # a tile on or past the diagonal
                 offs_n = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -125,7 +146,7 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, half: gl.constexpr, o_row, row0,
-                  o_col, hi, c, causal):
+                  o_col, hi, c, causal, sc, cap, SOFTCAP: gl.constexpr):
         HEAD_DIM: gl.constexpr = o_desc.block_type.shape[1]
         dtype: gl.constexpr = o_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -149,7 +170,7 @@ if GLUON_ERROR is None:
             s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, v_smem.index(st), offs_m, start_n, row0 + half * _HALF_M, c,
-                                        causal)
+                                        causal, sc, cap, SOFTCAP)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index(st), count=1)
             i += 1
@@ -162,59 +183,70 @@ if GLUON_ERROR is None:
         gl.store(LOG2L + offs_m, gl.log2(l_i))
         tma.store_wait(pendings=0)
 
-    @gluon.jit
-    def _consumer_worker(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, o_row, row0, o_col, hi, c,
-                         causal):
-        _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, 1, o_row, row0, o_col, hi, c, causal)
+    def _partition(half: int, softcap: bool):
+        """A consumer partition of gl.warp_specialize for one half of the rows, with SOFTCAP compiled in: constexpr
+        arguments do not survive gl.warp_specialize, closure constants do."""
+        HALF = gl.constexpr(half)
+        SOFTCAP = gl.constexpr(softcap)
 
-    @gluon.jit
-    def _consumer_default(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, o_row, row0, o_col, hi, c,
-                          causal):
-        _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, 0, o_row, row0, o_col, hi, c, causal)
+        @gluon.jit
+        def consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, o_row, row0, o_col, hi, c, causal,
+                     sc, cap):
+            _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, HALF, o_row, row0, o_col, hi, c,
+                      causal, sc, cap, SOFTCAP)
 
-    @gluon.jit
-    def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, M, LOG2L, c, H, GROUP, N_CTX, causal,
-                           q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch):
-        # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch);
-        # (batch, seqlen, heads, headdim) memory has rb = seqlen, rh = 0, ch = headdim; (batch, heads,
-        # seqlen, headdim) memory rb = heads·seqlen, rh = seqlen, ch = 0 (see _tma_view).
-        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-        dtype: gl.constexpr = q_desc.dtype
-        pid_bh = gl.program_id(1)
-        pid_m = gl.program_id(0)
-        if causal != 0:  # heaviest query blocks (the most keys) first
-            pid_m = gl.num_programs(0) - 1 - pid_m
-        b = pid_bh // H
-        h = pid_bh % H
-        hk = h // GROUP
-        row0 = pid_m * _BLOCK_M
-        q_row = b * q_rb + h * q_rh + row0
-        q_col = h * q_ch
-        k_row = b * k_rb + hk * k_rh
-        v_row = b * v_rb + hk * v_rh
-        o_row = b * N_CTX + row0  # o is (batch, seqlen, nheads, headdim) contiguous
-        o_col = h * HEAD_DIM
-        hi = N_CTX
-        if causal != 0:
-            hi = gl.minimum(N_CTX, row0 + _BLOCK_M)
-        stats = M + pid_bh.to(gl.int64) * N_CTX
-        stats2 = LOG2L + pid_bh.to(gl.int64) * N_CTX
+        return consumer
 
-        q_smem = gl.allocate_shared_memory(dtype, [2, _HALF_M, HEAD_DIM], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        ready, empty = ring_barriers(_NUM_STAGES)
+    @functools.lru_cache(maxsize=None)
+    def _kernel_for(softcap: bool):
+        """The forward kernel, without (False) or with (True) the logit softcap."""
+        consumer0, consumer1 = _partition(0, softcap), _partition(1, softcap)
 
-        consumer_args = (q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, stats, stats2, o_row, row0, o_col, hi, c,
-                         causal)
-        gl.warp_specialize([
-            (_consumer_default, consumer_args),
-            (_consumer_worker, consumer_args),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, q_col, k_row,
-                       hk * k_ch, v_row, hk * v_ch, hi)),
-        ], [4, 1], [232, 24])
+        @gluon.jit
+        def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, M, LOG2L, c, H, GROUP, N_CTX, causal,
+                               q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap):
+            # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch);
+            # (batch, seqlen, heads, headdim) memory has rb = seqlen, rh = 0, ch = headdim; (batch, heads,
+            # seqlen, headdim) memory rb = heads·seqlen, rh = seqlen, ch = 0 (see _tma_view).
+            HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+            dtype: gl.constexpr = q_desc.dtype
+            pid_bh = gl.program_id(1)
+            pid_m = gl.program_id(0)
+            if causal != 0:  # heaviest query blocks (the most keys) first
+                pid_m = gl.num_programs(0) - 1 - pid_m
+            b = pid_bh // H
+            h = pid_bh % H
+            hk = h // GROUP
+            row0 = pid_m * _BLOCK_M
+            q_row = b * q_rb + h * q_rh + row0
+            q_col = h * q_ch
+            k_row = b * k_rb + hk * k_rh
+            v_row = b * v_rb + hk * v_rh
+            o_row = b * N_CTX + row0  # o is (batch, seqlen, nheads, headdim) contiguous
+            o_col = h * HEAD_DIM
+            hi = N_CTX
+            if causal != 0:
+                hi = gl.minimum(N_CTX, row0 + _BLOCK_M)
+            stats = M + pid_bh.to(gl.int64) * N_CTX
+            stats2 = LOG2L + pid_bh.to(gl.int64) * N_CTX
+
+            q_smem = gl.allocate_shared_memory(dtype, [2, _HALF_M, HEAD_DIM], q_desc.layout)
+            k_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_N, HEAD_DIM], k_desc.layout)
+            v_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_N, HEAD_DIM], v_desc.layout)
+            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(q_bar, count=1)
+            ready, empty = ring_barriers(_NUM_STAGES)
+
+            consumer_args = (q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, stats, stats2, o_row, row0, o_col, hi,
+                             c, causal, sc, cap)
+            gl.warp_specialize([
+                (consumer0, consumer_args),
+                (consumer1, consumer_args),
+                (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, q_col, k_row,
+                           hk * k_ch, v_row, hk * v_ch, hi)),
+            ], [4, 1], [232, 24])
+
+        return _hopper_fwd_kernel
 
 
 def _gl_dtype(dtype: torch.dtype):
@@ -308,7 +340,7 @@ def _descriptors(q, k, v, o):
     return descs, where
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool):
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, softcap: float = 0.0):
     """FMA-safe attention forward on Hopper; call only where :func:`serves` is True.
 
     Args:
@@ -317,10 +349,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
             heads, seqlen, headdim) memory order (:func:`accepts`).
         softmax_scale: τ, multiplies q·k inside the softmax.
         causal: causal mask (seqlen_q = seqlen_k, so top-left and bottom-right alignment agree).
+        softcap: 0 (off) or cap > 0: the logits are z = cap·tanh(τ q·k / cap) (Gemma 2), softmax(z) unscaled.
 
     Returns:
         o (batch, seqlen, nheads, headdim) in q's dtype; m, log2l (batch, nheads, seqlen) fp32: the row max
-        of the raw scores q·k and log2 Σ_j exp2((s_ij − m_i)·τ·log2e), as attention_fwd.forward.
+        of the logits (the raw scores q·k, or z with softcap) and log2 Σ_j exp2((logit_ij − m_i)·c) with
+        c = τ·log2e (log2e with softcap), as attention_fwd.forward.
     """
     b, n, h, d = q.shape
     hk = k.shape[2]
@@ -328,14 +362,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     m = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
     log2l = torch.empty_like(m)
     descs, where = _descriptors(q, k, v, o)
-    _hopper_fwd_kernel[(n // BLOCK_M, b * h)](
-        *descs, m, log2l, float(softmax_scale) * LOG2E, h, h // hk, n, int(bool(causal)), *where, num_warps=4,
+    softcap = float(softcap)
+    c = (1.0 if softcap > 0 else float(softmax_scale)) * LOG2E  # with softcap τ sits inside the tanh
+    cap = softcap if softcap > 0 else 1.0
+    _kernel_for(softcap > 0)[(n // BLOCK_M, b * h)](
+        *descs, m, log2l, c, h, h // hk, n, int(bool(causal)), *where, float(softmax_scale) / cap, cap, num_warps=4,
     )
     return o, m, log2l
 
 
-def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple[str, ...] = ()):
-    """Compile the kernel for sm_90 without a GPU (Triton's ahead-of-time path), as CI does.
+def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple[str, ...] = (), softcap: bool = False):
+    """Compile the kernel (with ``softcap``: its softcap variant) for sm_90 without a GPU (Triton's ahead-of-time
+    path), as CI does.
 
     ``ones`` names integer arguments compiled as the constant 1, as Triton specializes them at launch
     (``causal`` = 1 for every causal call; ``H``, ``GROUP`` for one head or no GQA sharing).
@@ -347,8 +385,9 @@ def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple
     qo = tensordesc_type(dtype, _HALF_M.value, head_dim, qo_layout)
     kv = tensordesc_type(dtype, _BLOCK_N.value, head_dim, kv_layout)
     sig = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "M": "*fp32", "LOG2L": "*fp32", "c": "fp32",
-           "H": "i32", "GROUP": "i32", "N_CTX": "i32", "causal": "i32", **{f"{t}_{w}": "i32" for t in "qkv" for w in ("rb", "rh", "ch")}}
-    return aot_compile_sm90(_hopper_fwd_kernel, sig, {arg: 1 for arg in ones})
+           "H": "i32", "GROUP": "i32", "N_CTX": "i32", "causal": "i32", **{f"{t}_{w}": "i32" for t in "qkv" for w in ("rb", "rh", "ch")},
+           "sc": "fp32", "cap": "fp32"}
+    return aot_compile_sm90(_kernel_for(bool(softcap)), sig, {arg: 1 for arg in ones})
 
 
 def _require_gluon() -> None:

@@ -18,27 +18,41 @@ from lightning_gproj.kernels import attention_bwd_hopper as HB
 from _hopper import assert_hopper_kernel
 
 
-@pytest.mark.parametrize("gproj", [False, True], ids=["none", "gproj"])
+_VARIANTS = [(False, False), (True, False), (False, True), (True, True)]
+_VARIANT_IDS = ["none", "gproj", "none-softcap", "gproj-softcap"]
+
+
+def _assert_softcap_code(ptx: str, softcap: bool) -> None:
+    # The softcap's tanh: an ex2.approx.ftz (the softmax's exp2 lowers to one as well) and an rcp.approx.ftz per
+    # score, as the tl.dot kernels form it.
+    assert ("rcp.approx.ftz.f32" in ptx) == softcap
+
+
+@pytest.mark.parametrize("gproj, softcap", _VARIANTS, ids=_VARIANT_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype, dk_dtype, ones", [
     (torch.bfloat16, None, ()), (torch.float16, None, ("GROUP",)), (torch.bfloat16, torch.float32, ("key_sums",)),
 ], ids=["bf16", "fp16-1group", "fp32dk-keysums"])
-def test_compiles_for_sm90_with_wgmma_tma_and_register_split(gproj, causal, dtype, dk_dtype, ones):
+def test_compiles_for_sm90_with_wgmma_tma_and_register_split(gproj, softcap, causal, dtype, dk_dtype, ones):
+    kernel = HB.compile_sm90(dtype, gproj, causal, dk_dtype, ones, softcap)
     # Two consumers × (Sᵀ, dPᵀ, dV, dK [, GProj's dK term]) per (Q, dO) tile.
-    assert_hopper_kernel(HB.compile_sm90(dtype, gproj, causal, dk_dtype, ones), 2 * (5 if gproj else 4))
+    assert_hopper_kernel(kernel, 2 * (5 if gproj else 4))
+    _assert_softcap_code(kernel.asm["ptx"], softcap)
 
 
-@pytest.mark.parametrize("gproj", [False, True], ids=["none", "gproj"])
+@pytest.mark.parametrize("gproj, softcap", _VARIANTS, ids=_VARIANT_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype, dq_dtype, ones", [
     (torch.bfloat16, None, ()), (torch.float16, None, ("GROUP", "store_qr")), (torch.bfloat16, torch.float32, ()),
 ], ids=["bf16", "fp16-1group-qr", "fp32dq"])
-def test_dq_pass_compiles_for_sm90_with_wgmma_tma_and_register_split(gproj, causal, dtype, dq_dtype, ones):
-    kernel = HB.compile_dq_sm90(dtype, gproj, causal, dq_dtype, ones)
-    # Two consumers × (S, dP, dQ [, P̃K and the row sums of P̃ and dS̃ against e0]) per K/V tile.
-    assert_hopper_kernel(kernel, 2 * (6 if gproj else 3))
-    if gproj:  # the e0 tile's wgmma: N = ROWSUM_N
-        assert f"wgmma.mma_async.sync.aligned.m64n{HB.ROWSUM_N}k16" in kernel.asm["ptx"]
+def test_dq_pass_compiles_for_sm90_with_wgmma_tma_and_register_split(gproj, softcap, causal, dtype, dq_dtype, ones):
+    kernel = HB.compile_dq_sm90(dtype, gproj, causal, dq_dtype, ones, softcap)
+    ptx = kernel.asm["ptx"]
+    # Two consumers × (S, dP, dQ [, P̃K and without softcap the row sums of P̃ and dS̃ against e0]) per K/V tile.
+    assert_hopper_kernel(kernel, 2 * ((4 if softcap else 6) if gproj else 3))
+    # The e0 tile's wgmma (N = ROWSUM_N) for gproj; softcap sums its rows on the ALUs (1/g per score).
+    assert (f"wgmma.mma_async.sync.aligned.m64n{HB.ROWSUM_N}k16" in ptx) == (gproj and not softcap)
+    _assert_softcap_code(ptx, softcap)
 
 
 def _t(b=2, n=256, h=4, d=128, dtype=torch.bfloat16):
@@ -122,7 +136,8 @@ class _Launcher:
     (dict(fix="gproj", grad_dtype=torch.float32), True, True, True),
     (dict(fix="gproj", dk_fold=True), True, False, False),  # r from the Gluon dQ pass, the fold in tl.dot dK/dV
     (dict(fix="gproj", ds_format="e4m3"), False, False, None),
-    (dict(fix="gproj", softcap=30.0), False, False, None),
+    (dict(fix="gproj", softcap=30.0), True, True, True),
+    (dict(fix="none", softcap=30.0), True, True, False),
     (dict(fix="gproj", window_size=(64, 0)), False, False, None),
     (dict(fix="gproj", dropout_p=0.1, dropout_seed=1), False, False, None),
     (dict(fix="gproj", seqlens_k=torch.tensor([256, 200])), False, False, None),
@@ -135,8 +150,9 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
     other call stays on the tl.dot kernels."""
     seen = {}
 
-    def fake_dq_pass(q, k, v, do, o, m, log2l, delta, dq, c, tau, causal, r=None, qr=None):
+    def fake_dq_pass(q, k, v, do, o, m, log2l, delta, dq, c, tau, causal, r=None, qr=None, softcap=0.0):
         seen["dq"] = ("gluon", qr is not None, r is not None)
+        assert softcap == kwargs.get("softcap", 0.0)
         if r is not None:
             assert r.shape == m.shape and r.dtype == torch.float32
 
@@ -146,6 +162,7 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
 
     def fake_dkdv(q, k, v, do, m, log2l, delta, qr, *args):
         seen["qr"] = qr
+        assert args[-1] == kwargs.get("softcap", 0.0)  # the softcap, last
         raise _Routed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # supports()' CPU condition; no kernel below really launches
@@ -181,8 +198,8 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
         assert seen["dq"][2] == (fix == "gproj")
 
 
-@pytest.mark.parametrize("gproj", [False, True], ids=["none", "gproj"])
-def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj):
+@pytest.mark.parametrize("gproj, softcap", _VARIANTS, ids=_VARIANT_IDS)
+def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj, softcap):
     """dq_pass and dkdv up to the launch, on CPU tensors: descriptors build for (B, N, H, d) and (B, H, N, d)
     memory and every kernel parameter gets exactly one argument (a stale name or a missing argument would
     otherwise surface only on an H200)."""
@@ -191,13 +208,14 @@ def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj):
     launched = []
 
     class Launcher:
-        def __init__(self, kernel):
-            self.names = kernel.arg_names
+        def __init__(self, kernel_for, variant):
+            self.names = kernel_for(*variant).arg_names
 
         def __getitem__(self, grid):
-            def launch(*args, num_warps, **constexprs):
-                assert len(args) + len(constexprs) == len(self.names), (len(args), constexprs, self.names)
-                assert set(constexprs) <= {"GPROJ", "CAUSAL"} and constexprs.get("GPROJ", gproj) == gproj
+            def launch(*args, num_warps):
+                assert len(args) == len(self.names), (len(args), self.names)
+                named = dict(zip(self.names, args))
+                assert named["cap"] == (30.0 if softcap else 1.0) and named["sc"] == pytest.approx(0.1 / named["cap"])
                 assert all(isinstance(a, TensorDescriptor) for a in args[:5])
                 if "e0_desc" in self.names:  # with gproj the e0 tile: ones in column 0 of TILE_ROWS × ROWSUM_N
                     e0 = args[5]
@@ -209,8 +227,12 @@ def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj):
                 launched.append(grid)
             return launch
 
-    monkeypatch.setattr(HB, "_hopper_dq_kernel", Launcher(HB._hopper_dq_kernel))
-    monkeypatch.setattr(HB, "_hopper_dkdv_kernel", Launcher(HB._hopper_dkdv_kernel))
+    variants = []
+    for name in ("_dq_kernel_for", "_dkdv_kernel_for"):
+        def kernel_for(*variant, real=getattr(HB, name)):
+            variants.append(variant)
+            return Launcher(real, variant)
+        monkeypatch.setattr(HB, name, kernel_for)
     b, n, h, hk, d = 2, 256, 4, 2, 128
     q, do, o = _t(b, n, h, d), _t(b, n, h, d), torch.zeros(b, h, n, d, dtype=torch.bfloat16).transpose(1, 2)
     k, v = _t(b, n, hk, d), _t(b, n, hk, d)
@@ -218,9 +240,12 @@ def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj):
     qr = torch.zeros_like(q) if gproj else None
     dq = torch.empty(b, n, h, d)
     r = torch.empty(b, h, n) if gproj else None
-    HB.dq_pass(q, k, v, do, o, m, log2l, delta, dq, 1.0, 0.1, True, r, qr)
-    dk, dv, key_sums = HB.dkdv(q, k, v, do, m, log2l, delta, qr, 1.0, 0.1, False, torch.float32, torch.bfloat16, True)
+    cap = 30.0 if softcap else 0.0
+    HB.dq_pass(q, k, v, do, o, m, log2l, delta, dq, 1.0, 0.1, True, r, qr, cap)
+    dk, dv, key_sums = HB.dkdv(q, k, v, do, m, log2l, delta, qr, 1.0, 0.1, False, torch.float32, torch.bfloat16, True,
+                               cap)
     assert launched == [(n // 128, b * h), (n // HB.BLOCK_N, b * hk)]
+    assert variants == [(gproj, True, softcap), (gproj, False, softcap)]  # (GPROJ, CAUSAL, SOFTCAP) of each launch
     assert dk.dtype == torch.float32 and dv.dtype == torch.bfloat16 and dk.shape == dv.shape == k.shape
     assert key_sums.shape == (b, hk, d) and key_sums.dtype == torch.float64
 

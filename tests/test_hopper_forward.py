@@ -21,10 +21,15 @@ from _hopper import assert_hopper_kernel
 @pytest.mark.parametrize("head_dim", H.HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("ones", [(), ("causal",), ("causal", "H", "GROUP")], ids=["runtime", "causal", "causal-1head"])
-def test_compiles_for_sm90_with_wgmma_tma_and_register_split(head_dim, dtype, ones):
+@pytest.mark.parametrize("softcap", [False, True], ids=["plain", "softcap"])
+def test_compiles_for_sm90_with_wgmma_tma_and_register_split(head_dim, dtype, ones, softcap):
     """Also the variants Triton builds at launch when an integer argument is 1 (every causal call)."""
     # Two consumers × (QKᵀ + PV) per K/V tile, each an asynchronous warp-group MMA; TMA loads of q, k, v, store of o.
-    assert_hopper_kernel(H.compile_sm90(head_dim, dtype, ones), 4)
+    kernel = H.compile_sm90(head_dim, dtype, ones, softcap)
+    assert_hopper_kernel(kernel, 4)
+    # The softcap's tanh: an ex2.approx.ftz (the softmax's exp2 lowers to one as well) and an rcp.approx.ftz per
+    # score, as the tl.dot kernels form it.
+    assert ("rcp.approx.ftz.f32" in kernel.asm["ptx"]) == softcap
 
 
 def _qkv(b=2, n=256, h=4, hk=2, d=128, dtype=torch.bfloat16):
@@ -127,23 +132,24 @@ def test_tma_tiles_address_the_tensor(layout):
     ({"window_size": (-1, -1)}, True, True),
     ({"window_size": (4, 0)}, False, None),
     ({"window_size": (-1, 3)}, False, None),
-    ({"softcap": 5.0}, False, None),
+    ({"softcap": 5.0}, False, False),
+    ({"softcap": 5.0}, True, True),
     ({"dropout_p": 0.1}, True, None),
     ({"seqlens_k": torch.tensor([100, 128], dtype=torch.int32)}, False, None),
     ({"cu_seqlens_q": torch.tensor([0, 128, 256], dtype=torch.int32), "max_seqlen_q": 128,
       "cu_seqlens_k": torch.tensor([0, 128, 256], dtype=torch.int32), "max_seqlen_k": 128}, False, None),
 ], ids=["dense", "causal", "window (-1, 0)", "window (-1, -1) causal", "left window", "right window", "softcap",
-        "dropout", "seqlens_k", "packed"])
+        "softcap causal", "dropout", "seqlens_k", "packed"])
 def test_forward_dispatch_sends_only_dense_inputs_to_the_gluon_kernel(monkeypatch, kwargs, causal, gluon_causal):
     """attention_fwd.forward hands a call to the Gluon kernel (where serves() says it can) only without key
-    padding, window, softcap, dropout and packing — which that kernel would silently ignore — and with the
-    causal flag the window spelling implies (gluon_causal; None: the tl.dot kernel runs instead)."""
+    padding, window, dropout and packing — which that kernel would silently ignore —, with the causal flag the
+    window spelling implies (gluon_causal; None: the tl.dot kernel runs instead) and the softcap."""
     from lightning_gproj.kernels import attention_fwd as F
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # F.supports' CPU condition; nothing below launches a kernel
     calls = []
     monkeypatch.setattr(H, "serves", lambda q, k, v: True)
-    monkeypatch.setattr(H, "forward", lambda q, k, v, scale, c: calls.append(("gluon", c)) or (q, None, None))
+    monkeypatch.setattr(H, "forward", lambda q, k, v, scale, c, softcap: calls.append(("gluon", c, softcap)) or (q, None, None))
 
     class TlDot:
         def __getitem__(self, grid):
@@ -157,7 +163,7 @@ def test_forward_dispatch_sends_only_dense_inputs_to_the_gluon_kernel(monkeypatc
     if gluon_causal is None:
         assert [c[0] for c in calls] == ["tl.dot"]
     else:
-        assert calls == [("gluon", gluon_causal)]
+        assert calls == [("gluon", gluon_causal, kwargs.get("softcap", 0.0))]
 
 
 def test_benchmark_variants_still_apply_and_compile():

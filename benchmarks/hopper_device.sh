@@ -18,7 +18,8 @@
 #        against reference.py and the tl.dot kernels (AUTOTUNE=0);
 # softcapfid: fidelity.py --quick --mus 0,200,1000 --softcap 30, gproj and none (AUTOTUNE=0);
 # softcapspeed: attention.py --softcap 30 on 4×16×2048×128 full and causal, 1×16×8192×128 causal and
-#        2×16×4096×64 causal, gproj and none, plain and capped side by side (AUTOTUNE=0, as run 18).
+#        2×16×4096×64 causal, gproj and none, plain and capped side by side (AUTOTUNE=0, as run 18); SOFTCAP_ENV
+#        (e.g. "GPROJ_HOPPER_FWD=0 GPROJ_HOPPER_BWD=0": the tl.dot kernels) is set for that phase.
 # Each phase has its own limit (check 100, c2 120, base 220, bwdcheck 300, ab and bwdab 2×100, train 200·R s,
 # softcap 300, softcapfid 100, softcapspeed 130): pick phases so that they end inside 600 s.
 set -u
@@ -70,9 +71,11 @@ for phase in $phases; do
         --softcap 30 --out "$OUT/fidelity_softcap" > "$OUT/fidelity_softcap.log" 2>&1
       echo "softcapfid rc=$?"; rm -f "$OUT/fidelity_softcap"/*.png; tail -n 30 "$OUT/fidelity_softcap.log" ;;
     softcapspeed)
-      GPROJ_TRITON_AUTOTUNE=0 timeout 130 python3 benchmarks/attention.py --methods gproj,none --shapes 0,1,3,5 --softcap 30 \
-        --out "$OUT/speed_softcap" > "$OUT/speed_softcap.log" 2>&1
-      echo "softcapspeed rc=$?"; rm -f "$OUT/speed_softcap"/*.png; cat "$OUT/speed_softcap/attention.md" ;;
+      tag=${SOFTCAP_ENV:+_tldot}
+      env ${SOFTCAP_ENV:-} GPROJ_TRITON_AUTOTUNE=0 timeout 130 python3 benchmarks/attention.py --methods gproj,none --shapes 0,1,3,5 \
+        --softcap 30 --out "$OUT/speed_softcap$tag" > "$OUT/speed_softcap$tag.log" 2>&1
+      echo "softcapspeed ${SOFTCAP_ENV:-} rc=$?"; rm -f "$OUT/speed_softcap$tag"/*.png
+      grep -B2 -A7 "TFLOP/s$" "$OUT/speed_softcap$tag/attention.md" ;;
     *) echo "unknown phase $phase (check, c2, base, bwdcheck, ab, bwdab, train, softcap, softcapfid, softcapspeed)"; exit 2 ;;
   esac
 done

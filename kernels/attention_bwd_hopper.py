@@ -66,6 +66,7 @@ if GLUON_ERROR is None:
     _BLOCK_N = gl.constexpr(BLOCK_N)
     _HALF_N = gl.constexpr(TILE_ROWS)
     _BLOCK_M = gl.constexpr(TILE_ROWS)
+    _SUB_M = gl.constexpr(TILE_ROWS // 2)  # query rows of a softcap half tile
     _NUM_STAGES = gl.constexpr(2)
 
     @gluon.jit
@@ -97,24 +98,75 @@ if GLUON_ERROR is None:
                 i += 1
 
     @gluon.jit
+    def _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, stats, M, LOG2L, DELTA, c, sc, cap,
+                   GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr):
+        """One (Q, dO[, −ρ∘Q]) tile (shared [rows, headdim]; query positions ``rows``, the first start_m) of the
+        dK/dV pass for 64 keys: Sᵀ, dPᵀ, P̃ᵀ, dS̃ᵀ and the asynchronous dV, dK [, GProj's dK term] GEMMs, waited for;
+        returns (dk, dv)."""
+        HEAD_DIM: gl.constexpr = k.shape[1]
+        ROWS: gl.constexpr = q.shape[0]
+        dtype: gl.constexpr = k.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, ROWS, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        zero = gl.zeros([_HALF_N, ROWS], gl.float32, layout=s_layout)
+        sT = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dpT = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+        sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
+        # m, log2l loaded here, not before the GEMMs: live across them they spilled (Triton 3.6).
+        m = gl.load(M + stats + rows)
+        l2 = gl.load(LOG2L + stats + rows)
+        if SOFTCAP:  # the capped logits z = cap·tanh(s·sc), bit for bit the forward's; g = 1 − tanh²
+            tT, gT = tanh_and_grad(sT * sc)
+            sT = cap * tT
+        # The forward's exponent: (s − m) is exactly 0 at the row max, then scale, then normalize.
+        pT = gl.exp2((sT - m[None, :]) * c - l2[None, :])
+        if CAUSAL:
+            if start_m < key0 + _HALF_N:  # the tile reaches into these keys: mask keys past the row
+                pT = gl.where(keys[:, None] <= rows[None, :], pT, 0.0)
+        pr = pT.to(dtype)  # rounding point: P̃
+        p16 = gl.convert_layout(pr, a_layout)
+        dv = warpgroup_mma(p16, do, dv, is_async=True)
+        if GPROJ:
+            # GProj's dK term P̃ᵀ(−ρ∘Q), its B operand rounded once per query row by the dQ pass; with
+            # softcap its direction is bf16(P̃∘g), as in the dQ pass.
+            if SOFTCAP:
+                p16 = gl.convert_layout((pr.to(gl.float32) * gT).to(dtype), a_layout)
+            dk = warpgroup_mma(p16, qr, dk, is_async=True)
+        if SOFTCAP:
+            # The operand X = dZ∘g = (P∘g)∘(dP − D) (kernels/reference.py): P∘g formed before the wait, so
+            # that one tile, not P and g, stays live across it.
+            pT = pT * gT
+        if GPROJ:
+            dpT = warpgroup_mma_wait(num_outstanding=2, deps=(dpT,))
+        else:
+            dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
+        di = gl.load(DELTA + stats + rows)  # loaded where dS needs it: shorter-lived, fewer spills
+        ds16 = gl.convert_layout((pT * (dpT - di[None, :])).to(dtype), a_layout)  # rounding point: dS̃ (X̃)
+        dk = warpgroup_mma(ds16, q, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        return dk, dv
+
+    @gluon.jit
     def _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA,
                   half, GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, start_n, out_row, out_col,
                   out_stride, stats0, GROUP, lo, N_CTX, c, tau, key_sums, sc, cap):
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
-        dtype: gl.constexpr = k_smem.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, _BLOCK_M, 16])
+        # The score tiles' layout ([keys, queries]): 64 query rows, with softcap 32 (each tile in two halves).
+        if SOFTCAP:
+            ROWS: gl.constexpr = _SUB_M
+        else:
+            ROWS: gl.constexpr = _BLOCK_M
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_DIM, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        row_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # along the query rows of a [keys, queries] tile
-        key_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
         key0 = start_n + half * _HALF_N
-        keys = key0 + gl.arange(0, _HALF_N, layout=key_s)
+        keys = key0 + gl.arange(0, _HALF_N, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([_HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
         dv = gl.zeros([_HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
-        zero = gl.zeros([_HALF_N, _BLOCK_M], gl.float32, layout=s_layout)
         k = k_smem.index(half)
         v = v_smem.index(half)
         mbarrier.wait(kv_bar, 0)
@@ -132,45 +184,20 @@ if GLUON_ERROR is None:
                     i += 1
             for start_m in range(first_m, N_CTX, _BLOCK_M):
                 st = i % _NUM_STAGES
-                rows = start_m + gl.arange(0, _BLOCK_M, layout=row_s)
+                rows = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))  # query positions
                 mbarrier.wait(ready.index(st), (i // _NUM_STAGES) & 1)
                 q = q_smem.index(st)
                 do = do_smem.index(st)
-                sT = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
-                dpT = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
-                sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
-                # m, log2l loaded here, not before the GEMMs: live across them they spilled (Triton 3.6).
-                m = gl.load(M + stats + rows)
-                l2 = gl.load(LOG2L + stats + rows)
-                if SOFTCAP:  # the capped logits z = cap·tanh(s·sc), bit for bit the forward's; g = 1 − tanh²
-                    tT, gT = tanh_and_grad(sT * sc)
-                    sT = cap * tT
-                # The forward's exponent: (s − m) is exactly 0 at the row max, then scale, then normalize.
-                pT = gl.exp2((sT - m[None, :]) * c - l2[None, :])
-                if CAUSAL:
-                    if start_m < key0 + _HALF_N:  # the tile reaches into these keys: mask keys past the row
-                        pT = gl.where(keys[:, None] <= rows[None, :], pT, 0.0)
-                pr = pT.to(dtype)  # rounding point: P̃
-                p16 = gl.convert_layout(pr, a_layout)
-                dv = warpgroup_mma(p16, do, dv, is_async=True)
-                if GPROJ:
-                    # GProj's dK term P̃ᵀ(−ρ∘Q), its B operand rounded once per query row by the dQ pass; with
-                    # softcap its direction is bf16(P̃∘g), as in the dQ pass.
-                    if SOFTCAP:
-                        p16 = gl.convert_layout((pr.to(gl.float32) * gT).to(dtype), a_layout)
-                    dk = warpgroup_mma(p16, qr_smem.index(st), dk, is_async=True)
-                if SOFTCAP:
-                    # The operand X = dZ∘g = (P∘g)∘(dP − D) (kernels/reference.py): P∘g formed before the wait, so
-                    # that one tile, not P and g, stays live across it.
-                    pT = pT * gT
-                if GPROJ:
-                    dpT = warpgroup_mma_wait(num_outstanding=2, deps=(dpT,))
+                qr = qr_smem.index(st)
+                if SOFTCAP:  # two halves of 32 rows: the tanh's tiles fit the registers only at half width
+                    for sub in gl.static_range(2):
+                        dk, dv = _dkdv_tile(k, v, q.slice(sub * _SUB_M, _SUB_M), do.slice(sub * _SUB_M, _SUB_M),
+                                            qr.slice(sub * _SUB_M, _SUB_M), dk, dv, keys, key0, rows + sub * _SUB_M,
+                                            start_m + sub * _SUB_M, stats, M, LOG2L, DELTA, c, sc, cap, GPROJ, CAUSAL,
+                                            SOFTCAP)
                 else:
-                    dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
-                di = gl.load(DELTA + stats + rows)  # loaded where dS needs it: shorter-lived, fewer spills
-                ds16 = gl.convert_layout((pT * (dpT - di[None, :])).to(dtype), a_layout)  # rounding point: dS̃ (X̃)
-                dk = warpgroup_mma(ds16, q, dk, is_async=True)
-                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+                    dk, dv = _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, stats, M, LOG2L, DELTA, c, sc,
+                                        cap, GPROJ, CAUSAL, SOFTCAP)
                 mbarrier.arrive(empty.index(st), count=1)
                 i += 1
         dk = dk * tau
@@ -258,6 +285,7 @@ if GLUON_ERROR is None:
     _DQ_BLOCK_M = gl.constexpr(128)
     _DQ_HALF_M = gl.constexpr(TILE_ROWS)
     _DQ_BLOCK_N = gl.constexpr(TILE_ROWS)
+    _DQ_HALF_N = gl.constexpr(TILE_ROWS // 2)
     _ROWSUM_N = gl.constexpr(ROWSUM_N)
 
     @gluon.jit
@@ -284,19 +312,86 @@ if GLUON_ERROR is None:
             i += 1
 
     @gluon.jit
-    def _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, row0, stats, out_row, out_col,
-                     out_stride, hi, c, tau, store_qr, sc, cap, half):
-        HEAD_DIM: gl.constexpr = q_smem.shape[2]
-        dtype: gl.constexpr = q_smem.dtype
+    def _dq_tile(q, do, k, v, e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n, c, sc, cap, GPROJ: gl.constexpr,
+                 CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr):
+        """One key tile (k, v: shared [keys, headdim]) of the dQ pass for 64 query rows: S, dP, P̃, dS̃ and the
+        asynchronous dQ [, P̃K, row sums] GEMMs, waited for; returns (dq, pk, r, ps)."""
+        HEAD_DIM: gl.constexpr = q.shape[1]
+        KEYS: gl.constexpr = k.shape[0]
+        dtype: gl.constexpr = q.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, _DQ_BLOCK_N, 16])
+                                                           instr_shape=[16, KEYS, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_DIM, 16])
         sum_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, _ROWSUM_N, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         sum_a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=sum_layout, k_width=2)
+        zero = gl.zeros([_DQ_HALF_M, KEYS], gl.float32, layout=s_layout)
+        s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do, v.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        if SOFTCAP:  # the capped logits z = cap·tanh(s·sc), bit for bit the forward's; g = 1 − tanh²
+            t, g = tanh_and_grad(s * sc)
+            s = cap * t
+        # The forward's exponent: (s − m) is exactly 0 at the row max, then scale, then normalize.
+        p = gl.exp2((s - m[:, None]) * c - l2[:, None])
+        if CAUSAL:
+            if start_n + KEYS > first + 1:  # a key of the tile lies past one of the rows
+                cols = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+                p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
+        if GPROJ:
+            p16 = p.to(dtype)  # rounding point: P̃ (GProj's direction)
+            if SOFTCAP:
+                # The direction bf16(P̃∘g) and Σ_j of it over g (kernels/attention_bwd._dq_inner); 1/g only
+                # where it is finite (fp32 tiny), else X̃ ≈ 0 and r takes dZ = P̃∘(dP − D) below.
+                pw = (p16.to(gl.float32) * g).to(dtype)
+                pk = warpgroup_mma(gl.convert_layout(pw, a_layout), k, pk, is_async=True)
+                inv_g = gl.where(g >= 1.1754943508222875e-38, rcp_approx(g), 0.0)
+                ps += gl.sum(pw.to(gl.float32) * inv_g, axis=1)
+            else:
+                pk = warpgroup_mma(gl.convert_layout(p16, a_layout), k, pk, is_async=True)
+                ps = warpgroup_mma(gl.convert_layout(p16, sum_a_layout), e0_smem, ps, is_async=True)
+        if SOFTCAP:
+            # The operand X = dZ∘g = (P∘g)∘(dP − D) (kernels/reference.py): P∘g formed before the wait, so that
+            # one tile, not P and g, stays live across it.
+            p = p * g
+        if GPROJ:
+            if SOFTCAP:
+                dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
+            else:
+                dp = warpgroup_mma_wait(num_outstanding=2, deps=(dp,))
+        else:
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+        dp = dp - di[:, None]
+        ds16 = (p * dp).to(dtype)  # rounding point: dS̃ (with softcap X̃ = bf16(dZ∘g)), the operand of dQ += dS̃ K
+        dq = warpgroup_mma(gl.convert_layout(ds16, a_layout), k, dq, is_async=True)
+        if GPROJ:
+            if SOFTCAP:  # r_i = Σ_j dZ̃_ij, dZ̃ = X̃ / g: the zero-sum quantity (docs/architecture.md)
+                r += gl.sum(gl.where(inv_g != 0.0, ds16.to(gl.float32) * inv_g, p16.to(gl.float32) * dp), axis=1)
+                dq, pk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, pk))
+            else:
+                r = warpgroup_mma(gl.convert_layout(ds16, sum_a_layout), e0_smem, r, is_async=True)
+                dq, pk, r, ps = warpgroup_mma_wait(num_outstanding=0, deps=(dq, pk, r, ps))
+        else:
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        return dq, pk, r, ps
+
+    @gluon.jit
+    def _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
+                     GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, row0, stats, out_row, out_col,
+                     out_stride, hi, c, tau, store_qr, sc, cap, half):
+        HEAD_DIM: gl.constexpr = q_smem.shape[2]
+        # The score tiles' layout: 64 keys, with softcap 32 (each K/V tile in two halves, see the loop).
+        if SOFTCAP:
+            KEYS: gl.constexpr = _DQ_HALF_N
+        else:
+            KEYS: gl.constexpr = _DQ_BLOCK_N
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KEYS, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        sum_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, _ROWSUM_N, 16])
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_a: gl.constexpr = gl.SliceLayout(1, acc_layout)
 
@@ -329,60 +424,22 @@ if GLUON_ERROR is None:
             else:
                 r = gl.zeros([_DQ_HALF_M, _ROWSUM_N], gl.float32, layout=sum_layout)
                 ps = gl.zeros([_DQ_HALF_M, _ROWSUM_N], gl.float32, layout=sum_layout)
-        zero = gl.zeros([_DQ_HALF_M, _DQ_BLOCK_N], gl.float32, layout=s_layout)
+        else:
+            pk, r, ps = dq, dq, dq  # not used
         i = 0
         for start_n in range(0, hi, _DQ_BLOCK_N):
             st = i % _NUM_STAGES
             mbarrier.wait(ready.index(st), (i // _NUM_STAGES) & 1)
             k = k_smem.index(st)
             v = v_smem.index(st)
-            s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
-            dp = warpgroup_mma(do, v.permute((1, 0)), zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-            if SOFTCAP:  # the capped logits z = cap·tanh(s·sc), bit for bit the forward's; g = 1 − tanh²
-                t, g = tanh_and_grad(s * sc)
-                s = cap * t
-            # The forward's exponent: (s − m) is exactly 0 at the row max, then scale, then normalize.
-            p = gl.exp2((s - m[:, None]) * c - l2[:, None])
-            if CAUSAL:
-                if start_n + _DQ_BLOCK_N > first + 1:  # a key of the tile lies past one of the rows
-                    cols = start_n + gl.arange(0, _DQ_BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                    p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
-            if GPROJ:
-                p16 = p.to(dtype)  # rounding point: P̃ (GProj's direction)
-                if SOFTCAP:
-                    # The direction bf16(P̃∘g) and Σ_j of it over g (kernels/attention_bwd._dq_inner); 1/g only
-                    # where it is finite (fp32 tiny), else X̃ ≈ 0 and r takes dZ = P̃∘(dP − D) below.
-                    pw = (p16.to(gl.float32) * g).to(dtype)
-                    pk = warpgroup_mma(gl.convert_layout(pw, a_layout), k, pk, is_async=True)
-                    inv_g = gl.where(g >= 1.1754943508222875e-38, rcp_approx(g), 0.0)
-                    ps += gl.sum(pw.to(gl.float32) * inv_g, axis=1)
-                else:
-                    pk = warpgroup_mma(gl.convert_layout(p16, a_layout), k, pk, is_async=True)
-                    ps = warpgroup_mma(gl.convert_layout(p16, sum_a_layout), e0_smem, ps, is_async=True)
-            if SOFTCAP:
-                # The operand X = dZ∘g = (P∘g)∘(dP − D) (kernels/reference.py): P∘g formed before the wait, so that
-                # one tile, not P and g, stays live across it.
-                p = p * g
-            if GPROJ:
-                if SOFTCAP:
-                    dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
-                else:
-                    dp = warpgroup_mma_wait(num_outstanding=2, deps=(dp,))
+            if SOFTCAP:  # two halves of 32 keys: the tanh's tiles (g, 1/g, P∘g) fit the registers only at half width
+                for sub in gl.static_range(2):
+                    dq, pk, r, ps = _dq_tile(q, do, k.slice(sub * _DQ_HALF_N, _DQ_HALF_N), v.slice(sub * _DQ_HALF_N, _DQ_HALF_N),
+                                             e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n + sub * _DQ_HALF_N, c,
+                                             sc, cap, GPROJ, CAUSAL, SOFTCAP)
             else:
-                dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
-            dp = dp - di[:, None]
-            ds16 = (p * dp).to(dtype)  # rounding point: dS̃ (with softcap X̃ = bf16(dZ∘g)), the operand of dQ += dS̃ K
-            dq = warpgroup_mma(gl.convert_layout(ds16, a_layout), k, dq, is_async=True)
-            if GPROJ:
-                if SOFTCAP:  # r_i = Σ_j dZ̃_ij, dZ̃ = X̃ / g: the zero-sum quantity (docs/architecture.md)
-                    r += gl.sum(gl.where(inv_g != 0.0, ds16.to(gl.float32) * inv_g, p16.to(gl.float32) * dp), axis=1)
-                    dq, pk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, pk))
-                else:
-                    r = warpgroup_mma(gl.convert_layout(ds16, sum_a_layout), e0_smem, r, is_async=True)
-                    dq, pk, r, ps = warpgroup_mma_wait(num_outstanding=0, deps=(dq, pk, r, ps))
-            else:
-                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+                dq, pk, r, ps = _dq_tile(q, do, k, v, e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n, c, sc, cap,
+                                         GPROJ, CAUSAL, SOFTCAP)
             mbarrier.arrive(empty.index(st), count=1)
             i += 1
         offs = ((out_row + half * _DQ_HALF_M + gl.arange(0, _DQ_HALF_M, layout=row_a)).to(gl.int64)[:, None] * out_stride

@@ -78,11 +78,12 @@ def varlen_check(dev):
         print(f"varlen causal={causal} {time.time() - t0:.1f}s", " ".join(row), f"independent={same}", flush=True)
 
 
-def hopper_check(dev, softcap=0.0):
+def hopper_check(dev, softcap=0.0, window=(-1, -1)):
     """The sm_90 Gluon forward (kernels/attention_fwd_hopper.py) through attention_fwd.forward's dispatch:
     o, m, log2l against reference.py and against the tl.dot forward (GPROJ_HOPPER_FWD=0), the backward fed
     its m and log2l against reference.py's backward, and the constant checks of DESIGN.md §5 (o exact); with
-    ``softcap`` > 0 every call caps its logits (m, log2l: of the capped logits)."""
+    ``softcap`` > 0 every call caps its logits (m, log2l: of the capped logits), ``window`` (flash-attn's
+    window_size) every call has that sliding window."""
     import os
     from unittest import mock
     worst = 0.0
@@ -99,33 +100,33 @@ def hopper_check(dev, softcap=0.0):
         do = torch.randn(b, n, h, d, device=dev, dtype=dt)
         tau = d ** -0.5
         served = HF.serves(q, k, v)
-        o, m, l2 = F.forward(q, k, v, tau, causal, softcap=softcap)
+        o, m, l2 = F.forward(q, k, v, tau, causal, softcap=softcap, window_size=window)
         with mock.patch.dict(os.environ, {"GPROJ_HOPPER_FWD": "0"}):  # the tl.dot forward; restores the variable
-            o_t, m_t, l_t = F.forward(q, k, v, tau, causal, softcap=softcap)
-        o_r, m_r, l_r = R.forward(q, k, v, tau, causal, softcap=softcap)
-        g = B.backward(do, q, k, v, o, m, l2, tau, causal, "gproj", False, softcap=softcap)
-        g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, "gproj", False, softcap=softcap)
+            o_t, m_t, l_t = F.forward(q, k, v, tau, causal, softcap=softcap, window_size=window)
+        o_r, m_r, l_r = R.forward(q, k, v, tau, causal, softcap=softcap, window_size=window)
+        g = B.backward(do, q, k, v, o, m, l2, tau, causal, "gproj", False, softcap=softcap, window_size=window)
+        g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, "gproj", False, softcap=softcap, window_size=window)
         errs = [rel(x, y) for x, y in zip(g[:3], g_r[:3])]
         worst = max(worst, rel(o, o_r), *errs)
-        print(f"hopper {(b, n, h, hk, d, causal, str(dt)[6:], 'q,v (B,H,N,d) memory' if heads_major else '')} softcap={softcap} served={served}: vs reference o {rel(o, o_r):.1e} "
+        print(f"hopper {(b, n, h, hk, d, causal, str(dt)[6:], 'q,v (B,H,N,d) memory' if heads_major else '')} softcap={softcap} window={window} served={served}: vs reference o {rel(o, o_r):.1e} "
               f"m {(m - m_r).abs().max().item():.1e} log2l {(l2 - l_r).abs().max().item():.1e}; vs tl.dot o "
               f"{rel(o, o_t):.1e} m {(m - m_t).abs().max().item():.1e} log2l {(l2 - l_t).abs().max().item():.1e}; "
               f"gproj backward from its m, log2l dq/dk/dv " + "/".join(f"{e:.1e}" for e in errs), flush=True)
     for cval, dt in ((133120.0, torch.bfloat16), (1000.0, torch.bfloat16), (1000.0, torch.float16)):
         for causal in (False, True):
             x = torch.full((1, 1024, 2, 128), cval, device=dev, dtype=dt)
-            o, m, l2 = F.forward(x, x, x, 128 ** -0.5, causal, softcap=softcap)
-            print(f"hopper constant {cval} {str(dt)[6:]} causal={causal} softcap={softcap} served={HF.serves(x, x, x)}: "
+            o, m, l2 = F.forward(x, x, x, 128 ** -0.5, causal, softcap=softcap, window_size=window)
+            print(f"hopper constant {cval} {str(dt)[6:]} causal={causal} softcap={softcap} window={window} served={HF.serves(x, x, x)}: "
                   f"nan={torch.isnan(o).any().item()} exact={(o.float() == cval).all().item()}", flush=True)
     print("hopper worst rel diff vs reference (o, grads):", worst, flush=True)
 
 
-def hopper_bwd_check(dev, softcap=0.0):
+def hopper_bwd_check(dev, softcap=0.0, window=(-1, -1)):
     """The sm_90 Gluon backward passes (kernels/attention_bwd_hopper.py) through attention_bwd.backward's dispatch:
     dq, dk, dv against reference.py and against the tl.dot kernels (GPROJ_HOPPER_BWD=0) for fix none, gproj (own
     GEMM and folded dK term) and gproj_uniform; GQA, fp16, heads-major q / v, a do that needs a copy; an fp32 dk (C2: |Σ_j dk_j| relative
     to Σ_j |dk_j|, expect ~1e-7 for gproj on both paths; with softcap not a law); head dim 64 must not be served.
-    ``softcap`` > 0: every call with that logit softcap."""
+    ``softcap`` > 0: every call with that logit softcap; ``window``: with that sliding window."""
     import os
     from unittest import mock
     worst = 0.0
@@ -144,19 +145,19 @@ def hopper_bwd_check(dev, softcap=0.0):
             wide[..., :d] = do
             do = wide[..., :d]
         tau = d ** -0.5
-        o_r, m_r, l_r = R.forward(q, k, v, tau, causal, softcap=softcap)
+        o_r, m_r, l_r = R.forward(q, k, v, tau, causal, softcap=softcap, window_size=window)
         row = [f"served={HB.serves(q, k, v, do)}"]
         for fix, fold in (("none", False), ("gproj", False), ("gproj", True), ("gproj_uniform", False)):
-            g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold, softcap=softcap)
+            g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold, softcap=softcap, window_size=window)
             with mock.patch.dict(os.environ, {"GPROJ_HOPPER_BWD": "0"}):
-                g_t = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold, softcap=softcap)
-            g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold, softcap=softcap)
+                g_t = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold, softcap=softcap, window_size=window)
+            g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold, softcap=softcap, window_size=window)
             errs = [rel(x, y) for x, y in zip(g[:3], g_r[:3])]
             worst = max(worst, *errs)
             nan = any(torch.isnan(x).any().item() for x in g[:3])
             row.append(f"{fix}{'/fold' if fold else ''}: vs reference " + "/".join(f"{e:.1e}" for e in errs) + " vs tl.dot "
                        + "/".join(f"{rel(x, y):.1e}" for x, y in zip(g[:3], g_t[:3])) + (" NAN" if nan else ""))
-        print(f"hopper_bwd {(b, n, h, hk, d, causal, str(dt)[6:], 'q,v (B,H,N,d), strided do' if odd else '')} softcap={softcap}",
+        print(f"hopper_bwd {(b, n, h, hk, d, causal, str(dt)[6:], 'q,v (B,H,N,d), strided do' if odd else '')} softcap={softcap} window={window}",
               "; ".join(row), flush=True)
     for causal in (False, True):
         b, n, h, hk, d = 2, 1024, 8, 2, 128
@@ -164,15 +165,15 @@ def hopper_bwd_check(dev, softcap=0.0):
         k = (torch.randn(b, n, hk, d, device=dev) + 2.0).bfloat16()
         v = torch.randn(b, n, hk, d, device=dev, dtype=torch.bfloat16)
         do = torch.randn(b, n, h, d, device=dev, dtype=torch.bfloat16)
-        o_r, m_r, l_r = R.forward(q, k, v, d ** -0.5, causal, softcap=softcap)
+        o_r, m_r, l_r = R.forward(q, k, v, d ** -0.5, causal, softcap=softcap, window_size=window)
         c2, dqs = [], []
         for env in ("1", "0"):
             with mock.patch.dict(os.environ, {"GPROJ_HOPPER_BWD": env}):
                 dq, dk = B.backward(do, q, k, v, o_r, m_r, l_r, d ** -0.5, causal, "gproj", grad_dtype=torch.float32,
-                                    softcap=softcap)[:2]
+                                    softcap=softcap, window_size=window)[:2]
             c2.append((dk.double().sum(1).abs() / dk.double().abs().sum(1)).max().item())
             dqs.append(dq)
-        print(f"hopper_bwd fp32 dk causal={causal} softcap={softcap}: C2 Gluon {c2[0]:.1e}, tl.dot {c2[1]:.1e}; fp32 dq Gluon vs tl.dot "
+        print(f"hopper_bwd fp32 dk causal={causal} softcap={softcap} window={window}: C2 Gluon {c2[0]:.1e}, tl.dot {c2[1]:.1e}; fp32 dq Gluon vs tl.dot "
               f"{rel(dqs[0], dqs[1]):.1e} (dtype {dqs[0].dtype})", flush=True)
     print("hopper_bwd worst rel diff vs reference (grads):", worst, flush=True)
 
@@ -184,6 +185,8 @@ def main():
     ap.add_argument("--ds-formats", default="bf16", help="ds_format values to check (FP8 ones with none/gproj only)")
     ap.add_argument("--hopper-softcap", type=float, default=0.0, metavar="C",
                     help="run the hopper and hopper_bwd groups with logit softcap C")
+    ap.add_argument("--hopper-window", default="-1,-1", metavar="LEFT,RIGHT",
+                    help="run the hopper and hopper_bwd groups with this sliding window (flash-attn's window_size)")
     ap.add_argument("--cases", default="base,features,varlen,hopper",
                     help="which Triton-vs-reference groups to run: base (8 shapes, every fix), features (windows, "
                          "softcap), dropout (attention dropout, the reference drawing the kernels' mask), varlen "
@@ -267,10 +270,11 @@ def main():
     print("worst grad rel diff vs reference:", worst)
     if "varlen" in groups:
         varlen_check(dev)
+    window = tuple(int(x) for x in args.hopper_window.split(","))
     if "hopper" in groups:
-        hopper_check(dev, args.hopper_softcap)
+        hopper_check(dev, args.hopper_softcap, window)
     if "hopper_bwd" in groups:
-        hopper_bwd_check(dev, args.hopper_softcap)
+        hopper_bwd_check(dev, args.hopper_softcap, window)
     for cval in (133120.0, 1000.0):
         for causal in (False, True):
             x = torch.full((1, 1000, 2, 128), cval, device=dev, dtype=torch.bfloat16)

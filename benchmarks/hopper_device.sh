@@ -15,13 +15,15 @@
 # train: train_step.py, both Llama configurations, arms cudnn / gproj / none (nothing else on the GPU);
 #        ROUNDS=R runs the arms R times in alternating order (train_step.py --rounds; limit 200·R s).
 # softcap: gpu_check.py --cases hopper,hopper_bwd --hopper-softcap 30: the Gluon kernels with a logit softcap
-#        against reference.py and the tl.dot kernels (AUTOTUNE=0);
+#        against reference.py and the tl.dot kernels (AUTOTUNE=0); HOPPER_SOFTCAP (default 30) and HOPPER_WINDOW
+#        (LEFT,RIGHT; default -1,-1) choose the softcap and the sliding window of every call, CHECK_LIMIT its limit;
 # softcapfid: fidelity.py --quick --mus 0,200,1000 --softcap 30, gproj and none (AUTOTUNE=0);
 # softcapspeed: attention.py --softcap 30 on 4×16×2048×128 full and causal, 1×16×8192×128 causal and
 #        2×16×4096×64 causal, gproj and none, plain and capped side by side (AUTOTUNE=0, as run 18); SOFTCAP_ENV
-#        (e.g. "GPROJ_HOPPER_FWD=0 GPROJ_HOPPER_BWD=0": the tl.dot kernels) is set for that phase.
+#        (e.g. "GPROJ_HOPPER_FWD=0 GPROJ_HOPPER_BWD=0": the tl.dot kernels) is set for that phase;
+# windowspeed: the same with --window 1024 instead of --softcap (SOFTCAP_ENV likewise).
 # Each phase has its own limit (check 100, c2 120, base 220, bwdcheck 300, ab and bwdab 2×100, train 200·R s,
-# softcap 300, softcapfid 100, softcapspeed 130): pick phases so that they end inside 600 s.
+# softcap 300, softcapfid 100, softcapspeed and windowspeed 130): pick phases so that they end inside 600 s.
 set -u
 phases=${*:-check c2 base ab}
 rm -rf /tmp/site
@@ -63,9 +65,10 @@ for phase in $phases; do
         --warmup 5 --steps 15 > "$OUT/train_step.log" 2>&1
       echo "train rc=$?"; grep -E "step .* ms" "$OUT/train_step.log"; tail -n 12 "$OUT/train_step.log" ;;
     softcap)
-      GPROJ_TRITON_AUTOTUNE=0 timeout 300 python3 benchmarks/gpu_check.py --cases hopper,hopper_bwd --hopper-softcap 30 \
-        > "$OUT/gpu_check_hopper_softcap.log" 2>&1
-      echo "softcap rc=$?"; grep -E "hopper" "$OUT/gpu_check_hopper_softcap.log" ;;
+      log="$OUT/gpu_check_hopper_softcap${HOPPER_SOFTCAP:-30}_window${HOPPER_WINDOW:--1,-1}.log"
+      GPROJ_TRITON_AUTOTUNE=0 timeout ${CHECK_LIMIT:-300} python3 benchmarks/gpu_check.py --cases hopper,hopper_bwd \
+        --hopper-softcap ${HOPPER_SOFTCAP:-30} --hopper-window=${HOPPER_WINDOW:--1,-1} > "$log" 2>&1
+      echo "softcap rc=$?"; grep -E "hopper" "$log" ;;
     softcapfid)
       GPROJ_TRITON_AUTOTUNE=0 timeout 100 python3 benchmarks/fidelity.py --quick --mus 0,200,1000 --methods gproj,none \
         --softcap 30 --out "$OUT/fidelity_softcap" > "$OUT/fidelity_softcap.log" 2>&1
@@ -76,6 +79,12 @@ for phase in $phases; do
         --softcap 30 --out "$OUT/speed_softcap$tag" > "$OUT/speed_softcap$tag.log" 2>&1
       echo "softcapspeed ${SOFTCAP_ENV:-} rc=$?"; rm -f "$OUT/speed_softcap$tag"/*.png
       grep -B2 -A7 "TFLOP/s$" "$OUT/speed_softcap$tag/attention.md" ;;
-    *) echo "unknown phase $phase (check, c2, base, bwdcheck, ab, bwdab, train, softcap, softcapfid, softcapspeed)"; exit 2 ;;
+    windowspeed)
+      tag=${SOFTCAP_ENV:+_tldot}
+      env ${SOFTCAP_ENV:-} GPROJ_TRITON_AUTOTUNE=0 timeout 130 python3 benchmarks/attention.py --methods gproj,none --shapes 0,1,3,5 \
+        --window 1024 --out "$OUT/speed_window$tag" > "$OUT/speed_window$tag.log" 2>&1
+      echo "windowspeed ${SOFTCAP_ENV:-} rc=$?"; rm -f "$OUT/speed_window$tag"/*.png "$OUT/speed_window$tag"/*.json
+      grep -B2 -A7 "TFLOP/s$" "$OUT/speed_window$tag/attention.md" ;;
+    *) echo "unknown phase $phase (check, c2, base, bwdcheck, ab, bwdab, train, softcap, softcapfid, softcapspeed, windowspeed)"; exit 2 ;;
   esac
 done

@@ -25,7 +25,9 @@ Served (:func:`serves`): the inputs of the Gluon forward (kernels/attention_fwd_
 (batch, seqlen, nheads, headdim) or (batch, nheads, seqlen, headdim) memory per tensor, seqlen_q = seqlen_k a
 multiple of 128, GQA) at head dim 128 only — at 64 the Gluon dK/dV pass was not faster than the tl.dot one
 (benchmarks/NOTES.md, run 19) —, dS rounded to the input dtype, logit softcap (X̃ = bf16(dZ∘g) as the dS operand,
-kernels/reference.py), no key padding, window, dropout or packed sequences; do and o in any strides (copied when not in a served order). Gradients in 16-bit or fp32;
+kernels/reference.py), sliding windows (each program visits only the tiles its rows' or keys' windows touch, a
+consumer releases a tile none of its rows or keys sees unread, edge tiles masked), no key padding, dropout or
+packed sequences; do and o in any strides (copied when not in a served order). Gradients in 16-bit or fp32;
 with an fp32 dk the per-64-key sums Σ_j dk_j of the stored values, for the C2 projection
 (kernels/reference.project_key_sum_). ``GPROJ_HOPPER_BWD=0`` keeps every call on the tl.dot kernels.
 """
@@ -72,7 +74,7 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _loader(q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready,
                 empty, k_row, k_col, v_row, v_col, q_b, q_rh, q_ch, do_b, do_rh, do_ch, qr_b, qr_rh, qr_ch, h0, GROUP,
-                lo, N_CTX, GPROJ):
+                lo, hi, GPROJ):
         # GPROJ arrives as a value through gl.warp_specialize, not a constexpr: both branches below compile (their
         # operands are shaped alike) and the constant folds them away (the PTX equals a constexpr variant's).
         # The program's K and V rows, once, as two halves of 64 keys (one per consumer).
@@ -83,7 +85,7 @@ if GLUON_ERROR is None:
         i = 0
         for g in range(GROUP):
             h = h0 + g
-            for start_m in range(lo, N_CTX, _BLOCK_M):
+            for start_m in range(lo, hi, _BLOCK_M):
                 s = i % _NUM_STAGES
                 mbarrier.wait(empty.index(s), ((i // _NUM_STAGES) & 1) ^ 1)  # both consumers released the slot
                 if GPROJ:
@@ -98,8 +100,8 @@ if GLUON_ERROR is None:
                 i += 1
 
     @gluon.jit
-    def _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, stats, M, LOG2L, DELTA, c, sc, cap,
-                   GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr):
+    def _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, stats, M, LOG2L, DELTA, c, sc, cap, wl, wr,
+                   GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
         """One (Q, dO[, −ρ∘Q]) tile (shared [rows, headdim]; query positions ``rows``, the first start_m) of the
         dK/dV pass for 64 keys: Sᵀ, dPᵀ, P̃ᵀ, dS̃ᵀ and the asynchronous dV, dK [, GProj's dK term] GEMMs, waited for;
         returns (dk, dv)."""
@@ -126,6 +128,10 @@ if GLUON_ERROR is None:
         if CAUSAL:
             if start_m < key0 + _HALF_N:  # the tile reaches into these keys: mask keys past the row
                 pT = gl.where(keys[:, None] <= rows[None, :], pT, 0.0)
+        if WINDOW:  # masked where the tile crosses an edge of some row's window row − wl <= key <= row + wr
+            if (start_m + wr < key0 + _HALF_N - 1) | (start_m + ROWS - 1 - wl > key0):
+                inside = (keys[:, None] >= rows[None, :] - wl) & (keys[:, None] <= rows[None, :] + wr)
+                pT = gl.where(inside, pT, 0.0)
         pr = pT.to(dtype)  # rounding point: P̃
         p16 = gl.convert_layout(pr, a_layout)
         dv = warpgroup_mma(p16, do, dv, is_async=True)
@@ -151,8 +157,8 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA,
-                  half, GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, start_n, out_row, out_col,
-                  out_stride, stats0, GROUP, lo, N_CTX, c, tau, key_sums, sc, cap):
+                  half, GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, start_n,
+                  out_row, out_col, out_stride, stats0, GROUP, lo, hi, N_CTX, c, tau, key_sums, sc, cap, wl, wr):
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
         # The score tiles' layout ([keys, queries]): 64 query rows, with softcap 32 (each tile in two halves).
         if SOFTCAP:
@@ -182,22 +188,26 @@ if GLUON_ERROR is None:
                     mbarrier.wait(ready.index(st), (i // _NUM_STAGES) & 1)
                     mbarrier.arrive(empty.index(st), count=1)
                     i += 1
-            for start_m in range(first_m, N_CTX, _BLOCK_M):
+            for start_m in range(first_m, hi, _BLOCK_M):
                 st = i % _NUM_STAGES
                 rows = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))  # query positions
                 mbarrier.wait(ready.index(st), (i // _NUM_STAGES) & 1)
                 q = q_smem.index(st)
                 do = do_smem.index(st)
                 qr = qr_smem.index(st)
-                if SOFTCAP:  # two halves of 32 rows: the tanh's tiles fit the registers only at half width
-                    for sub in gl.static_range(2):
-                        dk, dv = _dkdv_tile(k, v, q.slice(sub * _SUB_M, _SUB_M), do.slice(sub * _SUB_M, _SUB_M),
-                                            qr.slice(sub * _SUB_M, _SUB_M), dk, dv, keys, key0, rows + sub * _SUB_M,
-                                            start_m + sub * _SUB_M, stats, M, LOG2L, DELTA, c, sc, cap, GPROJ, CAUSAL,
-                                            SOFTCAP)
-                else:
-                    dk, dv = _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, stats, M, LOG2L, DELTA, c, sc,
-                                        cap, GPROJ, CAUSAL, SOFTCAP)
+                visit = True
+                if WINDOW:  # a tile none of whose rows sees these keys is released unread
+                    visit = (start_m + _BLOCK_M - 1 >= key0 - wr) & (start_m <= key0 + _HALF_N - 1 + wl)
+                if visit:
+                    if SOFTCAP:  # two halves of 32 rows: the tanh's tiles fit the registers only at half width
+                        for sub in gl.static_range(2):
+                            dk, dv = _dkdv_tile(k, v, q.slice(sub * _SUB_M, _SUB_M), do.slice(sub * _SUB_M, _SUB_M),
+                                                qr.slice(sub * _SUB_M, _SUB_M), dk, dv, keys, key0, rows + sub * _SUB_M,
+                                                start_m + sub * _SUB_M, stats, M, LOG2L, DELTA, c, sc, cap, wl, wr, GPROJ,
+                                                CAUSAL, SOFTCAP, WINDOW)
+                    else:
+                        dk, dv = _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, stats, M, LOG2L, DELTA, c,
+                                            sc, cap, wl, wr, GPROJ, CAUSAL, SOFTCAP, WINDOW)
                 mbarrier.arrive(empty.index(st), count=1)
                 i += 1
         dk = dk * tau
@@ -209,31 +219,33 @@ if GLUON_ERROR is None:
         if key_sums != 0:  # dk is fp32 here: Σ over these 64 keys of the values just stored
             gl.store(KS + half * HEAD_DIM + cols, gl.sum(dk, axis=0))
 
-    def _dkdv_partition(gproj: bool, causal: bool, softcap: bool):
-        """A dK/dV consumer partition with (GPROJ, CAUSAL, SOFTCAP) compiled in: constexpr arguments do not survive
-        gl.warp_specialize (the loader takes GPROJ as a value), closure constants do; with the mask's, GProj's or the
-        softcap's code compiled in where it is not used the consumers spilled ~4× more (Triton 3.6's ptxas)."""
-        GPROJ, CAUSAL, SOFTCAP = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(softcap)
+    def _dkdv_partition(gproj: bool, causal: bool, softcap: bool, window: bool):
+        """A dK/dV consumer partition with (GPROJ, CAUSAL, SOFTCAP, WINDOW) compiled in: constexpr arguments do not
+        survive gl.warp_specialize (the loader takes GPROJ as a value), closure constants do; with the mask's, GProj's
+        or the softcap's code compiled in where it is not used the consumers spilled ~4× more (Triton 3.6's ptxas)."""
+        GPROJ, CAUSAL = gl.constexpr(gproj), gl.constexpr(causal)
+        SOFTCAP, WINDOW = gl.constexpr(softcap), gl.constexpr(window)
 
         @gluon.jit
         def consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, start_n,
-                     out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau, key_sums, sc, cap, half):
+                     out_row, out_col, out_stride, stats0, GROUP, lo, hi, N_CTX, c, tau, key_sums, sc, cap, wl, wr, half):
             _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, half,
-                      GPROJ, CAUSAL, SOFTCAP, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, N_CTX, c, tau,
-                      key_sums, sc, cap)
+                      GPROJ, CAUSAL, SOFTCAP, WINDOW, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, hi, N_CTX,
+                      c, tau, key_sums, sc, cap, wl, wr)
 
         return consumer
 
     @functools.lru_cache(maxsize=None)
-    def _dkdv_kernel_for(gproj: bool, causal: bool, softcap: bool):
-        """The dK/dV kernel with GProj's dK term (gproj), the causal mask and the softcap compiled in or out."""
-        GPROJ, CAUSAL = gl.constexpr(gproj), gl.constexpr(causal)
-        consumer = _dkdv_partition(gproj, causal, softcap)
+    def _dkdv_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool = False):
+        """The dK/dV kernel with GProj's dK term (gproj), the causal mask, the softcap and the sliding window compiled
+        in or out."""
+        GPROJ, CAUSAL, WINDOW = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(window)
+        consumer = _dkdv_partition(gproj, causal, softcap, window)
 
         @gluon.jit
         def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, DK, DV, KS, M, LOG2L, DELTA, c, tau, H, GROUP,
                                 N_CTX, key_sums, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb, qr_rh, qr_ch,
-                                k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap):
+                                k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr):
             # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch)
             # (kernels/attention_fwd_hopper._tma_view). dk, dv: (batch, seqlen, nheads_k, headdim) contiguous.
             HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -246,8 +258,12 @@ if GLUON_ERROR is None:
             h0 = hk * GROUP
             start_n = pid_n * _BLOCK_N
             lo = 0
+            hi = N_CTX
             if CAUSAL:
                 lo = start_n  # earlier query rows see none of these keys (seqlen_q = seqlen_k)
+            if WINDOW:  # the query tiles some row of which sees one of these keys: key − wr <= row <= key + wl
+                lo = (gl.maximum(start_n - wr, 0) // _BLOCK_M) * _BLOCK_M
+                hi = gl.minimum(N_CTX, start_n + _BLOCK_N + wl)
             stats0 = (b * H + h0).to(gl.int64) * N_CTX
             ks = KS + pid_bh.to(gl.int64) * (N_CTX // _HALF_N) * HEAD_DIM + pid_n * 2 * HEAD_DIM
 
@@ -266,13 +282,15 @@ if GLUON_ERROR is None:
             # The two consumers' arguments differ in the last one, their half of the keys (Gluon has no *tuple).
             out_row = b * N_CTX + start_n
             args0 = (q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, ks, M, LOG2L, DELTA, start_n,
-                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, stats0, GROUP, lo, N_CTX, c, tau, key_sums, sc, cap, 0)
+                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, stats0, GROUP, lo, hi, N_CTX, c, tau, key_sums, sc, cap, wl,
+                     wr, 0)
             args1 = (q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, ks, M, LOG2L, DELTA, start_n,
-                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, stats0, GROUP, lo, N_CTX, c, tau, key_sums, sc, cap, 1)
+                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, stats0, GROUP, lo, hi, N_CTX, c, tau, key_sums, sc, cap, wl,
+                     wr, 1)
             loader_args = (q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar,
                            ready, empty, b * k_rb + hk * k_rh + start_n, hk * k_ch, b * v_rb + hk * v_rh + start_n,
                            hk * v_ch, b * q_rb, q_rh, q_ch, b * do_rb, do_rh, do_ch, b * qr_rb, qr_rh, qr_ch, h0, GROUP, lo,
-                           N_CTX, GPROJ)
+                           hi, GPROJ)
             # 240 registers for each consumer, 24 for the loader: the register file's even split (run 18's probe:
             # fewer spills than 232 / 248).
             gl.warp_specialize([(consumer, args0), (consumer, args1), (_loader, loader_args)], [4, 1], [240, 24])
@@ -290,7 +308,7 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _dq_loader(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem,
-                   q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col, v_row, v_col, hi,
+                   q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col, v_row, v_col, lo, hi,
                    GPROJ):
         # The program's q, dO and o rows, once (two halves of 64 rows, one per consumer), with gproj the e0 tile;
         # then the K/V tiles. GPROJ: a value, as in _loader (fix "none" passes an e0 stand-in of a q tile's shape).
@@ -306,14 +324,14 @@ if GLUON_ERROR is None:
         if GPROJ:
             tma_load(e0_desc, [0, 0], q_bar, e0_smem)
         i = 0
-        for start_n in range(0, hi, _DQ_BLOCK_N):
+        for start_n in range(lo, hi, _DQ_BLOCK_N):
             ring_load_pair(k_desc, v_desc, k_smem, v_smem, ready, empty, i, k_row + start_n, k_col, v_row + start_n,
                            v_col, _NUM_STAGES)
             i += 1
 
     @gluon.jit
-    def _dq_tile(q, do, k, v, e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n, c, sc, cap, GPROJ: gl.constexpr,
-                 CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr):
+    def _dq_tile(q, do, k, v, e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n, c, sc, cap, wl, wr,
+                 GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
         """One key tile (k, v: shared [keys, headdim]) of the dQ pass for 64 query rows: S, dP, P̃, dS̃ and the
         asynchronous dQ [, P̃K, row sums] GEMMs, waited for; returns (dq, pk, r, ps)."""
         HEAD_DIM: gl.constexpr = q.shape[1]
@@ -340,6 +358,10 @@ if GLUON_ERROR is None:
             if start_n + KEYS > first + 1:  # a key of the tile lies past one of the rows
                 cols = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
                 p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
+        if WINDOW:  # masked where the tile crosses an edge of some row's window row − wl <= key <= row + wr
+            if (start_n + KEYS - 1 > first + wr) | (start_n < first + _DQ_HALF_M - 1 - wl):
+                cols = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+                p = gl.where((cols[None, :] >= rows[:, None] - wl) & (cols[None, :] <= rows[:, None] + wr), p, 0.0)
         if GPROJ:
             p16 = p.to(dtype)  # rounding point: P̃ (GProj's direction)
             if SOFTCAP:
@@ -379,8 +401,8 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, row0, stats, out_row, out_col,
-                     out_stride, hi, c, tau, store_qr, sc, cap, half):
+                     GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, row0, stats,
+                     out_row, out_col, out_stride, lo, hi, c, tau, store_qr, sc, cap, wl, wr, half):
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         # The score tiles' layout: 64 keys, with softcap 32 (each K/V tile in two halves, see the loop).
         if SOFTCAP:
@@ -427,19 +449,24 @@ if GLUON_ERROR is None:
         else:
             pk, r, ps = dq, dq, dq  # not used
         i = 0
-        for start_n in range(0, hi, _DQ_BLOCK_N):
+        for start_n in range(lo, hi, _DQ_BLOCK_N):
             st = i % _NUM_STAGES
             mbarrier.wait(ready.index(st), (i // _NUM_STAGES) & 1)
             k = k_smem.index(st)
             v = v_smem.index(st)
-            if SOFTCAP:  # two halves of 32 keys: the tanh's tiles (g, 1/g, P∘g) fit the registers only at half width
-                for sub in gl.static_range(2):
-                    dq, pk, r, ps = _dq_tile(q, do, k.slice(sub * _DQ_HALF_N, _DQ_HALF_N), v.slice(sub * _DQ_HALF_N, _DQ_HALF_N),
-                                             e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n + sub * _DQ_HALF_N, c,
-                                             sc, cap, GPROJ, CAUSAL, SOFTCAP)
-            else:
-                dq, pk, r, ps = _dq_tile(q, do, k, v, e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n, c, sc, cap,
-                                         GPROJ, CAUSAL, SOFTCAP)
+            visit = True
+            if WINDOW:  # a tile none of these rows sees is released unread
+                visit = (start_n + _DQ_BLOCK_N - 1 >= first - wl) & (start_n <= first + _DQ_HALF_M - 1 + wr)
+            if visit:
+                if SOFTCAP:  # two halves of 32 keys: the tanh's tiles (g, 1/g, P∘g) fit the registers only at half width
+                    for sub in gl.static_range(2):
+                        dq, pk, r, ps = _dq_tile(q, do, k.slice(sub * _DQ_HALF_N, _DQ_HALF_N),
+                                                 v.slice(sub * _DQ_HALF_N, _DQ_HALF_N), e0_smem, dq, pk, r, ps, m, l2, di, rows,
+                                                 first, start_n + sub * _DQ_HALF_N, c, sc, cap, wl, wr, GPROJ, CAUSAL, SOFTCAP,
+                                                 WINDOW)
+                else:
+                    dq, pk, r, ps = _dq_tile(q, do, k, v, e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n, c, sc, cap,
+                                             wl, wr, GPROJ, CAUSAL, SOFTCAP, WINDOW)
             mbarrier.arrive(empty.index(st), count=1)
             i += 1
         offs = ((out_row + half * _DQ_HALF_M + gl.arange(0, _DQ_HALF_M, layout=row_a)).to(gl.int64)[:, None] * out_stride
@@ -459,29 +486,31 @@ if GLUON_ERROR is None:
             if store_qr != 0:  # −ρ∘Q rounded: the B operand of the dK/dV pass's GProj term (after dq's store)
                 gl.store(QR + offs, (q.load(acc_layout).to(gl.float32) * (-rho)[:, None]).to(QR.dtype.element_ty))
 
-    def _dq_partition(gproj: bool, causal: bool, softcap: bool):
-        """A dQ consumer partition with (GPROJ, CAUSAL, SOFTCAP) compiled in, as :func:`_dkdv_partition`."""
-        GPROJ, CAUSAL, SOFTCAP = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(softcap)
+    def _dq_partition(gproj: bool, causal: bool, softcap: bool, window: bool):
+        """A dQ consumer partition with (GPROJ, CAUSAL, SOFTCAP, WINDOW) compiled in, as :func:`_dkdv_partition`."""
+        GPROJ, CAUSAL = gl.constexpr(gproj), gl.constexpr(causal)
+        SOFTCAP, WINDOW = gl.constexpr(softcap), gl.constexpr(window)
 
         @gluon.jit
         def consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr, sc, cap, half):
+                     row0, stats, out_row, out_col, out_stride, lo, hi, c, tau, store_qr, sc, cap, wl, wr, half):
             _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L,
-                         DELTA, GPROJ, CAUSAL, SOFTCAP, row0, stats, out_row, out_col, out_stride, hi, c, tau, store_qr,
-                         sc, cap, half)
+                         DELTA, GPROJ, CAUSAL, SOFTCAP, WINDOW, row0, stats, out_row, out_col, out_stride, lo, hi, c, tau,
+                         store_qr, sc, cap, wl, wr, half)
 
         return consumer
 
     @functools.lru_cache(maxsize=None)
-    def _dq_kernel_for(gproj: bool, causal: bool, softcap: bool):
-        """The dQ kernel with GProj's projection (gproj), the causal mask and the softcap compiled in or out."""
-        GPROJ, CAUSAL = gl.constexpr(gproj), gl.constexpr(causal)
-        consumer = _dq_partition(gproj, causal, softcap)
+    def _dq_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool = False):
+        """The dQ kernel with GProj's projection (gproj), the causal mask, the softcap and the sliding window compiled
+        in or out."""
+        GPROJ, CAUSAL, WINDOW = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(window)
+        consumer = _dq_partition(gproj, causal, softcap, window)
 
         @gluon.jit
         def _hopper_dq_kernel(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, DQ, R, QR, M, LOG2L, DELTA, c, tau, H,
                               GROUP, N_CTX, store_qr, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, o_rb, o_rh, o_ch, k_rb, k_rh,
-                              k_ch, v_rb, v_rh, v_ch, sc, cap):
+                              k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr):
             # Tiles located as in _hopper_dkdv_kernel; dq and −ρ∘Q: (batch, seqlen, nheads, headdim) contiguous.
             HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
             dtype: gl.constexpr = q_desc.dtype
@@ -493,9 +522,13 @@ if GLUON_ERROR is None:
             h = pid_bh % H
             hk = h // GROUP
             row0 = pid_m * _DQ_BLOCK_M
+            lo = 0
             hi = N_CTX
             if CAUSAL:
                 hi = row0 + _DQ_BLOCK_M  # seqlen_q = seqlen_k: no row of the block sees a key past its last row
+            if WINDOW:  # the key tiles some row of the block sees: row − wl <= key <= row + wr
+                lo = (gl.maximum(row0 - wl, 0) // _DQ_BLOCK_N) * _DQ_BLOCK_N
+                hi = gl.minimum(N_CTX, row0 + _DQ_BLOCK_M + wr)
             stats = pid_bh.to(gl.int64) * N_CTX
 
             q_smem = gl.allocate_shared_memory(dtype, [2, _DQ_HALF_M, HEAD_DIM], q_desc.layout)
@@ -513,13 +546,15 @@ if GLUON_ERROR is None:
 
             out_row = b * N_CTX + row0
             args0 = (q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA, row0,
-                     stats, out_row, h * HEAD_DIM, H * HEAD_DIM, hi, c, tau, store_qr, sc, cap, 0)
+                     stats, out_row, h * HEAD_DIM, H * HEAD_DIM, lo, hi, c, tau, store_qr, sc, cap, wl, wr,
+                     0)
             args1 = (q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA, row0,
-                     stats, out_row, h * HEAD_DIM, H * HEAD_DIM, hi, c, tau, store_qr, sc, cap, 1)
+                     stats, out_row, h * HEAD_DIM, H * HEAD_DIM, lo, hi, c, tau, store_qr, sc, cap, wl, wr,
+                     1)
             loader_args = (q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem,
                            e0_smem, q_bar, ready, empty, b * q_rb + h * q_rh + row0, h * q_ch, b * do_rb + h * do_rh + row0,
                            h * do_ch, b * o_rb + h * o_rh + row0, h * o_ch, b * k_rb + hk * k_rh, hk * k_ch,
-                           b * v_rb + hk * v_rh, hk * v_ch, hi, GPROJ)
+                           b * v_rb + hk * v_rh, hk * v_ch, lo, hi, GPROJ)
             gl.warp_specialize([(consumer, args0), (consumer, args1), (_dq_loader, loader_args)], [4, 1], [240, 24])
 
         return _hopper_dq_kernel
@@ -551,7 +586,7 @@ def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor)
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
     """Whether :func:`dkdv` serves these (already validated) inputs: an sm_90 GPU (not the interpreter, Gluon
     importable, GPROJ_HOPPER_BWD not 0) and :func:`accepts`. The caller checks the rest (fix "none" or "gproj"
-    with its own-GEMM dK term, ds_format "bf16", no key padding, window, dropout or packing). Never raises."""
+    with its own-GEMM dK term, ds_format "bf16", no key padding, dropout or packing). Never raises."""
     return enabled() and on_sm90(q) and accepts(q, k, v, do)
 
 
@@ -573,7 +608,7 @@ def _descriptors(*tensors):
 
 
 def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causal: bool, dk_dtype: torch.dtype,
-         dv_dtype: torch.dtype, want_key_sums: bool, softcap: float = 0.0):
+         dv_dtype: torch.dtype, want_key_sums: bool, softcap: float = 0.0, window: tuple[int, int] | None = None):
     """The dK/dV pass on Hopper; call only where :func:`serves` is True, after the dQ pass.
 
     Args:
@@ -587,6 +622,8 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
         want_key_sums: with an fp32 dk, also Σ_j dk_j over each batch row's keys.
         softcap: 0 (off) or the cap of the logits z = cap·tanh(τ s / cap); the dK operand is then X̃ = bf16(dZ∘g),
             g = 1 − tanh², and GProj's dK direction bf16(P̃∘g) (kernels/reference.py).
+        window: None, or (wl, wr) >= 0: row i sees keys i − wl … i + wr only (kernels/_triton_utils.window_args;
+            ``causal`` False).
 
     Returns:
         dk, dv (batch, seqlen, nheads_k, headdim) contiguous in dk_dtype / dv_dtype (GQA: summed over each kv
@@ -601,15 +638,17 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
     ks = torch.empty((b, hk, slots, d), dtype=torch.float32, device=q.device) if want_key_sums else delta
     descs, where = _descriptors(q, do, q if qr is None else qr, k, v)  # q: a placeholder the kernel never reads
     sc, cap = _softcap_args(softmax_scale, softcap)
-    _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0)[(n // BLOCK_N, b * hk)](
+    wl, wr = window if window is not None else (0, 0)
+    _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0, window is not None)[(n // BLOCK_N, b * hk)](
         *descs, dk, dv, ks, m, log2l, delta, float(c), float(softmax_scale), h, h // hk, n,
-        int(bool(want_key_sums)), *where, sc, cap, num_warps=4,
+        int(bool(want_key_sums)), *where, sc, cap, int(wl), int(wr), num_warps=4,
     )
     return dk, dv, (ks.sum(dim=2, dtype=torch.float64) if want_key_sums else None)
 
 
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
-                 dk_dtype: torch.dtype | None = None, ones: tuple[str, ...] = (), softcap: bool = False):
+                 dk_dtype: torch.dtype | None = None, ones: tuple[str, ...] = (), softcap: bool = False,
+                 window: bool = False):
     """Compile the kernel for sm_90 without a GPU (Triton's ahead-of-time path), as CI does: head dim 128, dk
     in ``dk_dtype`` (default: ``dtype``; torch.float32 for the fp32-dk path), dv in ``dtype``. ``ones`` names
     integer arguments compiled as the constant 1, as Triton specializes them at launch (``key_sums``,
@@ -620,8 +659,10 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal
     sig = {"q_desc": t, "do_desc": t, "qr_desc": t, "k_desc": t, "v_desc": t, "DK": pointer_type(dk_dtype or dtype),
            "DV": pointer_type(dtype), "KS": "*fp32", "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32",
            "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "key_sums": "i32",
-           **{f"{x}_{w}": "i32" for x in ("q", "do", "qr", "k", "v") for w in ("rb", "rh", "ch")}, "sc": "fp32", "cap": "fp32"}
-    return aot_compile_sm90(_dkdv_kernel_for(bool(gproj), bool(causal), bool(softcap)), sig, {arg: 1 for arg in ones})
+           **{f"{x}_{w}": "i32" for x in ("q", "do", "qr", "k", "v") for w in ("rb", "rh", "ch")}, "sc": "fp32", "cap": "fp32",
+           "wl": "i32", "wr": "i32"}
+    return aot_compile_sm90(_dkdv_kernel_for(bool(gproj), bool(causal), bool(softcap), bool(window)), sig,
+                            {arg: 1 for arg in ones})
 
 
 def _e0(device: torch.device, dtype: torch.dtype):
@@ -648,7 +689,7 @@ _e0_cached = functools.lru_cache(maxsize=None)(_e0_tile)
 
 
 def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float, causal: bool, r=None, qr=None,
-            softcap: float = 0.0):
+            softcap: float = 0.0, window: tuple[int, int] | None = None):
     """The dQ pass on Hopper, fix "none" or "gproj"; call only where :func:`serves` is True, with do and o as
     :func:`tma_ready` returns them (o shaped like q, in its dtype).
 
@@ -663,6 +704,7 @@ def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float,
             (the B operand of :func:`dkdv`'s GProj term).
         softcap: 0 (off) or the cap of the logits z = cap·tanh(τ s / cap): the dQ operand is X̃ = bf16(dZ∘g),
             g = 1 − tanh², r_i = Σ_j X̃_ij / g_ij and GProj's direction bf16(P̃∘g) (kernels/reference.py).
+        window: None, or (wl, wr) >= 0, as :func:`dkdv`.
     """
     b, n, h, d = q.shape
     hk = k.shape[2]
@@ -670,9 +712,10 @@ def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float,
     gproj = r is not None
     e0 = _e0(q.device, q.dtype) if gproj else descs[0]  # fix="none": a placeholder the kernel never reads
     sc, cap = _softcap_args(softmax_scale, softcap)
-    _dq_kernel_for(gproj, bool(causal), softcap > 0)[(n // _DQ_BLOCK_M.value, b * h)](
+    wl, wr = window if window is not None else (0, 0)
+    _dq_kernel_for(gproj, bool(causal), softcap > 0, window is not None)[(n // _DQ_BLOCK_M.value, b * h)](
         *descs, e0, dq, delta if r is None else r, q if qr is None else qr, m, log2l, delta, float(c),
-        float(softmax_scale), h, h // hk, n, int(qr is not None), *where, sc, cap, num_warps=4,
+        float(softmax_scale), h, h // hk, n, int(qr is not None), *where, sc, cap, int(wl), int(wr), num_warps=4,
     )
 
 
@@ -683,7 +726,8 @@ def _softcap_args(softmax_scale: float, softcap: float) -> tuple[float, float]:
 
 
 def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
-                    dq_dtype: torch.dtype | None = None, ones: tuple[str, ...] = (), softcap: bool = False):
+                    dq_dtype: torch.dtype | None = None, ones: tuple[str, ...] = (), softcap: bool = False,
+                    window: bool = False):
     """Compile the dQ kernel for sm_90 without a GPU, as :func:`compile_sm90` does the dK/dV one (``ones``:
     ``store_qr``, ``GROUP``)."""
     _require_gluon()
@@ -694,5 +738,6 @@ def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, cau
            "DQ": pointer_type(dq_dtype or dtype), "R": "*fp32", "QR": pointer_type(dtype), "M": "*fp32",
            "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32", "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32",
            "store_qr": "i32", **{f"{x}_{w}": "i32" for x in ("q", "do", "o", "k", "v") for w in ("rb", "rh", "ch")},
-           "sc": "fp32", "cap": "fp32"}
-    return aot_compile_sm90(_dq_kernel_for(bool(gproj), bool(causal), bool(softcap)), sig, {arg: 1 for arg in ones})
+           "sc": "fp32", "cap": "fp32", "wl": "i32", "wr": "i32"}
+    return aot_compile_sm90(_dq_kernel_for(bool(gproj), bool(causal), bool(softcap), bool(window)), sig,
+                            {arg: 1 for arg in ones})

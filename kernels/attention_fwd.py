@@ -24,7 +24,7 @@ maximum still gets exactly exp2(0)), and attention dropout (DROPOUT: the P·V op
 the Philox keep mask of kernels/reference.dropout_keep_mask, one Philox call per 8 keys of a row, and o
 is scaled by 1/(1 − p̂) at the end, p̂ the drop probability of the 16-bit keep test).
 
-On an sm_90 GPU, dense unmasked-or-causal inputs (softcap included) with seqlen a multiple of 128 and head
+On an sm_90 GPU, dense inputs (causal, windows and softcap included) with seqlen a multiple of 128 and head
 dim 64 / 128 go to the warp-specialized Gluon kernel of kernels/attention_fwd_hopper.py (same contract, same
 rounding points); everything else, and every interpreter run, uses the kernel below.
 """
@@ -292,9 +292,9 @@ def forward(
     # nq, nk are total_q, total_k when packed: window_args only needs an "unbounded" wider than any sequence.
     win = window_args(causal, window_size, softcap, nq, nk)
     drop = dropout_args(dropout_p, dropout_seed, dropout_offset)
-    if (varlen is None and seqlens_k is None and not (win["WINDOW"] or drop["DROPOUT"])
-            and attention_fwd_hopper.serves(q, k, v)):
-        return attention_fwd_hopper.forward(q, k, v, softmax_scale, win["CAUSAL"], softcap)
+    if varlen is None and seqlens_k is None and not drop["DROPOUT"] and attention_fwd_hopper.serves(q, k, v):
+        return attention_fwd_hopper.forward(q, k, v, softmax_scale, win["CAUSAL"], softcap,
+                                            (win["WL"], win["WR"]) if win["WINDOW"] else None)
     o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
     m = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
     log2l = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)

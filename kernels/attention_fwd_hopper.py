@@ -19,8 +19,9 @@ O = acc / l rounded once.
 
 Served (:func:`serves`): bf16 / fp16, (batch, seqlen, nheads, headdim) tensors whose memory is contiguous
 in that order or in (batch, nheads, seqlen, headdim) order (each tensor its own), 16-byte aligned,
-seqlen_q = seqlen_k a multiple of 128, head dim 64 or 128, GQA, causal or not, logit softcap (its tanh as
-the tl.dot kernels form it); no key padding, window, dropout or packed sequences. Speed on the H200:
+seqlen_q = seqlen_k a multiple of 128, head dim 64 or 128, GQA, causal or not, sliding windows (each block
+visits only the key tiles its rows' windows touch; a half that sees none of a tile releases it unread), logit
+softcap (its tanh as the tl.dot kernels form it); no key padding, dropout or packed sequences. Speed on the H200:
 benchmarks/NOTES.md (runs 18, 21).
 """
 
@@ -87,12 +88,12 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, q_col, k_row, k_col,
-                v_row, v_col, hi):
+                v_row, v_col, lo, hi):
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
         tma_load(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
         tma_load(q_desc, [q_row + _HALF_M, q_col], q_bar, q_smem.index(1))
         i = 0
-        for start_n in range(0, hi, _BLOCK_N):
+        for start_n in range(lo, hi, _BLOCK_N):
             ring_load_pair(k_desc, v_desc, k_smem, v_smem, ready, empty, i, k_row + start_n, k_col, v_row + start_n, v_col,
                            _NUM_STAGES)
             i += 1
@@ -115,10 +116,12 @@ if GLUON_ERROR is None:
                                          pack=1)
 
     @gluon.jit
-    def _softmax_pv(s, acc, m_i, l_i, v_tile, offs_m, start_n, diag_from, c, causal, sc, cap, SOFTCAP: gl.constexpr):
+    def _softmax_pv(s, acc, m_i, l_i, v_tile, offs_m, start_n, diag_from, c, causal, sc, cap, wl, wr,
+                    SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
         """One key block of the online softmax: with SOFTCAP the capped logits z = cap·tanh(s·sc) replace the
-        scores; mask them on and past the diagonal (rows from ``diag_from``), update the row max m and sum l,
-        rescale acc and issue the asynchronous acc += P̃·V; returns (acc, m, l), acc still to be waited for."""
+        scores; mask them on and past the diagonal (rows from ``diag_from``), or with WINDOW outside the sliding
+        window row − wl <= key <= row + wr; update the row max m and sum l, rescale acc and issue the asynchronous
+        acc += P̃·V; returns (acc, m, l), acc still to be waited for."""
         HEAD_DIM: gl.constexpr = acc.shape[1]
         dtype: gl.constexpr = v_tile.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -134,7 +137,15 @@ if GLUON_ERROR is None:
             if start_n + _BLOCK_N > diag_from:  # a tile on or past the diagonal
                 offs_n = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
                 s = gl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+        if WINDOW:
+            # Masked where the tile crosses an edge of some row's window (rows diag_from … diag_from + 63).
+            if (start_n + _BLOCK_N - 1 > diag_from + wr) | (start_n < diag_from + _HALF_M - 1 - wl):
+                offs_n = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                inside = (offs_n[None, :] >= offs_m[:, None] - wl) & (offs_n[None, :] <= offs_m[:, None] + wr)
+                s = gl.where(inside, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        if WINDOW:  # a row that has seen no key yet keeps m = −inf; its shift is 0 (its weights are all 0)
+            m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
         # FMA-safe: (s − m) is exactly 0 at the row max, so that entry's weight is exactly 1.
         alpha = gl.exp2((m_i - m_new) * c)
         p = gl.exp2((s - m_new[:, None]) * c)
@@ -146,7 +157,7 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, half: gl.constexpr, o_row, row0,
-                  o_col, hi, c, causal, sc, cap, SOFTCAP: gl.constexpr):
+                  o_col, lo, hi, c, causal, sc, cap, wl, wr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
         HEAD_DIM: gl.constexpr = o_desc.block_type.shape[1]
         dtype: gl.constexpr = o_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -164,14 +175,24 @@ if GLUON_ERROR is None:
         q = q_smem.index(half)
         mbarrier.wait(q_bar, 0)
         i = 0
-        for start_n in range(0, hi, _BLOCK_N):
+        first = row0 + half * _HALF_M
+        for start_n in range(lo, hi, _BLOCK_N):
             st = i % _NUM_STAGES
             mbarrier.wait(ready.index(st), (i // _NUM_STAGES) & 1)
-            s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, v_smem.index(st), offs_m, start_n, row0 + half * _HALF_M, c,
-                                        causal, sc, cap, SOFTCAP)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if WINDOW:
+                # A tile no row of this half sees (the block's window is wider than this half's) is released unread.
+                if (start_n + _BLOCK_N > first - wl) & (start_n <= first + _HALF_M - 1 + wr):
+                    s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                    acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, v_smem.index(st), offs_m, start_n, first, c, causal,
+                                                sc, cap, wl, wr, SOFTCAP, WINDOW)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            else:
+                s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, v_smem.index(st), offs_m, start_n, first, c, causal, sc,
+                                            cap, wl, wr, SOFTCAP, WINDOW)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index(st), count=1)
             i += 1
         o = acc / gl.convert_layout(l_i, row_o)[:, None]
@@ -183,28 +204,28 @@ if GLUON_ERROR is None:
         gl.store(LOG2L + offs_m, gl.log2(l_i))
         tma.store_wait(pendings=0)
 
-    def _partition(half: int, softcap: bool):
-        """A consumer partition of gl.warp_specialize for one half of the rows, with SOFTCAP compiled in: constexpr
-        arguments do not survive gl.warp_specialize, closure constants do."""
-        HALF = gl.constexpr(half)
-        SOFTCAP = gl.constexpr(softcap)
+    def _partition(half: int, softcap: bool, window: bool):
+        """A consumer partition of gl.warp_specialize for one half of the rows, with SOFTCAP and WINDOW compiled in:
+        constexpr arguments do not survive gl.warp_specialize, closure constants do."""
+        HALF, SOFTCAP, WINDOW = gl.constexpr(half), gl.constexpr(softcap), gl.constexpr(window)
 
         @gluon.jit
-        def consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, o_row, row0, o_col, hi, c, causal,
-                     sc, cap):
-            _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, HALF, o_row, row0, o_col, hi, c,
-                      causal, sc, cap, SOFTCAP)
+        def consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, o_row, row0, o_col, lo, hi, c,
+                     causal, sc, cap, wl, wr):
+            _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, HALF, o_row, row0, o_col, lo, hi, c,
+                      causal, sc, cap, wl, wr, SOFTCAP, WINDOW)
 
         return consumer
 
     @functools.lru_cache(maxsize=None)
-    def _kernel_for(softcap: bool):
-        """The forward kernel, without (False) or with (True) the logit softcap."""
-        consumer0, consumer1 = _partition(0, softcap), _partition(1, softcap)
+    def _kernel_for(softcap: bool, window: bool):
+        """The forward kernel, with or without the logit softcap and the sliding window."""
+        consumer0, consumer1 = _partition(0, softcap, window), _partition(1, softcap, window)
+        WINDOW = gl.constexpr(window)
 
         @gluon.jit
         def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, M, LOG2L, c, H, GROUP, N_CTX, causal,
-                               q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap):
+                               q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr):
             # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch);
             # (batch, seqlen, heads, headdim) memory has rb = seqlen, rh = 0, ch = headdim; (batch, heads,
             # seqlen, headdim) memory rb = heads·seqlen, rh = seqlen, ch = 0 (see _tma_view).
@@ -224,9 +245,13 @@ if GLUON_ERROR is None:
             v_row = b * v_rb + hk * v_rh
             o_row = b * N_CTX + row0  # o is (batch, seqlen, nheads, headdim) contiguous
             o_col = h * HEAD_DIM
+            lo = 0
             hi = N_CTX
             if causal != 0:
                 hi = gl.minimum(N_CTX, row0 + _BLOCK_M)
+            if WINDOW:  # the key tiles some row of the block sees: row − wl <= key <= row + wr
+                lo = (gl.maximum(row0 - wl, 0) // _BLOCK_N) * _BLOCK_N
+                hi = gl.minimum(N_CTX, row0 + _BLOCK_M + wr)
             stats = M + pid_bh.to(gl.int64) * N_CTX
             stats2 = LOG2L + pid_bh.to(gl.int64) * N_CTX
 
@@ -237,13 +262,13 @@ if GLUON_ERROR is None:
             mbarrier.init(q_bar, count=1)
             ready, empty = ring_barriers(_NUM_STAGES)
 
-            consumer_args = (q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, stats, stats2, o_row, row0, o_col, hi,
-                             c, causal, sc, cap)
+            consumer_args = (q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, stats, stats2, o_row, row0, o_col, lo,
+                             hi, c, causal, sc, cap, wl, wr)
             gl.warp_specialize([
                 (consumer0, consumer_args),
                 (consumer1, consumer_args),
                 (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, q_col, k_row,
-                           hk * k_ch, v_row, hk * v_ch, hi)),
+                           hk * k_ch, v_row, hk * v_ch, lo, hi)),
             ], [4, 1], [232, 24])
 
         return _hopper_fwd_kernel
@@ -340,7 +365,8 @@ def _descriptors(q, k, v, o):
     return descs, where
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, softcap: float = 0.0):
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, softcap: float = 0.0,
+            window: tuple[int, int] | None = None):
     """FMA-safe attention forward on Hopper; call only where :func:`serves` is True.
 
     Args:
@@ -350,6 +376,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
         softmax_scale: τ, multiplies q·k inside the softmax.
         causal: causal mask (seqlen_q = seqlen_k, so top-left and bottom-right alignment agree).
         softcap: 0 (off) or cap > 0: the logits are z = cap·tanh(τ q·k / cap) (Gemma 2), softmax(z) unscaled.
+        window: None, or (wl, wr) >= 0: row i sees keys i − wl … i + wr only (flash-attn's ``window_size`` after
+            kernels/_triton_utils.window_args: an unbounded side as a width past the sequence; ``causal`` False).
 
     Returns:
         o (batch, seqlen, nheads, headdim) in q's dtype; m, log2l (batch, nheads, seqlen) fp32: the row max
@@ -365,14 +393,17 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     softcap = float(softcap)
     c = (1.0 if softcap > 0 else float(softmax_scale)) * LOG2E  # with softcap τ sits inside the tanh
     cap = softcap if softcap > 0 else 1.0
-    _kernel_for(softcap > 0)[(n // BLOCK_M, b * h)](
-        *descs, m, log2l, c, h, h // hk, n, int(bool(causal)), *where, float(softmax_scale) / cap, cap, num_warps=4,
+    wl, wr = window if window is not None else (0, 0)
+    _kernel_for(softcap > 0, window is not None)[(n // BLOCK_M, b * h)](
+        *descs, m, log2l, c, h, h // hk, n, int(bool(causal)), *where, float(softmax_scale) / cap, cap, int(wl), int(wr),
+        num_warps=4,
     )
     return o, m, log2l
 
 
-def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple[str, ...] = (), softcap: bool = False):
-    """Compile the kernel (with ``softcap``: its softcap variant) for sm_90 without a GPU (Triton's ahead-of-time
+def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple[str, ...] = (), softcap: bool = False,
+                 window: bool = False):
+    """Compile the kernel (its softcap and / or window variant) for sm_90 without a GPU (Triton's ahead-of-time
     path), as CI does.
 
     ``ones`` names integer arguments compiled as the constant 1, as Triton specializes them at launch
@@ -386,8 +417,8 @@ def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple
     kv = tensordesc_type(dtype, _BLOCK_N.value, head_dim, kv_layout)
     sig = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "M": "*fp32", "LOG2L": "*fp32", "c": "fp32",
            "H": "i32", "GROUP": "i32", "N_CTX": "i32", "causal": "i32", **{f"{t}_{w}": "i32" for t in "qkv" for w in ("rb", "rh", "ch")},
-           "sc": "fp32", "cap": "fp32"}
-    return aot_compile_sm90(_kernel_for(bool(softcap)), sig, {arg: 1 for arg in ones})
+           "sc": "fp32", "cap": "fp32", "wl": "i32", "wr": "i32"}
+    return aot_compile_sm90(_kernel_for(bool(softcap), bool(window)), sig, {arg: 1 for arg in ones})
 
 
 def _require_gluon() -> None:

@@ -55,6 +55,18 @@ def test_dq_pass_compiles_for_sm90_with_wgmma_tma_and_register_split(gproj, soft
     _assert_softcap_code(ptx, softcap)
 
 
+@pytest.mark.parametrize("gproj, softcap", _VARIANTS, ids=_VARIANT_IDS)
+@pytest.mark.parametrize("which", ["dq", "dkdv"])
+def test_window_variants_compile_for_sm90(gproj, softcap, which):
+    """The sliding-window variants (bf16; the window bounds are runtime arguments): the same Hopper paths, and the
+    window's edge tests compiled in (two more integer comparisons per tile than without a window)."""
+    compile_ = HB.compile_dq_sm90 if which == "dq" else HB.compile_sm90
+    kernel = compile_(torch.bfloat16, gproj, False, None, (), softcap, window=True)
+    plain = compile_(torch.bfloat16, gproj, False, None, (), softcap)
+    assert_hopper_kernel(kernel, 2 * ((4 if softcap else 6) if gproj else 3) if which == "dq" else 2 * (5 if gproj else 4))
+    assert kernel.asm["ptx"].count("setp.") > plain.asm["ptx"].count("setp.")
+
+
 def _t(b=2, n=256, h=4, d=128, dtype=torch.bfloat16):
     return torch.zeros(b, n, h, d, dtype=dtype)
 
@@ -138,7 +150,9 @@ class _Launcher:
     (dict(fix="gproj", ds_format="e4m3"), False, False, None),
     (dict(fix="gproj", softcap=30.0), True, True, True),
     (dict(fix="none", softcap=30.0), True, True, False),
-    (dict(fix="gproj", window_size=(64, 0)), False, False, None),
+    (dict(fix="gproj", window_size=(64, 0)), True, True, True),
+    (dict(fix="none", window_size=(100, 37), softcap=30.0), True, True, False),
+    (dict(fix="gproj_uniform", window_size=(64, 0)), False, False, None),  # the in-kernel uniform direction
     (dict(fix="gproj", dropout_p=0.1, dropout_seed=1), False, False, None),
     (dict(fix="gproj", seqlens_k=torch.tensor([256, 200])), False, False, None),
     (dict(fix="gproj_uniform", softcap=30.0), False, False, None),  # the in-kernel uniform direction
@@ -150,9 +164,9 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
     other call stays on the tl.dot kernels."""
     seen = {}
 
-    def fake_dq_pass(q, k, v, do, o, m, log2l, delta, dq, c, tau, causal, r=None, qr=None, softcap=0.0):
+    def fake_dq_pass(q, k, v, do, o, m, log2l, delta, dq, c, tau, causal, r=None, qr=None, softcap=0.0, window=None):
         seen["dq"] = ("gluon", qr is not None, r is not None)
-        assert softcap == kwargs.get("softcap", 0.0)
+        assert softcap == kwargs.get("softcap", 0.0) and window == expected_window
         if r is not None:
             assert r.shape == m.shape and r.dtype == torch.float32
 
@@ -162,8 +176,11 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
 
     def fake_dkdv(q, k, v, do, m, log2l, delta, qr, *args):
         seen["qr"] = qr
-        assert args[-1] == kwargs.get("softcap", 0.0)  # the softcap, last
+        assert args[-2:] == (kwargs.get("softcap", 0.0), expected_window)  # the softcap and the window, last
         raise _Routed
+
+    # The Gluon passes take the window as (wl, wr) >= 0 (these calls are causal: right = 0); no window: None.
+    expected_window = {(64, 0): (64, 0), (100, 37): (100, 0)}.get(kwargs.get("window_size"))
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # supports()' CPU condition; no kernel below really launches
     monkeypatch.setattr(HB, "serves", lambda *a: True)
@@ -216,6 +233,7 @@ def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj, soft
                 assert len(args) == len(self.names), (len(args), self.names)
                 named = dict(zip(self.names, args))
                 assert named["cap"] == (30.0 if softcap else 1.0) and named["sc"] == pytest.approx(0.1 / named["cap"])
+                assert (named["wl"], named["wr"]) == ((100, 3) if softcap else (0, 0))
                 assert all(isinstance(a, TensorDescriptor) for a in args[:5])
                 if "e0_desc" in self.names:  # with gproj the e0 tile: ones in column 0 of TILE_ROWS × ROWSUM_N
                     e0 = args[5]
@@ -240,12 +258,14 @@ def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj, soft
     qr = torch.zeros_like(q) if gproj else None
     dq = torch.empty(b, n, h, d)
     r = torch.empty(b, h, n) if gproj else None
-    cap = 30.0 if softcap else 0.0
-    HB.dq_pass(q, k, v, do, o, m, log2l, delta, dq, 1.0, 0.1, True, r, qr, cap)
+    # The softcap variants also with a window (its bounds checked above).
+    cap, window = (30.0, (100, 3)) if softcap else (0.0, None)
+    HB.dq_pass(q, k, v, do, o, m, log2l, delta, dq, 1.0, 0.1, not softcap, r, qr, cap, window)
     dk, dv, key_sums = HB.dkdv(q, k, v, do, m, log2l, delta, qr, 1.0, 0.1, False, torch.float32, torch.bfloat16, True,
-                               cap)
+                               cap, window)
     assert launched == [(n // 128, b * h), (n // HB.BLOCK_N, b * hk)]
-    assert variants == [(gproj, True, softcap), (gproj, False, softcap)]  # (GPROJ, CAUSAL, SOFTCAP) of each launch
+    # (GPROJ, CAUSAL, SOFTCAP, WINDOW) of each launch
+    assert variants == [(gproj, not softcap, softcap, softcap), (gproj, False, softcap, softcap)]
     assert dk.dtype == torch.float32 and dv.dtype == torch.bfloat16 and dk.shape == dv.shape == k.shape
     assert key_sums.shape == (b, hk, d) and key_sums.dtype == torch.float64
 

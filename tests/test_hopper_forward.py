@@ -21,11 +21,12 @@ from _hopper import assert_hopper_kernel
 @pytest.mark.parametrize("head_dim", H.HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("ones", [(), ("causal",), ("causal", "H", "GROUP")], ids=["runtime", "causal", "causal-1head"])
-@pytest.mark.parametrize("softcap", [False, True], ids=["plain", "softcap"])
-def test_compiles_for_sm90_with_wgmma_tma_and_register_split(head_dim, dtype, ones, softcap):
+@pytest.mark.parametrize("softcap, window", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "softcap", "softcap-window"])
+def test_compiles_for_sm90_with_wgmma_tma_and_register_split(head_dim, dtype, ones, softcap, window):
     """Also the variants Triton builds at launch when an integer argument is 1 (every causal call)."""
     # Two consumers × (QKᵀ + PV) per K/V tile, each an asynchronous warp-group MMA; TMA loads of q, k, v, store of o.
-    kernel = H.compile_sm90(head_dim, dtype, ones, softcap)
+    kernel = H.compile_sm90(head_dim, dtype, ones, softcap, window)
     assert_hopper_kernel(kernel, 4)
     # The softcap's tanh: an ex2.approx.ftz (the softmax's exp2 lowers to one as well) and an rcp.approx.ftz per
     # score, as the tl.dot kernels form it.
@@ -130,8 +131,8 @@ def test_tma_tiles_address_the_tensor(layout):
     ({}, True, True),
     ({"window_size": (-1, 0)}, False, True),  # flash-attn's spelling of causal
     ({"window_size": (-1, -1)}, True, True),
-    ({"window_size": (4, 0)}, False, None),
-    ({"window_size": (-1, 3)}, False, None),
+    ({"window_size": (4, 0)}, False, False),
+    ({"window_size": (-1, 3)}, False, False),
     ({"softcap": 5.0}, False, False),
     ({"softcap": 5.0}, True, True),
     ({"dropout_p": 0.1}, True, None),
@@ -142,14 +143,15 @@ def test_tma_tiles_address_the_tensor(layout):
         "softcap causal", "dropout", "seqlens_k", "packed"])
 def test_forward_dispatch_sends_only_dense_inputs_to_the_gluon_kernel(monkeypatch, kwargs, causal, gluon_causal):
     """attention_fwd.forward hands a call to the Gluon kernel (where serves() says it can) only without key
-    padding, window, dropout and packing — which that kernel would silently ignore —, with the causal flag the
-    window spelling implies (gluon_causal; None: the tl.dot kernel runs instead) and the softcap."""
+    padding, dropout and packing — which that kernel would silently ignore —, with the causal flag the window
+    spelling implies (gluon_causal; None: the tl.dot kernel runs instead), the softcap and the window bounds."""
     from lightning_gproj.kernels import attention_fwd as F
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # F.supports' CPU condition; nothing below launches a kernel
     calls = []
     monkeypatch.setattr(H, "serves", lambda q, k, v: True)
-    monkeypatch.setattr(H, "forward", lambda q, k, v, scale, c, softcap: calls.append(("gluon", c, softcap)) or (q, None, None))
+    monkeypatch.setattr(H, "forward", lambda q, k, v, scale, c, softcap, window: calls.append(("gluon", c, softcap, window))
+                        or (q, None, None))
 
     class TlDot:
         def __getitem__(self, grid):
@@ -163,7 +165,9 @@ def test_forward_dispatch_sends_only_dense_inputs_to_the_gluon_kernel(monkeypatc
     if gluon_causal is None:
         assert [c[0] for c in calls] == ["tl.dot"]
     else:
-        assert calls == [("gluon", gluon_causal, kwargs.get("softcap", 0.0))]
+        # A window reaches the kernel as (wl, wr) >= 0 (an unbounded side: nq + nk = 512 here) with causal off.
+        window = {(4, 0): (4, 0), (-1, 3): (512, 3)}.get(kwargs.get("window_size"))
+        assert calls == [("gluon", gluon_causal, kwargs.get("softcap", 0.0), window)]
 
 
 def test_benchmark_variants_still_apply_and_compile():

@@ -65,7 +65,8 @@ for phase in $phases; do
         --warmup 5 --steps 15 > "$OUT/train_step.log" 2>&1
       echo "train rc=$?"; grep -E "step .* ms" "$OUT/train_step.log"; tail -n 12 "$OUT/train_step.log" ;;
     softcap)
-      log="$OUT/gpu_check_hopper_softcap${HOPPER_SOFTCAP:-30}_window${HOPPER_WINDOW:--1,-1}.log"
+      w=${HOPPER_WINDOW:--1,-1}
+      log="$OUT/gpu_check_hopper_softcap${HOPPER_SOFTCAP:-30}_window${w//,/_}.log"  # no comma: the device tool drops such names
       GPROJ_TRITON_AUTOTUNE=0 timeout ${CHECK_LIMIT:-300} python3 benchmarks/gpu_check.py --cases hopper,hopper_bwd \
         --hopper-softcap ${HOPPER_SOFTCAP:-30} --hopper-window=${HOPPER_WINDOW:--1,-1} > "$log" 2>&1
       echo "softcap rc=$?"; grep -E "hopper" "$log" ;;

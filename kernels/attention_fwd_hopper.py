@@ -144,11 +144,12 @@ if GLUON_ERROR is None:
                 inside = (offs_n[None, :] >= offs_m[:, None] - wl) & (offs_n[None, :] <= offs_m[:, None] + wr)
                 s = gl.where(inside, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        if WINDOW:  # a row that has seen no key yet keeps m = −inf; its shift is 0 (its weights are all 0)
-            m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
+        m_use = m_new
+        if WINDOW:  # a row that has seen no key yet keeps m = −inf and shifts by 0 (its weights are all 0)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         # FMA-safe: (s − m) is exactly 0 at the row max, so that entry's weight is exactly 1.
-        alpha = gl.exp2((m_i - m_new) * c)
-        p = gl.exp2((s - m_new[:, None]) * c)
+        alpha = gl.exp2((m_i - m_use) * c)
+        p = gl.exp2((s - m_use[:, None]) * c)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         p16 = gl.convert_layout(p.to(dtype), p_layout)

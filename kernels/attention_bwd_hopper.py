@@ -236,7 +236,7 @@ if GLUON_ERROR is None:
         return consumer
 
     @functools.lru_cache(maxsize=None)
-    def _dkdv_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool = False):
+    def _dkdv_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool):
         """The dK/dV kernel with GProj's dK term (gproj), the causal mask, the softcap and the sliding window compiled
         in or out."""
         GPROJ, CAUSAL, WINDOW = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(window)
@@ -501,7 +501,7 @@ if GLUON_ERROR is None:
         return consumer
 
     @functools.lru_cache(maxsize=None)
-    def _dq_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool = False):
+    def _dq_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool):
         """The dQ kernel with GProj's projection (gproj), the causal mask, the softcap and the sliding window compiled
         in or out."""
         GPROJ, CAUSAL, WINDOW = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(window)

@@ -366,7 +366,7 @@ if GLUON_ERROR is None:
             p16 = p.to(dtype)  # rounding point: P̃ (GProj's direction)
             if SOFTCAP:
                 # The direction bf16(P̃∘g) and Σ_j of it over g (kernels/attention_bwd._dq_inner); 1/g only
-                # where it is finite (fp32 tiny), else X̃ ≈ 0 and r takes dZ = P̃∘(dP − D) below.
+                # where it is finite (fp32 tiny), else X̃ ≈ 0 and r takes the unrounded dZ = P∘(dP − D) below.
                 pw = (p16.to(gl.float32) * g).to(dtype)
                 pk = warpgroup_mma(gl.convert_layout(pw, a_layout), k, pk, is_async=True)
                 inv_g = gl.where(g >= 1.1754943508222875e-38, rcp_approx(g), 0.0)
@@ -376,8 +376,12 @@ if GLUON_ERROR is None:
                 ps = warpgroup_mma(gl.convert_layout(p16, sum_a_layout), e0_smem, ps, is_async=True)
         if SOFTCAP:
             # The operand X = dZ∘g = (P∘g)∘(dP − D) (kernels/reference.py): P∘g formed before the wait, so that
-            # one tile, not P and g, stays live across it.
-            p = p * g
+            # one tile, not P and g, stays live across it. gproj keeps P itself where 1/g is not finite (there X̃ is
+            # 0 and r takes dZ = P∘(dP − D), as kernels/reference.py and the tl.dot kernel do).
+            if GPROJ:
+                p = gl.where(inv_g != 0.0, p * g, p)
+            else:
+                p = p * g
         if GPROJ:
             if SOFTCAP:
                 dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
@@ -386,11 +390,18 @@ if GLUON_ERROR is None:
         else:
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
         dp = dp - di[:, None]
-        ds16 = (p * dp).to(dtype)  # rounding point: dS̃ (with softcap X̃ = bf16(dZ∘g)), the operand of dQ += dS̃ K
+        ds = p * dp
+        if GPROJ:
+            if SOFTCAP:
+                ds16 = gl.where(inv_g != 0.0, ds, 0.0).to(dtype)  # rounding point: X̃ = bf16(dZ∘g), 0 where g underflows
+            else:
+                ds16 = ds.to(dtype)  # rounding point: dS̃, the operand of dQ += dS̃ K
+        else:
+            ds16 = ds.to(dtype)  # rounding point: dS̃ (with softcap X̃ = bf16(dZ∘g)), the operand of dQ += dS̃ K
         dq = warpgroup_mma(gl.convert_layout(ds16, a_layout), k, dq, is_async=True)
         if GPROJ:
             if SOFTCAP:  # r_i = Σ_j dZ̃_ij, dZ̃ = X̃ / g: the zero-sum quantity (docs/architecture.md)
-                r += gl.sum(gl.where(inv_g != 0.0, ds16.to(gl.float32) * inv_g, p16.to(gl.float32) * dp), axis=1)
+                r += gl.sum(gl.where(inv_g != 0.0, ds16.to(gl.float32) * inv_g, ds), axis=1)
                 dq, pk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, pk))
             else:
                 r = warpgroup_mma(gl.convert_layout(ds16, sum_a_layout), e0_smem, r, is_async=True)

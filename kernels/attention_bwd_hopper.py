@@ -40,7 +40,8 @@ import os
 import torch
 
 from lightning_gproj.kernels.attention_fwd_hopper import (
-    GLUON_ERROR, _gl_dtype, _layouts, _require_gluon, _tma_view, accepts as _fwd_accepts, on_sm90, pointer_type, tma_descriptor,
+    GLUON_ERROR, _gl_dtype, _layouts, _require_gluon, _tma_view, accepts as _fwd_accepts, feature_args, on_sm90, pointer_type,
+    tma_descriptor,
 )
 
 if GLUON_ERROR is None:
@@ -49,7 +50,8 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
     from lightning_gproj.kernels.attention_fwd_hopper import (
-        aot_compile_sm90, rcp_approx, ring_barriers, ring_load_pair, tanh_and_grad, tensordesc_type, tma_load,
+        aot_compile_sm90, rcp_approx, ring_barriers, ring_load_pair, tanh_and_grad, tensordesc_type, tma_load, window_crosses,
+        window_mask, window_sees, window_tiles,
     )
 
 __all__ = ["dq_pass", "dkdv", "serves", "accepts", "tma_ready", "compile_sm90", "compile_dq_sm90", "BLOCK_N",
@@ -129,9 +131,8 @@ if GLUON_ERROR is None:
             if start_m < key0 + _HALF_N:  # the tile reaches into these keys: mask keys past the row
                 pT = gl.where(keys[:, None] <= rows[None, :], pT, 0.0)
         if WINDOW:  # masked where the tile crosses an edge of some row's window row − wl <= key <= row + wr
-            if (start_m + wr < key0 + _HALF_N - 1) | (start_m + ROWS - 1 - wl > key0):
-                inside = (keys[:, None] >= rows[None, :] - wl) & (keys[:, None] <= rows[None, :] + wr)
-                pT = gl.where(inside, pT, 0.0)
+            if window_crosses(start_m, ROWS, key0, _HALF_N, wl, wr):
+                pT = gl.where(window_mask(rows[None, :], keys[:, None], wl, wr), pT, 0.0)
         pr = pT.to(dtype)  # rounding point: P̃
         p16 = gl.convert_layout(pr, a_layout)
         dv = warpgroup_mma(p16, do, dv, is_async=True)
@@ -197,7 +198,7 @@ if GLUON_ERROR is None:
                 qr = qr_smem.index(st)
                 visit = True
                 if WINDOW:  # a tile none of whose rows sees these keys is released unread
-                    visit = (start_m + _BLOCK_M - 1 >= key0 - wr) & (start_m <= key0 + _HALF_N - 1 + wl)
+                    visit = window_sees(start_m, _BLOCK_M, key0, _HALF_N, wl, wr)
                 if visit:
                     if SOFTCAP:  # two halves of 32 rows: the tanh's tiles fit the registers only at half width
                         for sub in gl.static_range(2):
@@ -262,8 +263,7 @@ if GLUON_ERROR is None:
             if CAUSAL:
                 lo = start_n  # earlier query rows see none of these keys (seqlen_q = seqlen_k)
             if WINDOW:  # the query tiles some row of which sees one of these keys: key − wr <= row <= key + wl
-                lo = (gl.maximum(start_n - wr, 0) // _BLOCK_M) * _BLOCK_M
-                hi = gl.minimum(N_CTX, start_n + _BLOCK_N + wl)
+                lo, hi = window_tiles(start_n, _BLOCK_N, wr, wl, N_CTX, _BLOCK_M)
             stats0 = (b * H + h0).to(gl.int64) * N_CTX
             ks = KS + pid_bh.to(gl.int64) * (N_CTX // _HALF_N) * HEAD_DIM + pid_n * 2 * HEAD_DIM
 
@@ -359,9 +359,9 @@ if GLUON_ERROR is None:
                 cols = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
                 p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
         if WINDOW:  # masked where the tile crosses an edge of some row's window row − wl <= key <= row + wr
-            if (start_n + KEYS - 1 > first + wr) | (start_n < first + _DQ_HALF_M - 1 - wl):
+            if window_crosses(first, _DQ_HALF_M, start_n, KEYS, wl, wr):
                 cols = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
-                p = gl.where((cols[None, :] >= rows[:, None] - wl) & (cols[None, :] <= rows[:, None] + wr), p, 0.0)
+                p = gl.where(window_mask(rows[:, None], cols[None, :], wl, wr), p, 0.0)
         if GPROJ:
             p16 = p.to(dtype)  # rounding point: P̃ (GProj's direction)
             if SOFTCAP:
@@ -391,13 +391,11 @@ if GLUON_ERROR is None:
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
         dp = dp - di[:, None]
         ds = p * dp
+        x = ds
         if GPROJ:
-            if SOFTCAP:
-                ds16 = gl.where(inv_g != 0.0, ds, 0.0).to(dtype)  # rounding point: X̃ = bf16(dZ∘g), 0 where g underflows
-            else:
-                ds16 = ds.to(dtype)  # rounding point: dS̃, the operand of dQ += dS̃ K
-        else:
-            ds16 = ds.to(dtype)  # rounding point: dS̃ (with softcap X̃ = bf16(dZ∘g)), the operand of dQ += dS̃ K
+            if SOFTCAP:  # X̃ = 0 where g underflows (there ds holds dZ, not dZ∘g)
+                x = gl.where(inv_g != 0.0, ds, 0.0)
+        ds16 = x.to(dtype)  # rounding point: dS̃ (with softcap X̃ = bf16(dZ∘g)), the operand of dQ += dS̃ K
         dq = warpgroup_mma(gl.convert_layout(ds16, a_layout), k, dq, is_async=True)
         if GPROJ:
             if SOFTCAP:  # r_i = Σ_j dZ̃_ij, dZ̃ = X̃ / g: the zero-sum quantity (docs/architecture.md)
@@ -467,7 +465,7 @@ if GLUON_ERROR is None:
             v = v_smem.index(st)
             visit = True
             if WINDOW:  # a tile none of these rows sees is released unread
-                visit = (start_n + _DQ_BLOCK_N - 1 >= first - wl) & (start_n <= first + _DQ_HALF_M - 1 + wr)
+                visit = window_sees(first, _DQ_HALF_M, start_n, _DQ_BLOCK_N, wl, wr)
             if visit:
                 if SOFTCAP:  # two halves of 32 keys: the tanh's tiles (g, 1/g, P∘g) fit the registers only at half width
                     for sub in gl.static_range(2):
@@ -537,9 +535,8 @@ if GLUON_ERROR is None:
             hi = N_CTX
             if CAUSAL:
                 hi = row0 + _DQ_BLOCK_M  # seqlen_q = seqlen_k: no row of the block sees a key past its last row
-            if WINDOW:  # the key tiles some row of the block sees: row − wl <= key <= row + wr
-                lo = (gl.maximum(row0 - wl, 0) // _DQ_BLOCK_N) * _DQ_BLOCK_N
-                hi = gl.minimum(N_CTX, row0 + _DQ_BLOCK_M + wr)
+            if WINDOW:  # the key tiles some row of the block sees
+                lo, hi = window_tiles(row0, _DQ_BLOCK_M, wl, wr, N_CTX, _DQ_BLOCK_N)
             stats = pid_bh.to(gl.int64) * N_CTX
 
             q_smem = gl.allocate_shared_memory(dtype, [2, _DQ_HALF_M, HEAD_DIM], q_desc.layout)
@@ -648,11 +645,9 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
     slots = n // KEYS_PER_SUM
     ks = torch.empty((b, hk, slots, d), dtype=torch.float32, device=q.device) if want_key_sums else delta
     descs, where = _descriptors(q, do, q if qr is None else qr, k, v)  # q: a placeholder the kernel never reads
-    sc, cap = _softcap_args(softmax_scale, softcap)
-    wl, wr = window if window is not None else (0, 0)
     _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0, window is not None)[(n // BLOCK_N, b * hk)](
         *descs, dk, dv, ks, m, log2l, delta, float(c), float(softmax_scale), h, h // hk, n,
-        int(bool(want_key_sums)), *where, sc, cap, int(wl), int(wr), num_warps=4,
+        int(bool(want_key_sums)), *where, *feature_args(softmax_scale, softcap, window), num_warps=4,
     )
     return dk, dv, (ks.sum(dim=2, dtype=torch.float64) if want_key_sums else None)
 
@@ -722,18 +717,11 @@ def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float,
     descs, where = _descriptors(q, do, o, k, v)
     gproj = r is not None
     e0 = _e0(q.device, q.dtype) if gproj else descs[0]  # fix="none": a placeholder the kernel never reads
-    sc, cap = _softcap_args(softmax_scale, softcap)
-    wl, wr = window if window is not None else (0, 0)
     _dq_kernel_for(gproj, bool(causal), softcap > 0, window is not None)[(n // _DQ_BLOCK_M.value, b * h)](
         *descs, e0, dq, delta if r is None else r, q if qr is None else qr, m, log2l, delta, float(c),
-        float(softmax_scale), h, h // hk, n, int(qr is not None), *where, sc, cap, int(wl), int(wr), num_warps=4,
+        float(softmax_scale), h, h // hk, n, int(qr is not None), *where, *feature_args(softmax_scale, softcap, window),
+        num_warps=4,
     )
-
-
-def _softcap_args(softmax_scale: float, softcap: float) -> tuple[float, float]:
-    """(sc, cap) of the tanh's argument s·sc = τ s / cap and the cap (1.0 when softcap is 0, unused)."""
-    cap = float(softcap) if softcap > 0 else 1.0
-    return float(softmax_scale) / cap, cap
 
 
 def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,

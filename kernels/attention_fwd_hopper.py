@@ -48,7 +48,7 @@ try:  # Gluon ships with Triton >= 3.4; the TMA copies were renamed after 3.6.
 except Exception as exc:  # pragma: no cover - depends on the Triton build
     GLUON_ERROR = f"{exc.__class__.__name__}: {exc}"
 
-__all__ = ["forward", "serves", "accepts", "on_sm90", "tma_descriptor", "compile_sm90", "aot_compile_sm90",
+__all__ = ["forward", "serves", "accepts", "on_sm90", "tma_descriptor", "feature_args", "compile_sm90", "aot_compile_sm90",
            "tensordesc_type", "pointer_type", "BLOCK_M"]
 
 #: Query rows per program (two consumers of 64) and keys per K/V tile; the served seqlen's multiple.
@@ -115,6 +115,29 @@ if GLUON_ERROR is None:
         return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
                                          pack=1)
 
+    # Sliding windows (row i sees keys i − wl … i + wr), shared with kernels/attention_bwd_hopper.py.
+    @gluon.jit
+    def window_tiles(first, count, before, after, N_CTX, TILE: gl.constexpr):
+        """[lo, hi) of the tiles (of TILE positions along the other axis) that positions first … first + count − 1
+        reach, ``before`` back and ``after`` ahead: (wl, wr) for query rows reaching keys, (wr, wl) for keys."""
+        return (gl.maximum(first - before, 0) // TILE) * TILE, gl.minimum(N_CTX, first + count + after)
+
+    @gluon.jit
+    def window_sees(r0, nr, k0, nk, wl, wr):
+        """Whether some row of r0 … r0 + nr − 1 sees some key of k0 … k0 + nk − 1."""
+        return (k0 + nk - 1 >= r0 - wl) & (k0 <= r0 + nr - 1 + wr)
+
+    @gluon.jit
+    def window_crosses(r0, nr, k0, nk, wl, wr):
+        """Whether some (row, key) pair of the tile (rows r0 …, keys k0 …) lies outside the window: the tile needs the
+        mask."""
+        return (k0 + nk - 1 > r0 + wr) | (k0 < r0 + nr - 1 - wl)
+
+    @gluon.jit
+    def window_mask(rows, keys, wl, wr):
+        """The window's mask of broadcast row and key positions."""
+        return (keys >= rows - wl) & (keys <= rows + wr)
+
     @gluon.jit
     def _softmax_pv(s, acc, m_i, l_i, v_tile, offs_m, start_n, diag_from, c, causal, sc, cap, wl, wr,
                     SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
@@ -137,12 +160,10 @@ if GLUON_ERROR is None:
             if start_n + _BLOCK_N > diag_from:  # a tile on or past the diagonal
                 offs_n = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
                 s = gl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
-        if WINDOW:
-            # Masked where the tile crosses an edge of some row's window (rows diag_from … diag_from + 63).
-            if (start_n + _BLOCK_N - 1 > diag_from + wr) | (start_n < diag_from + _HALF_M - 1 - wl):
+        if WINDOW:  # rows diag_from … diag_from + 63
+            if window_crosses(diag_from, _HALF_M, start_n, _BLOCK_N, wl, wr):
                 offs_n = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                inside = (offs_n[None, :] >= offs_m[:, None] - wl) & (offs_n[None, :] <= offs_m[:, None] + wr)
-                s = gl.where(inside, s, float("-inf"))
+                s = gl.where(window_mask(offs_m[:, None], offs_n[None, :], wl, wr), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_use = m_new
         if WINDOW:  # a row that has seen no key yet keeps m = −inf and shifts by 0 (its weights are all 0)
@@ -180,15 +201,10 @@ if GLUON_ERROR is None:
         for start_n in range(lo, hi, _BLOCK_N):
             st = i % _NUM_STAGES
             mbarrier.wait(ready.index(st), (i // _NUM_STAGES) & 1)
-            if WINDOW:
-                # A tile no row of this half sees (the block's window is wider than this half's) is released unread.
-                if (start_n + _BLOCK_N > first - wl) & (start_n <= first + _HALF_M - 1 + wr):
-                    s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                    acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, v_smem.index(st), offs_m, start_n, first, c, causal,
-                                                sc, cap, wl, wr, SOFTCAP, WINDOW)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            else:
+            visit = True
+            if WINDOW:  # a tile no row of this half sees (the block's window is wider than this half's) is released unread
+                visit = window_sees(first, _HALF_M, start_n, _BLOCK_N, wl, wr)
+            if visit:
                 s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, v_smem.index(st), offs_m, start_n, first, c, causal, sc,
@@ -250,9 +266,8 @@ if GLUON_ERROR is None:
             hi = N_CTX
             if causal != 0:
                 hi = gl.minimum(N_CTX, row0 + _BLOCK_M)
-            if WINDOW:  # the key tiles some row of the block sees: row − wl <= key <= row + wr
-                lo = (gl.maximum(row0 - wl, 0) // _BLOCK_N) * _BLOCK_N
-                hi = gl.minimum(N_CTX, row0 + _BLOCK_M + wr)
+            if WINDOW:  # the key tiles some row of the block sees
+                lo, hi = window_tiles(row0, _BLOCK_M, wl, wr, N_CTX, _BLOCK_N)
             stats = M + pid_bh.to(gl.int64) * N_CTX
             stats2 = LOG2L + pid_bh.to(gl.int64) * N_CTX
 
@@ -391,12 +406,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     m = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
     log2l = torch.empty_like(m)
     descs, where = _descriptors(q, k, v, o)
-    softcap = float(softcap)
     c = (1.0 if softcap > 0 else float(softmax_scale)) * LOG2E  # with softcap τ sits inside the tanh
-    cap = softcap if softcap > 0 else 1.0
-    wl, wr = window if window is not None else (0, 0)
     _kernel_for(softcap > 0, window is not None)[(n // BLOCK_M, b * h)](
-        *descs, m, log2l, c, h, h // hk, n, int(bool(causal)), *where, float(softmax_scale) / cap, cap, int(wl), int(wr),
+        *descs, m, log2l, c, h, h // hk, n, int(bool(causal)), *where, *feature_args(softmax_scale, softcap, window),
         num_warps=4,
     )
     return o, m, log2l
@@ -420,6 +432,14 @@ def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple
            "H": "i32", "GROUP": "i32", "N_CTX": "i32", "causal": "i32", **{f"{t}_{w}": "i32" for t in "qkv" for w in ("rb", "rh", "ch")},
            "sc": "fp32", "cap": "fp32", "wl": "i32", "wr": "i32"}
     return aot_compile_sm90(_kernel_for(bool(softcap), bool(window)), sig, {arg: 1 for arg in ones})
+
+
+def feature_args(softmax_scale: float, softcap: float, window) -> tuple[float, float, int, int]:
+    """The kernels' (sc, cap, wl, wr) arguments: the tanh's argument s·sc = τ s / cap and the cap (1.0 when softcap
+    is 0, unused), the window's (wl, wr) (0, 0 without one, unused)."""
+    cap = float(softcap) if softcap > 0 else 1.0
+    wl, wr = window if window is not None else (0, 0)
+    return float(softmax_scale) / cap, cap, int(wl), int(wr)
 
 
 def _require_gluon() -> None:

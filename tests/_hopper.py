@@ -16,3 +16,9 @@ def assert_hopper_kernel(kernel, min_wgmma: int) -> None:
     assert "mbarrier" in ptx
     assert "setmaxnreg" in ptx
     assert 0 < kernel.metadata.shared <= SM90_SHARED_MAX
+
+
+def assert_softcap_code(ptx: str, softcap: bool) -> None:
+    """The softcap's tanh is compiled in exactly when asked for: an ex2.approx.ftz (the softmax's exp2 lowers to one
+    as well) and an rcp.approx.ftz per score, as the tl.dot kernels form it."""
+    assert ("rcp.approx.ftz.f32" in ptx) == softcap

@@ -299,19 +299,6 @@ def window_args(causal: bool, window_size, softcap: float, nq: int, nk: int) -> 
 
 
 @triton.jit
-def exp2_ftz(y, INTERP: tl.constexpr):
-    """2^y in fp32 as one special-function op, ``ex2.approx.ftz.f32`` (results below 2⁻¹²⁶ flushed to 0,
-    −inf → 0, exactly 1 at y = 0); ``tl.math.exp2`` under the interpreter. Used for the softcap's tanh
-    only: with it and :func:`rcp_ftz` the softcap kernels ran faster, while on the softmax exponent it
-    made the backward slower (benchmarks/NOTES.md, run 12)."""
-    if INTERP:
-        return tl.math.exp2(y)
-    else:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [y], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-
-
-@triton.jit
 def rcp_ftz(x, INTERP: tl.constexpr):
     """1/x in fp32 as one special-function op, ``rcp.approx.ftz.f32`` (relative error ~2⁻²³); exact
     division under the interpreter. For x in normal range only (denormal x is flushed to 0 → inf)."""
@@ -322,24 +309,38 @@ def rcp_ftz(x, INTERP: tl.constexpr):
                                          is_pure=True, pack=1)
 
 
-@triton.jit
-def tanh_f32(x, INTERP: tl.constexpr):
-    """tanh in fp32 from exp2 (the same code in the forward and the backward, so both rebuild
-    bit-identical capped logits): :func:`tanh_and_grad_f32`'s first value."""
-    t, _ = tanh_and_grad_f32(x, INTERP)
-    return t
+def softcap_factor(softmax_scale: float, cap: float) -> float:
+    """The kernels' softcap argument ``sc`` = −2·log2e·τ/cap: the exponent factor of e = 2^(sc·|s|) in
+    :func:`softcap_f32` (s the raw score, τ = softmax_scale)."""
+    return -2.0 * LOG2E * float(softmax_scale) / float(cap)
+
+
+# The softcap's special-function ops as inline PTX (ex2 of sc·|s|, its |s| folded into the multiply by ptxas;
+# the sign copy one LOP3), shared with the Gluon kernels (kernels/attention_fwd_hopper.softcap_and_grad) so that
+# both families rebuild bit-identical capped logits.
+SOFTCAP_EX2_ASM = tl.constexpr("{.reg .f32 a; abs.f32 a, $1; mul.f32 a, a, $2; ex2.approx.ftz.f32 $0, a;}")
+COPYSIGN_ASM = tl.constexpr("copysign.f32 $0, $1, $2;")
 
 
 @triton.jit
-def tanh_and_grad_f32(x, INTERP: tl.constexpr):
-    """(tanh x, 1 − tanh² x) in fp32 from one exp2 and one reciprocal: e = 2^(−2|x|·log2e), r = 1/(1 + e),
-    tanh = sign(x) (1 − e) r, 1 − tanh² = 4 e r². The second form has no cancellation where tanh → ±1
-    (1 − t² keeps no correct bit once |x| > ~8.7; kernels/reference.py computes 4e/(1+e)²). Absolute error
-    of tanh ~2⁻²⁴ (cancellation near 0), i.e. cap·2⁻²⁴ in a capped logit."""
-    e = exp2_ftz(tl.abs(x) * -2.8853900817779268, INTERP)
-    r = rcp_ftz(1.0 + e, INTERP)
-    t = (1.0 - e) * r
-    return tl.where(x < 0, -t, t), 4.0 * e * r * r
+def softcap_f32(s, sc, cap, INTERP: tl.constexpr):
+    """(z, g) in fp32 for the raw scores s: the capped logits z = cap·tanh(x), x = τ s / cap, and
+    g = 1 − tanh² x, from one exp2 and one reciprocal (``sc`` = :func:`softcap_factor`):
+    e = 2^(sc·|s|) = e^(−2|x|), r2 = 2/(1 + e) = 1/(½ + ½e), z = sign(s)·(cap·r2 − cap) (one FMA), g = e·r2².
+    g has no cancellation where tanh → ±1 (1 − t² keeps no correct bit once |x| > ~8.7; kernels/reference.py
+    computes 4e/(1+e)²). Absolute error of z ~cap·2⁻²³ (cancellation near 0). Six instructions per score for z
+    (benchmarks/NOTES.md, run 23)."""
+    if INTERP:
+        e = tl.math.exp2(tl.abs(s) * sc)
+        r2 = 1.0 / tl.fma(e, 0.5, 0.5)
+        z = tl.fma(r2, cap, -cap)
+        z = tl.where(s < 0, -z, z)
+    else:
+        e = tl.inline_asm_elementwise(SOFTCAP_EX2_ASM, "=f,f,f", [s, sc], dtype=tl.float32, is_pure=True, pack=1)
+        r2 = rcp_ftz(tl.fma(e, 0.5, 0.5), INTERP)
+        z = tl.inline_asm_elementwise(COPYSIGN_ASM, "=f,f,f", [s, tl.fma(r2, cap, -cap)], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    return z, e * r2 * r2
 
 
 @triton.jit

@@ -62,7 +62,7 @@ from lightning_gproj.kernels import attention_bwd_hopper
 from lightning_gproj.kernels._triton_utils import (
     INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_groups,
     dropout_keep, in_window, interpreting, load_pair, load_rows, mma, on_input_device, padded_head_dim, rcp_ftz,
-    round_ds, seq_bounds, supports, tanh_and_grad_f32, to16, tune_lengths, visible, window_args, window_key_blocks, window_query_blocks,
+    round_ds, seq_bounds, supports, softcap_f32, softcap_factor, to16, tune_lengths, visible, window_args, window_key_blocks, window_query_blocks,
 )
 from lightning_gproj.kernels.reference import FIXES, check_ds_format, grad_dtypes, project_key_sum_, sequences
 
@@ -141,8 +141,7 @@ def _dq_inner(
         k, v = load_pair(K, V, cols, stride_kn, stride_vn, offs_d, offs_dk, offs_dv, N_K, HEAD_DIM, MASKED, EVEN_D)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
         if SOFTCAP:
-            t, g = tanh_and_grad_f32(s * sc, INTERP)  # g = 1 − t², the tanh derivative
-            s = cap * t  # the forward's capped logits, bit for bit
+            s, g = softcap_f32(s, sc, cap, INTERP)  # the forward's capped logits, bit for bit; g = 1 − tanh²
         # The forward's exponent: (s − m) exact 0 at the row max, then scale, then normalize.
         p = tl.math.exp2((s - m[:, None]) * c - l2[:, None])
         if MASKED:
@@ -366,8 +365,7 @@ def _dkdv_inner(
                 r = tl.load(Rh + rows)
         sT = mma(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), INTERP)
         if SOFTCAP:
-            tT, gT = tanh_and_grad_f32(sT * sc, INTERP)
-            sT = cap * tT
+            sT, gT = softcap_f32(sT, sc, cap, INTERP)
         pT = tl.math.exp2((sT - m[None, :]) * c - l2[None, :])
         if MASKED:
             if CAUSAL:
@@ -788,7 +786,7 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     if win["SOFTCAP"]:
         c = LOG2E  # τ sits inside the tanh
     softcap = win["cap"] if win["SOFTCAP"] else 0.0
-    sc = tau / win["cap"]
+    sc = softcap_factor(tau, win["cap"])
     wargs = (win["WL"], win["WR"], sc, win["cap"])
     wargs += (drop["seed_lo"], drop["seed_hi"], drop["drop_off"], drop["drop_thr"], drop["drop_scale"], *tune_lengths(nq, nk, varlen))
     wconst = dict(WINDOW=win["WINDOW"], SOFTCAP=win["SOFTCAP"], UNIFORM=uniform, DROPOUT=drop["DROPOUT"])

@@ -50,7 +50,7 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
     from lightning_gproj.kernels.attention_fwd_hopper import (
-        aot_compile_sm90, rcp_approx, ring_barriers, ring_load_pair, tanh_and_grad, tensordesc_type, tma_load, window_crosses,
+        aot_compile_sm90, rcp_approx, ring_barriers, ring_load_pair, softcap_and_grad, tensordesc_type, tma_load, window_crosses,
         window_mask, window_sees, window_tiles,
     )
 
@@ -122,9 +122,8 @@ if GLUON_ERROR is None:
         # m, log2l loaded here, not before the GEMMs: live across them they spilled (Triton 3.6).
         m = gl.load(M + stats + rows)
         l2 = gl.load(LOG2L + stats + rows)
-        if SOFTCAP:  # the capped logits z = cap·tanh(s·sc), bit for bit the forward's; g = 1 − tanh²
-            tT, gT = tanh_and_grad(sT * sc)
-            sT = cap * tT
+        if SOFTCAP:  # the capped logits z = cap·tanh(τ s/cap), bit for bit the forward's; g = 1 − tanh²
+            sT, gT = softcap_and_grad(sT, sc, cap)
         # The forward's exponent: (s − m) is exactly 0 at the row max, then scale, then normalize.
         pT = gl.exp2((sT - m[None, :]) * c - l2[None, :])
         if CAUSAL:
@@ -349,9 +348,8 @@ if GLUON_ERROR is None:
         s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(do, v.permute((1, 0)), zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        if SOFTCAP:  # the capped logits z = cap·tanh(s·sc), bit for bit the forward's; g = 1 − tanh²
-            t, g = tanh_and_grad(s * sc)
-            s = cap * t
+        if SOFTCAP:  # the capped logits z = cap·tanh(τ s/cap), bit for bit the forward's; g = 1 − tanh²
+            s, g = softcap_and_grad(s, sc, cap)
         # The forward's exponent: (s − m) is exactly 0 at the row max, then scale, then normalize.
         p = gl.exp2((s - m[:, None]) * c - l2[:, None])
         if CAUSAL:

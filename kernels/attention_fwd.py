@@ -39,7 +39,7 @@ from lightning_gproj.kernels import attention_fwd_hopper
 from lightning_gproj.kernels._triton_utils import (
     INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_groups,
     dropout_keep, in_window, interpreting, load_pair, mma, on_input_device, padded_head_dim, seq_bounds, supports,
-    tanh_f32, to16, tune_lengths, visible, window_args, window_key_blocks,
+    softcap_f32, softcap_factor, to16, tune_lengths, visible, window_args, window_key_blocks,
 )
 
 __all__ = ["forward", "supports"]
@@ -78,7 +78,7 @@ def _fwd_inner(
 ):
     """Online-softmax steps over key blocks [lo, hi). MASKED: apply the causal mask, the window and the
     key-tail mask cols < N_K, where N_K is the batch row's valid key count (seqlen_k, or seqlens_k[b]).
-    SOFTCAP: the logits are z = cap·tanh(s·sc) (sc = τ/cap) and c = log2e. DROPOUT: the P·V operand
+    SOFTCAP: the logits are z = cap·tanh(τ s/cap) (softcap_f32, sc = softcap_factor) and c = log2e. DROPOUT: the P·V operand
     is P̃ ∘ M (M = dropout_keep of the rows' group counters drop_rows = i·G); l and m stay the
     undropped P's."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -87,7 +87,7 @@ def _fwd_inner(
         s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), INTERP)  # raw fp32, unscaled
         if SOFTCAP:
             # The capped logits are the fp32 numbers both the max and the exponent use (FMA-safe as below).
-            s = cap * tanh_f32(s * sc, INTERP)
+            s, _ = softcap_f32(s, sc, cap, INTERP)
         if MASKED:
             valid = visible(offs_m, cols, N_K, CAUSAL_OFF, CAUSAL)
             if WINDOW:
@@ -300,7 +300,7 @@ def forward(
     log2l = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
     # With softcap τ sits inside the tanh and the exponent's factor is log2e alone.
     c = (1.0 if win["SOFTCAP"] else float(softmax_scale)) * LOG2E
-    sc = float(softmax_scale) / win["cap"]
+    sc = softcap_factor(softmax_scale, win["cap"])
     # Packed: one batch row per sequence, over the longest one (N_Q, N_K stay total_q, total_k).
     packed = varlen is not None
     nb, grid_q = (varlen[0].numel() - 1, varlen[2]) if packed else (b, nq)

@@ -33,7 +33,7 @@ import os
 import torch
 import triton
 
-from lightning_gproj.kernels._triton_utils import LOG2E, interpreting
+from lightning_gproj.kernels._triton_utils import COPYSIGN_ASM, LOG2E, SOFTCAP_EX2_ASM, interpreting, softcap_factor
 
 try:  # Gluon ships with Triton >= 3.4; the TMA copies were renamed after 3.6.
     from triton.experimental import gluon
@@ -99,15 +99,15 @@ if GLUON_ERROR is None:
             i += 1
 
     @gluon.jit
-    def tanh_and_grad(x):
-        """(tanh x, 1 − tanh² x) in fp32 by the ops of kernels/_triton_utils.tanh_and_grad_f32 (``ex2.approx.ftz``
-        and ``rcp.approx.ftz``, then the same arithmetic), so that these kernels and the tl.dot ones rebuild
-        bit-identical capped logits from the same scores."""
-        e = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [gl.abs(x) * -2.8853900817779268],
-                                      dtype=gl.float32, is_pure=True, pack=1)
-        r = rcp_approx(1.0 + e)
-        t = (1.0 - e) * r
-        return gl.where(x < 0, -t, t), 4.0 * e * r * r
+    def softcap_and_grad(s, sc, cap):
+        """(z, g): the capped logits z = cap·tanh(τ s/cap) of the raw scores s and g = 1 − tanh², by the ops of
+        kernels/_triton_utils.softcap_f32 (its inline PTX, then the same FMAs), so that these kernels and the
+        tl.dot ones rebuild bit-identical capped logits from the same scores."""
+        e = gl.inline_asm_elementwise(SOFTCAP_EX2_ASM, "=f,f,f", [s, sc], dtype=gl.float32, is_pure=True, pack=1)
+        r2 = rcp_approx(gl.fma(e, 0.5, 0.5))
+        z = gl.inline_asm_elementwise(COPYSIGN_ASM, "=f,f,f", [s, gl.fma(r2, cap, -cap)], dtype=gl.float32,
+                                      is_pure=True, pack=1)
+        return z, e * r2 * r2
 
     @gluon.jit
     def rcp_approx(x):
@@ -141,7 +141,7 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _softmax_pv(s, acc, m_i, l_i, v_tile, offs_m, start_n, diag_from, c, causal, sc, cap, wl, wr,
                     SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
-        """One key block of the online softmax: with SOFTCAP the capped logits z = cap·tanh(s·sc) replace the
+        """One key block of the online softmax: with SOFTCAP the capped logits z = cap·tanh(τ s/cap) replace the
         scores; mask them on and past the diagonal (rows from ``diag_from``), or with WINDOW outside the sliding
         window row − wl <= key <= row + wr; update the row max m and sum l, rescale acc and issue the asynchronous
         acc += P̃·V; returns (acc, m, l), acc still to be waited for."""
@@ -154,8 +154,7 @@ if GLUON_ERROR is None:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         if SOFTCAP:
-            t, _ = tanh_and_grad(s * sc)
-            s = cap * t
+            s, _ = softcap_and_grad(s, sc, cap)
         if causal != 0:
             if start_n + _BLOCK_N > diag_from:  # a tile on or past the diagonal
                 offs_n = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -435,11 +434,12 @@ def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple
 
 
 def feature_args(softmax_scale: float, softcap: float, window) -> tuple[float, float, int, int]:
-    """The kernels' (sc, cap, wl, wr) arguments: the tanh's argument s·sc = τ s / cap and the cap (1.0 when softcap
-    is 0, unused), the window's (wl, wr) (0, 0 without one, unused)."""
+    """The kernels' (sc, cap, wl, wr) arguments: the softcap's exponent factor sc = −2·log2e·τ/cap
+    (_triton_utils.softcap_factor) and the cap (1.0 when softcap is 0, unused), the window's (wl, wr) (0, 0 without
+    one, unused)."""
     cap = float(softcap) if softcap > 0 else 1.0
     wl, wr = window if window is not None else (0, 0)
-    return float(softmax_scale) / cap, cap, int(wl), int(wr)
+    return softcap_factor(softmax_scale, cap), cap, int(wl), int(wr)
 
 
 def _require_gluon() -> None:

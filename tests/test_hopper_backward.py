@@ -9,6 +9,7 @@ calls whose features they implement (a wrongly routed window or softcap call wou
 
 from __future__ import annotations
 
+import math
 import pytest
 import torch
 
@@ -226,7 +227,7 @@ def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj, soft
             def launch(*args, num_warps):
                 assert len(args) == len(self.names), (len(args), self.names)
                 named = dict(zip(self.names, args))
-                assert named["cap"] == (30.0 if softcap else 1.0) and named["sc"] == pytest.approx(0.1 / named["cap"])
+                assert named["cap"] == (30.0 if softcap else 1.0) and named["sc"] == pytest.approx(-2 * math.log2(math.e) * 0.1 / named["cap"])
                 assert (named["wl"], named["wr"]) == ((100, 3) if softcap else (0, 0))
                 assert all(isinstance(a, TensorDescriptor) for a in args[:5])
                 if "e0_desc" in self.names:  # with gproj the e0 tile: ones in column 0 of TILE_ROWS × ROWSUM_N

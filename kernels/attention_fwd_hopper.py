@@ -76,6 +76,14 @@ if GLUON_ERROR is None:
         tma_load(b_desc, [b_row, b_col], ready.index(s), b_smem.index(s))
 
     @gluon.jit
+    def ring_load(desc, smem, ready, empty, i, row, col, NUM_STAGES: gl.constexpr):
+        """Fill slot i % NUM_STAGES of a one-tile ring that two consumers share, as :func:`ring_load_pair`."""
+        s = i % NUM_STAGES
+        mbarrier.wait(empty.index(s), ((i // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), desc.block_type.nbytes)
+        tma_load(desc, [row, col], ready.index(s), smem.index(s))
+
+    @gluon.jit
     def ring_barriers(NUM_STAGES: gl.constexpr):
         """The ``ready`` / ``empty`` mbarriers of a NUM_STAGES-slot ring that a TMA loader fills (one arrival
         with the bytes expected) and two consumers release (``empty`` counts both arrivals)."""
@@ -87,15 +95,17 @@ if GLUON_ERROR is None:
         return ready, empty
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, q_col, k_row, k_col,
-                v_row, v_col, lo, hi):
+    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, q_row, q_col,
+                k_row, k_col, v_row, v_col, lo, hi):
+        """Q once, then the K and V tiles of [lo, hi) on rings of their own: a consumer releases K_j once S_j is
+        computed and V_j once P̃_j·V_j is, so K_{j+1} can load while P̃_{j-1}·V_{j-1} still reads its slot."""
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
         tma_load(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
         tma_load(q_desc, [q_row + _HALF_M, q_col], q_bar, q_smem.index(1))
         i = 0
         for start_n in range(lo, hi, _BLOCK_N):
-            ring_load_pair(k_desc, v_desc, k_smem, v_smem, ready, empty, i, k_row + start_n, k_col, v_row + start_n, v_col,
-                           _NUM_STAGES)
+            ring_load(k_desc, k_smem, k_ready, k_empty, i, k_row + start_n, k_col, _NUM_STAGES)
+            ring_load(v_desc, v_smem, v_ready, v_empty, i, v_row + start_n, v_col, _NUM_STAGES)
             i += 1
 
     @gluon.jit
@@ -139,14 +149,12 @@ if GLUON_ERROR is None:
         return (keys >= rows - wl) & (keys <= rows + wr)
 
     @gluon.jit
-    def _softmax_pv(s, acc, m_i, l_i, v_tile, offs_m, start_n, diag_from, c, causal, sc, cap, wl, wr,
-                    SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
+    def _softmax(s, m_i, l_i, offs_m, start_n, diag_from, c, causal, sc, cap, wl, wr, HEAD_DIM: gl.constexpr,
+                 dtype: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
         """One key block of the online softmax: with SOFTCAP the capped logits z = cap·tanh(τ s/cap) replace the
         scores; mask them on and past the diagonal (rows from ``diag_from``), or with WINDOW outside the sliding
-        window row − wl <= key <= row + wr; update the row max m and sum l, rescale acc and issue the asynchronous
-        acc += P̃·V; returns (acc, m, l), acc still to be waited for."""
-        HEAD_DIM: gl.constexpr = acc.shape[1]
-        dtype: gl.constexpr = v_tile.dtype
+        window row − wl <= key <= row + wr; update the row max m and sum l. Returns (P̃ as the A operand of P̃·V,
+        the factor α that rescales the accumulator (in its row layout), m, l)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -171,13 +179,20 @@ if GLUON_ERROR is None:
         alpha = gl.exp2((m_i - m_use) * c)
         p = gl.exp2((s - m_use[:, None]) * c)
         l_i = l_i * alpha + gl.sum(p, axis=1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p16 = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma(p16, v_tile, acc, is_async=True)
-        return acc, m_new, l_i
+        return gl.convert_layout(p.to(dtype), p_layout), gl.convert_layout(alpha, row_o), m_new, l_i
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, half: gl.constexpr, o_row, row0,
+    def release_unread(k_ready, k_empty, v_ready, v_empty, i):
+        """Release tile i of the K and V rings without reading it (waited for first, so that the rings' phases stay
+        in step)."""
+        st = i % _NUM_STAGES
+        mbarrier.wait(k_ready.index(st), (i // _NUM_STAGES) & 1)
+        mbarrier.arrive(k_empty.index(st), count=1)
+        mbarrier.wait(v_ready.index(st), (i // _NUM_STAGES) & 1)
+        mbarrier.arrive(v_empty.index(st), count=1)
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, M, LOG2L, half: gl.constexpr, o_row, row0,
                   o_col, lo, hi, c, causal, sc, cap, wl, wr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
         HEAD_DIM: gl.constexpr = o_desc.block_type.shape[1]
         dtype: gl.constexpr = o_desc.dtype
@@ -195,21 +210,49 @@ if GLUON_ERROR is None:
         s_zero = gl.zeros([_HALF_M, _BLOCK_N], gl.float32, layout=s_layout)
         q = q_smem.index(half)
         mbarrier.wait(q_bar, 0)
-        i = 0
         first = row0 + half * _HALF_M
-        for start_n in range(lo, hi, _BLOCK_N):
+        # This half's tiles [lo_h, last]: all of the block's, but with WINDOW the ones its 64 rows see (a band);
+        # the others are released unread.
+        lo_h = lo
+        hi_h = hi
+        if WINDOW:
+            lo_h, hi_h = window_tiles(first, _HALF_M, wl, wr, hi, _BLOCK_N)
+        last = lo_h + ((hi_h - lo_h - 1) // _BLOCK_N) * _BLOCK_N
+        i = 0
+        for start_n in range(lo, lo_h, _BLOCK_N):
+            release_unread(k_ready, k_empty, v_ready, v_empty, i)
+            i += 1
+        # Pipelined as FA3 (Shah et al. 2024, §3.2): P̃_{j-1}·V_{j-1} runs on the tensor cores during the softmax of
+        # tile j, right after S_j = Q·K_jᵀ; the accumulator is complete again at the end of each step.
+        st = i % _NUM_STAGES
+        mbarrier.wait(k_ready.index(st), (i // _NUM_STAGES) & 1)
+        s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        mbarrier.arrive(k_empty.index(st), count=1)
+        p16, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, lo_h, first, c, causal, sc, cap, wl, wr, HEAD_DIM, dtype,
+                                        SOFTCAP, WINDOW)
+        for start_n in range(lo_h + _BLOCK_N, last + _BLOCK_N, _BLOCK_N):  # tile j = i + 1 at start_n
             st = i % _NUM_STAGES
-            mbarrier.wait(ready.index(st), (i // _NUM_STAGES) & 1)
-            visit = True
-            if WINDOW:  # a tile no row of this half sees (the block's window is wider than this half's) is released unread
-                visit = window_sees(first, _HALF_M, start_n, _BLOCK_N, wl, wr)
-            if visit:
-                s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, v_smem.index(st), offs_m, start_n, first, c, causal, sc,
-                                            cap, wl, wr, SOFTCAP, WINDOW)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(st), count=1)
+            nx = (i + 1) % _NUM_STAGES
+            mbarrier.wait(k_ready.index(nx), ((i + 1) // _NUM_STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(nx).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(st), (i // _NUM_STAGES) & 1)
+            acc = warpgroup_mma(p16, v_smem.index(st), acc * alpha[:, None], is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j (P̃_{j-1}·V_{j-1} may still run)
+            mbarrier.arrive(k_empty.index(nx), count=1)
+            p16, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n, first, c, causal, sc, cap, wl, wr, HEAD_DIM,
+                                            dtype, SOFTCAP, WINDOW)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(st), count=1)
+            i += 1
+        st = i % _NUM_STAGES
+        mbarrier.wait(v_ready.index(st), (i // _NUM_STAGES) & 1)
+        acc = warpgroup_mma(p16, v_smem.index(st), acc * alpha[:, None], is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(st), count=1)
+        i += 1
+        for start_n in range(last + _BLOCK_N, hi, _BLOCK_N):
+            release_unread(k_ready, k_empty, v_ready, v_empty, i)
             i += 1
         o = acc / gl.convert_layout(l_i, row_o)[:, None]
         o_smem = gl.allocate_shared_memory(dtype, [_HALF_M, HEAD_DIM], o_desc.layout)
@@ -226,9 +269,9 @@ if GLUON_ERROR is None:
         HALF, SOFTCAP, WINDOW = gl.constexpr(half), gl.constexpr(softcap), gl.constexpr(window)
 
         @gluon.jit
-        def consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, o_row, row0, o_col, lo, hi, c,
+        def consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, M, LOG2L, o_row, row0, o_col, lo, hi, c,
                      causal, sc, cap, wl, wr):
-            _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, M, LOG2L, HALF, o_row, row0, o_col, lo, hi, c,
+            _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, M, LOG2L, HALF, o_row, row0, o_col, lo, hi, c,
                       causal, sc, cap, wl, wr, SOFTCAP, WINDOW)
 
         return consumer
@@ -275,14 +318,15 @@ if GLUON_ERROR is None:
             v_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_N, HEAD_DIM], v_desc.layout)
             q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             mbarrier.init(q_bar, count=1)
-            ready, empty = ring_barriers(_NUM_STAGES)
+            k_ready, k_empty = ring_barriers(_NUM_STAGES)
+            v_ready, v_empty = ring_barriers(_NUM_STAGES)
 
-            consumer_args = (q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc, stats, stats2, o_row, row0, o_col, lo,
+            consumer_args = (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, stats, stats2, o_row, row0, o_col, lo,
                              hi, c, causal, sc, cap, wl, wr)
             gl.warp_specialize([
                 (consumer0, consumer_args),
                 (consumer1, consumer_args),
-                (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, q_col, k_row,
+                (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, q_row, q_col, k_row,
                            hk * k_ch, v_row, hk * v_ch, lo, hi)),
             ], [4, 1], [232, 24])
 

@@ -311,8 +311,16 @@ def rcp_ftz(x, INTERP: tl.constexpr):
 
 def softcap_factor(softmax_scale: float, cap: float) -> float:
     """The kernels' softcap argument ``sc`` = −2·log2e·τ/cap: the exponent factor of e = 2^(sc·|s|) in
-    :func:`softcap_f32` (s the raw score, τ = softmax_scale)."""
-    return -2.0 * LOG2E * float(softmax_scale) / float(cap)
+    :func:`softcap_f32` (s the raw score, τ = softmax_scale; cap is 1.0 without a softcap).
+
+    Raises ValueError unless τ > 0, cap > 0 and sc is a finite fp32 number: with τ < 0 the compiled kernels'
+    copysign would give the capped logits the wrong sign (the interpreter's would not), and an infinite sc
+    makes z NaN at s = 0."""
+    sc = -2.0 * LOG2E * float(softmax_scale) / float(cap) if cap > 0 else math.inf
+    if not (softmax_scale > 0 and abs(sc) <= 3.4028234663852886e38):
+        raise ValueError(f"softmax_scale must be > 0 and softmax_scale/softcap at most ~1e38 (softmax_scale="
+                         f"{softmax_scale!r}, softcap={cap!r})")
+    return sc
 
 
 # The softcap's special-function ops as inline PTX (ex2 of sc·|s|, its |s| folded into the multiply by ptxas;
@@ -328,8 +336,9 @@ def softcap_f32(s, sc, cap, INTERP: tl.constexpr):
     g = 1 − tanh² x, from one exp2 and one reciprocal (``sc`` = :func:`softcap_factor`):
     e = 2^(sc·|s|) = e^(−2|x|), r2 = 2/(1 + e) = 1/(½ + ½e), z = sign(s)·(cap·r2 − cap) (one FMA), g = e·r2².
     g has no cancellation where tanh → ±1 (1 − t² keeps no correct bit once |x| > ~8.7; kernels/reference.py
-    computes 4e/(1+e)²). Absolute error of z ~cap·2⁻²³ (cancellation near 0). Six instructions per score for z
-    (benchmarks/NOTES.md, run 23)."""
+    computes 4e/(1+e)²); g is 0 or >= 2⁻¹²⁴ (e is flushed below 2⁻¹²⁶), never denormal. Absolute error of z
+    ≲ 3·cap·2⁻²³, largest at |x| ≈ 0.5–8 (an emulation with ex2 off by 2⁻²² and rcp by 1 ulp, benchmarks/NOTES.md
+    run 24). Six instructions per score for z (run 23)."""
     if INTERP:
         e = tl.math.exp2(tl.abs(s) * sc)
         r2 = 1.0 / tl.fma(e, 0.5, 0.5)

@@ -8,6 +8,7 @@ under the interpreter in tests/test_triton_kernels.py::test_window_softcap_kerne
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -285,3 +286,14 @@ def test_hf_gemma2_fallbacks_and_unswapped_layers_match_the_original(case):
     assert _rel(out[real], out_ref[real]) <= 2e-5
     for key in grads_ref:
         assert _rel(grads[key], grads_ref[key]) <= 1e-4, key
+
+
+def test_softcap_factor_value_and_rejected_arguments():
+    """The kernels' softcap argument is −2·log2(e)·τ/cap; τ <= 0, cap <= 0 or an fp32 overflow raise instead of
+    giving the compiled kernels' capped logits the wrong sign or NaN."""
+    from lightning_gproj.kernels._triton_utils import softcap_factor
+
+    assert softcap_factor(0.125, 30.0) == pytest.approx(-2.0 / math.log(2.0) * 0.125 / 30.0, rel=1e-15)
+    for tau, cap in ((0.0, 30.0), (-0.125, 30.0), (1e39, 1.0), (0.125, 0.0), (0.125, -30.0)):
+        with pytest.raises(ValueError, match="softmax_scale"):
+            softcap_factor(tau, cap)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import tempfile
+
 #: Shared memory one block may use on sm_90 (227 KB, the CUDA opt-in maximum on H100 / H200).
 SM90_SHARED_MAX = 232448
 
@@ -16,6 +20,28 @@ def assert_hopper_kernel(kernel, min_wgmma: int) -> None:
     assert "mbarrier" in ptx
     assert "setmaxnreg" in ptx
     assert 0 < kernel.metadata.shared <= SM90_SHARED_MAX
+    assert_wgmma_chained(kernel)
+
+
+def sass(kernel) -> str:
+    """The kernel's SASS, disassembled from its cubin by the cuobjdump that ships with Triton."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def assert_wgmma_chained(kernel) -> None:
+    """ptxas did not serialize the warp-group MMAs. When it does (its -v prints "Potential Performance Loss:
+    wgmma.mma_async instructions are serialized", C7512 / C7514), every HGMMA becomes a group of its own, waited
+    for at once (``gsb0`` on each), and the k-steps of one GEMM no longer stream: run 19's pipelined forward was
+    20–30% slower that way (benchmarks/NOTES.md, run 24). Chained, only a GEMM's last k-step carries gsb0."""
+    hgmma = [line for line in sass(kernel).splitlines() if "HGMMA" in line]
+    assert hgmma, "no HGMMA in the SASS"
+    assert any("gsb0" not in line for line in hgmma), "every wgmma serialized (ptxas C7512 / C7514)"
 
 
 def assert_softcap_code(ptx: str, softcap: bool) -> None:

@@ -535,9 +535,9 @@ def _check_seqlens_k(seqlens_k: object, q: Tensor, k: Tensor) -> Tensor:
 
 
 def _check_window(window_size: object) -> tuple[int, int]:
-    """``window_size`` as (left, right) ints >= −1, or ValueError naming it."""
+    """``window_size`` as (left, right) ints >= −1 (Python or NumPy integers), or ValueError naming it."""
     ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window_size
+        isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= -1 for x in window_size
     )
     if not ok:
         raise ValueError(

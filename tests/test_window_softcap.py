@@ -11,6 +11,7 @@ import copy
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,6 +85,14 @@ def test_softcap_capped_domain_zero_sum_and_no_c2_projection():
     rows = size >= 1e-3 * size.max()  # rows whose exact dZ is not (near) zero: one-hot rows are noise
     assert ((x_hat / g).sum(-1).abs() / size)[rows].max() <= 1e-5
     assert ((x16 / g).sum(-1).abs() / size)[rows].max() >= 1e-4  # the rounding broke it
+
+
+def test_window_size_takes_numpy_integers():
+    """A window whose sides come from NumPy (np.int64, np.int32) is served like the Python ints."""
+    q, k, v, do = _inputs(nq=37, nk=45)
+    o64 = attention_fp64(q, k, v, do, 32**-0.5, False, window_size=(3, 5))[0]
+    o = gproj_attn_func(q, k, v, window_size=(np.int64(3), np.int32(5)))
+    assert _rel(o, o64) <= 4e-3
 
 
 def test_rows_without_visible_key_get_zero_not_nan():

@@ -7,6 +7,8 @@ Public API::
 See README.md and docs/design.md.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from lightning_gproj.callbacks import Alert, GradNormMonitor, ZeroSumMonitor
 from lightning_gproj.fabric import GProjFabricPlugin
 from lightning_gproj.ops import DS_FORMATS, FIXES, gproj_attn_func, gproj_attn_varlen_func
@@ -14,6 +16,11 @@ from lightning_gproj.plugin import GProjPlugin
 from lightning_gproj.sdpa_registry import activate_sdpa_registry, restore_sdpa_registry, use_sdpa_registry
 from lightning_gproj.stats import RECORDER, StatsRecorder
 from lightning_gproj.swap import GProjFallbackError, GProjFallbackWarning, SwapReport, swap_attention, unswap_attention
+
+try:
+    __version__ = version("lightning-gproj")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "Alert",

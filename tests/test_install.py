@@ -36,6 +36,7 @@ PROBE = textwrap.dedent("""
         "package": lightning_gproj.__file__,
         "kernels": lightning_gproj.kernels.__file__,
         "callbacks": lightning_gproj.callbacks.__file__,
+        "version": lightning_gproj.__version__,
         "finders": [f for f in finders if f],
         "path": sys.path,
     }))
@@ -87,6 +88,15 @@ def _probe(python: Path, cwd: Path) -> dict:
     return json.loads(_run([str(python), "-c", PROBE], cwd=cwd).stdout.strip().splitlines()[-1])
 
 
+def _setup_cfg_version() -> str:
+    """The version setup.cfg declares (what lightning_gproj.__version__ must report once installed)."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    return cfg["metadata"]["version"]
+
+
 def _is_under(path: str | Path, root: Path) -> bool:
     return Path(path).resolve().is_relative_to(root.resolve())
 
@@ -114,6 +124,7 @@ def test_regular_install_imports_mapped_subpackages(tmp_path):
     assert Path(info["package"]).resolve() == (pkg / "__init__.py").resolve()
     assert Path(info["kernels"]).resolve() == (pkg / "kernels" / "__init__.py").resolve()
     assert Path(info["callbacks"]).resolve() == (pkg / "callbacks" / "__init__.py").resolve()
+    assert info["version"] == _setup_cfg_version()
     _assert_dev_install_inactive(info)
     # (this environment may itself live inside the repo, as .venv/ does: only the source dirs count)
     sources = {REPO, REPO / "kernels", REPO / "callbacks", REPO / "lightning_gproj"}
@@ -131,6 +142,7 @@ def test_editable_install_imports_mapped_subpackages(tmp_path):
     assert Path(info["package"]).resolve() == REPO / "lightning_gproj" / "__init__.py"
     assert Path(info["kernels"]).resolve() == REPO / "kernels" / "__init__.py"
     assert Path(info["callbacks"]).resolve() == REPO / "callbacks" / "__init__.py"
+    assert info["version"] == _setup_cfg_version()
     _assert_dev_install_inactive(info)
     # The editable hook that resolved them is the test venv's own.
     assert any(_is_under(f, site) and "editable" in Path(f).name for f in info["finders"]), info["finders"]

@@ -337,8 +337,8 @@ def softcap_f32(s, sc, cap, INTERP: tl.constexpr):
     e = 2^(sc·|s|) = e^(−2|x|), r2 = 2/(1 + e) = 1/(½ + ½e), z = sign(s)·(cap·r2 − cap) (one FMA), g = e·r2².
     g has no cancellation where tanh → ±1 (1 − t² keeps no correct bit once |x| > ~8.7; kernels/reference.py
     computes 4e/(1+e)²); g is 0 or >= 2⁻¹²⁴ (e is flushed below 2⁻¹²⁶), never denormal. Absolute error of z
-    ≲ 3·cap·2⁻²³, largest at |x| ≈ 0.5–8 (an emulation with ex2 off by 2⁻²² and rcp by 1 ulp, benchmarks/NOTES.md
-    run 24). Six instructions per score for z (run 23)."""
+    ≲ 3·cap·2⁻²³, largest at |x| ≈ 0.5–8 (an emulation with ex2 off by 2⁻²² and rcp by 1 ulp,
+    benchmarks/NOTES.md run 24). Six instructions per score for z (run 23)."""
     if INTERP:
         e = tl.math.exp2(tl.abs(s) * sc)
         r2 = 1.0 / tl.fma(e, 0.5, 0.5)

@@ -192,8 +192,9 @@ if GLUON_ERROR is None:
         mbarrier.arrive(v_empty.index(st), count=1)
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, M, LOG2L, half: gl.constexpr, o_row, row0,
-                  o_col, lo, hi, c, causal, sc, cap, wl, wr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
+    def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, M, LOG2L,
+                  half: gl.constexpr, o_row, row0, o_col, lo, hi, c, causal, sc, cap, wl, wr, SOFTCAP: gl.constexpr,
+                  WINDOW: gl.constexpr):
         HEAD_DIM: gl.constexpr = o_desc.block_type.shape[1]
         dtype: gl.constexpr = o_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -269,10 +270,10 @@ if GLUON_ERROR is None:
         HALF, SOFTCAP, WINDOW = gl.constexpr(half), gl.constexpr(softcap), gl.constexpr(window)
 
         @gluon.jit
-        def consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, M, LOG2L, o_row, row0, o_col, lo, hi, c,
-                     causal, sc, cap, wl, wr):
-            _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, M, LOG2L, HALF, o_row, row0, o_col, lo, hi, c,
-                      causal, sc, cap, wl, wr, SOFTCAP, WINDOW)
+        def consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, M, LOG2L, o_row, row0,
+                     o_col, lo, hi, c, causal, sc, cap, wl, wr):
+            _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, M, LOG2L, HALF, o_row,
+                      row0, o_col, lo, hi, c, causal, sc, cap, wl, wr, SOFTCAP, WINDOW)
 
         return consumer
 
@@ -321,13 +322,13 @@ if GLUON_ERROR is None:
             k_ready, k_empty = ring_barriers(_NUM_STAGES)
             v_ready, v_empty = ring_barriers(_NUM_STAGES)
 
-            consumer_args = (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, stats, stats2, o_row, row0, o_col, lo,
-                             hi, c, causal, sc, cap, wl, wr)
+            consumer_args = (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, stats, stats2,
+                             o_row, row0, o_col, lo, hi, c, causal, sc, cap, wl, wr)
             gl.warp_specialize([
                 (consumer0, consumer_args),
                 (consumer1, consumer_args),
-                (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, q_row, q_col, k_row,
-                           hk * k_ch, v_row, hk * v_ch, lo, hi)),
+                (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                           q_row, q_col, k_row, hk * k_ch, v_row, hk * v_ch, lo, hi)),
             ], [4, 1], [232, 24])
 
         return _hopper_fwd_kernel

@@ -309,6 +309,12 @@ def rcp_ftz(x, INTERP: tl.constexpr):
                                          is_pure=True, pack=1)
 
 
+def exponent_factor(softmax_scale: float, softcap: float) -> float:
+    """The kernels' ``c``, the factor of the softmax exponent exp2((logit − m)·c): τ·log2e, or log2e alone with a
+    softcap (τ then sits inside the tanh of the logit z = cap·tanh(τ s / cap))."""
+    return (1.0 if softcap > 0 else float(softmax_scale)) * LOG2E
+
+
 def softcap_factor(softmax_scale: float, cap: float) -> float:
     """The kernels' softcap argument ``sc`` = −2·log2e·τ/cap: the exponent factor of e = 2^(sc·|s|) in
     :func:`softcap_f32` (s the raw score, τ = softmax_scale; cap is 1.0 without a softcap).

@@ -60,8 +60,8 @@ import triton.language as tl
 
 from lightning_gproj.kernels import attention_bwd_hopper
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_groups,
-    dropout_keep, in_window, interpreting, load_pair, load_rows, mma, on_input_device, padded_head_dim, rcp_ftz,
+    INTERPRET, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_groups,
+    dropout_keep, exponent_factor, in_window, interpreting, load_pair, load_rows, mma, on_input_device, padded_head_dim, rcp_ftz,
     round_ds, seq_bounds, supports, softcap_f32, softcap_factor, to16, tune_lengths, visible, window_args, window_key_blocks, window_query_blocks,
 )
 from lightning_gproj.kernels.reference import FIXES, check_ds_format, grad_dtypes, project_key_sum_, sequences
@@ -777,15 +777,13 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     b, nq, h, d = q.shape
     nk, hk = k.shape[1], k.shape[2]
     dev = q.device
-    c = tau * LOG2E
     bd = padded_head_dim(d)
     has_seqlens = seqlens_k is not None
     seqlens_arg = seqlens_k if has_seqlens else m
     uniform = fix == "gproj_uniform" and (win["WINDOW"] or win["SOFTCAP"])
     gproj = fix == "gproj" or uniform  # the in-kernel projection, P̃ or the visible-key mask as direction
-    if win["SOFTCAP"]:
-        c = LOG2E  # τ sits inside the tanh
     softcap = win["cap"] if win["SOFTCAP"] else 0.0
+    c = exponent_factor(tau, softcap)
     sc = softcap_factor(tau, win["cap"])
     wargs = (win["WL"], win["WR"], sc, win["cap"])
     wargs += (drop["seed_lo"], drop["seed_hi"], drop["drop_off"], drop["drop_thr"], drop["drop_scale"], *tune_lengths(nq, nk, varlen))

@@ -37,9 +37,9 @@ import triton.language as tl
 
 from lightning_gproj.kernels import attention_fwd_hopper
 from lightning_gproj.kernels._triton_utils import (
-    INTERPRET, LOG2E, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_groups,
-    dropout_keep, in_window, interpreting, load_pair, mma, on_input_device, padded_head_dim, seq_bounds, supports,
-    softcap_f32, softcap_factor, to16, tune_lengths, visible, window_args, window_key_blocks,
+    INTERPRET, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_groups,
+    dropout_keep, exponent_factor, in_window, interpreting, load_pair, mma, on_input_device, padded_head_dim,
+    seq_bounds, supports, softcap_f32, softcap_factor, to16, tune_lengths, visible, window_args, window_key_blocks,
 )
 
 __all__ = ["forward", "supports"]
@@ -298,8 +298,7 @@ def forward(
     o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
     m = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
     log2l = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
-    # With softcap τ sits inside the tanh and the exponent's factor is log2e alone.
-    c = (1.0 if win["SOFTCAP"] else float(softmax_scale)) * LOG2E
+    c = exponent_factor(softmax_scale, softcap)
     sc = softcap_factor(softmax_scale, win["cap"])
     # Packed: one batch row per sequence, over the longest one (N_Q, N_K stay total_q, total_k).
     packed = varlen is not None

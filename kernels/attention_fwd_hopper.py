@@ -33,7 +33,9 @@ import os
 import torch
 import triton
 
-from lightning_gproj.kernels._triton_utils import COPYSIGN_ASM, LOG2E, SOFTCAP_EX2_ASM, interpreting, softcap_factor
+from lightning_gproj.kernels._triton_utils import (
+    COPYSIGN_ASM, SOFTCAP_EX2_ASM, exponent_factor, interpreting, softcap_factor,
+)
 
 try:  # Gluon ships with Triton >= 3.4; the TMA copies were renamed after 3.6.
     from triton.experimental import gluon
@@ -450,7 +452,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     m = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
     log2l = torch.empty_like(m)
     descs, where = _descriptors(q, k, v, o)
-    c = (1.0 if softcap > 0 else float(softmax_scale)) * LOG2E  # with softcap τ sits inside the tanh
+    c = exponent_factor(softmax_scale, softcap)
     _kernel_for(softcap > 0, window is not None)[(n // BLOCK_M, b * h)](
         *descs, m, log2l, c, h, h // hk, n, int(bool(causal)), *where, *feature_args(softmax_scale, softcap, window),
         num_warps=4,

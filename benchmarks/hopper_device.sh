@@ -74,18 +74,14 @@ for phase in $phases; do
       GPROJ_TRITON_AUTOTUNE=0 timeout 100 python3 benchmarks/fidelity.py --quick --mus 0,200,1000 --methods gproj,none \
         --softcap 30 --out "$OUT/fidelity_softcap" > "$OUT/fidelity_softcap.log" 2>&1
       echo "softcapfid rc=$?"; rm -f "$OUT/fidelity_softcap"/*.png; tail -n 30 "$OUT/fidelity_softcap.log" ;;
-    softcapspeed)
+    softcapspeed|windowspeed)
+      feature=${phase%speed}  # softcap or window
+      flag="--softcap 30"; [[ $feature == window ]] && flag="--window 1024"
       tag=${SOFTCAP_ENV:+_tldot}
       env ${SOFTCAP_ENV:-} GPROJ_TRITON_AUTOTUNE=0 timeout 130 python3 benchmarks/attention.py --methods gproj,none --shapes 0,1,3,5 \
-        --softcap 30 --out "$OUT/speed_softcap$tag" > "$OUT/speed_softcap$tag.log" 2>&1
-      echo "softcapspeed ${SOFTCAP_ENV:-} rc=$?"; rm -f "$OUT/speed_softcap$tag"/*.png
-      grep -B2 -A7 "TFLOP/s$" "$OUT/speed_softcap$tag/attention.md" ;;
-    windowspeed)
-      tag=${SOFTCAP_ENV:+_tldot}
-      env ${SOFTCAP_ENV:-} GPROJ_TRITON_AUTOTUNE=0 timeout 130 python3 benchmarks/attention.py --methods gproj,none --shapes 0,1,3,5 \
-        --window 1024 --out "$OUT/speed_window$tag" > "$OUT/speed_window$tag.log" 2>&1
-      echo "windowspeed ${SOFTCAP_ENV:-} rc=$?"; rm -f "$OUT/speed_window$tag"/*.png "$OUT/speed_window$tag"/*.json
-      grep -B2 -A7 "TFLOP/s$" "$OUT/speed_window$tag/attention.md" ;;
+        $flag --out "$OUT/speed_$feature$tag" > "$OUT/speed_$feature$tag.log" 2>&1
+      echo "$phase ${SOFTCAP_ENV:-} rc=$?"; rm -f "$OUT/speed_$feature$tag"/*.png
+      grep -B2 -A7 "TFLOP/s$" "$OUT/speed_$feature$tag/attention.md" ;;
     *) echo "unknown phase $phase (check, c2, base, bwdcheck, ab, bwdab, train, softcap, softcapfid, softcapspeed, windowspeed)"; exit 2 ;;
   esac
 done

@@ -3,9 +3,9 @@
 Shapes (B×H×N×d), each without and with the causal mask: 4×16×2048×128, 1×16×8192×128, 2×16×4096×64,
 1×8×16384×128; bf16, inputs from torch.randn. FLOPs: forward 4·B·H·N²·d (× ½ causal), backward
 2.5 × forward. Time: triton.testing.do_bench, median (warm-up first; the first call of each shape
-autotunes / compiles); ``--timer cudagraph``: triton.testing.do_bench_cudagraph instead, the GPU time of calls
-replayed from a CUDA graph, for our kernels only (do_bench launches each call from Python after an L2 flush, so a short call whose host
-time exceeds the flush's GPU time reads slower than its kernels run). Peak memory: torch.cuda.max_memory_allocated over one forward+backward, minus
+autotunes / compiles); ``--timer kernels``: the GPU time of the call's kernels instead, every method alike (do_bench
+launches each call from Python after an L2 flush, so a short call whose host time exceeds the flush's GPU time reads
+slower than its kernels run: :func:`kernel_time`). Peak memory: torch.cuda.max_memory_allocated over one forward+backward, minus
 the memory held before it (inputs), in MiB.
 
 Methods (benchmarks/_methods.py): gproj, gproj_fold, none, gproj_uniform (our kernels), cudnn (SDPA),
@@ -67,9 +67,55 @@ MODES = (("fwd", "fwd"), ("bwd", "bwd"), ("fwdbwd", "fwd_bwd"))  # (record key, 
 
 #: How the GPU runs are timed (``--timer``): "do_bench" (triton.testing.do_bench: each call launched from Python
 #: after an L2 flush, so a call whose host time exceeds the flush's GPU time is timed partly on the host) or
-#: "cudagraph" (triton.testing.do_bench_cudagraph: the calls replayed from a CUDA graph, no L2 flush: GPU time only;
-#: our kernels only).
+#: "kernels" (:func:`kernel_time`: the summed GPU time of each call's kernels, L2 flushed before each call).
 TIMER = "do_bench"
+#: Bytes the L2 flush writes before each timed call (as triton.testing.do_bench; the H200's L2 holds 50 MB).
+FLUSH_BYTES = 256 * 2**20
+
+
+def _flush_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _l2_flush(X, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(X + offs, tl.zeros([BLOCK], tl.int32))
+
+    return _l2_flush
+
+
+def kernel_time(fn, calls=30, warmup=5):
+    """Median over ``calls`` calls of fn's GPU time in ms: the durations of the kernels, memsets and copies the
+    call runs, summed (CUDA activity of torch.profiler, i.e. CUPTI), so host time between launches is not counted.
+    Before each call a kernel of our own (its name ``_l2_flush``, which also splits the calls apart) writes
+    FLUSH_BYTES, as do_bench's flush does. Works for every method, cuDNN included (CUDA graphs do not: the SDPA
+    anchors failed under capture, benchmarks/NOTES.md run 20)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    block = 4096
+    kernel = _flush_kernel()
+    for _ in range(warmup):
+        kernel[(flush.numel() // block,)](flush, BLOCK=block)
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            kernel[(flush.numel() // block,)](flush, BLOCK=block)
+            fn()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    per_call = []
+    for e in events:
+        if "_l2_flush" in e.name:
+            per_call.append(0.0)
+        elif per_call:
+            per_call[-1] += (e.time_range.end - e.time_range.start) / 1e3  # µs → ms
+    if len(per_call) != calls or min(per_call) <= 0:
+        raise RuntimeError(f"kernel_time: {len(per_call)} of {calls} calls seen with kernels by the profiler")
+    return sorted(per_call)[calls // 2]
 
 
 def bench(fn, smoke):
@@ -77,9 +123,9 @@ def bench(fn, smoke):
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
-    from triton.testing import do_bench, do_bench_cudagraph
-    if TIMER == "cudagraph":
-        return do_bench_cudagraph(fn, rep=100, return_mode="median")
+    from triton.testing import do_bench
+    if TIMER == "kernels":
+        return kernel_time(fn)
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
@@ -107,9 +153,6 @@ def measure(shape, name, smoke, window=0, softcap=0.0, dropout=0.0):
     try:
         if feat and name not in M.OURS:
             raise ValueError("window / softcap / dropout are timed for our kernels only")
-        if TIMER == "cudagraph" and name not in M.OURS:  # they failed under graph capture (benchmarks/NOTES.md, run 20)
-            raise ValueError("--timer cudagraph times our kernels only (the SDPA anchors failed under graph capture, "
-                             "cudaErrorStreamCaptureInvalidated, torch 2.11)")
         meth = M.make(name, q, k, v, do, causal, **feat)
         meth.fwd_bwd()  # compile / autotune
         if not smoke:
@@ -168,8 +211,8 @@ def markdown(res):
         return fmt(a / b, 2) if isinstance(a, float) and isinstance(b, float) else "—"
 
     timer = {"do_bench": "triton.testing.do_bench medians (each call launched after an L2 flush)",
-             "cudagraph": "triton.testing.do_bench_cudagraph medians (calls replayed from a CUDA graph: GPU time, "
-                          "no host launch time, no L2 flush)"}[res.get("timer", "do_bench")]
+             "kernels": "medians of each call's summed kernel time (torch.profiler's CUDA activity; L2 flushed "
+                        "before each call; no host launch time)"}[res.get("timer", "do_bench")]
     out = [f"# Attention speed (DESIGN.md §7)\n\n{res['env']}\n\nDate {res['date']}. TFLOP/s from "
            f"{timer}; bf16; FLOPs 4·B·H·N²·d (½ causal), bwd 2.5×.\n"]
     for key, title in (("fwdbwd", "fwd+bwd"), ("fwd", "fwd"), ("bwd", "bwd")):
@@ -321,8 +364,8 @@ def main(argv=None):
     ap.add_argument("--varlen", nargs="?", const="", default=None, metavar="LENGTHS",
                     help=f"time packed sequences vs padded (default lengths {VARLEN_LENGTHS})")
     ap.add_argument("--varlen-heads", default="16,128", help="H,d of --varlen (default 16,128)")
-    ap.add_argument("--timer", choices=("do_bench", "cudagraph"), default="do_bench",
-                    help="do_bench (default) or cudagraph: the GPU time of calls replayed from a CUDA graph (TIMER)")
+    ap.add_argument("--timer", choices=("do_bench", "kernels"), default="do_bench",
+                    help="do_bench (default) or kernels: each call's summed kernel time from torch.profiler (TIMER)")
     args = ap.parse_args(argv)
     global TIMER
     TIMER = args.timer

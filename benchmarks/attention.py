@@ -25,7 +25,8 @@ check that the script runs and what it writes.
 ``--varlen [LENGTHS]``: packed sequences instead (issue 16): the comma-separated sequence lengths
 (default 4096,3072,2560,2048,1536,1280,1024,768: 8 sequences, 16384 tokens), ``--varlen-heads H,d``
 (default 16,128), bf16, without and with the causal mask, fix none and gproj. "packed": the kernels with cu_seqlens (total, H, d); "padded": the same sequences right-padded
-to the longest as one (8, max, H, d) batch with seqlens_k (padded query rows computed and thrown away).
+to the longest as one (8, max, H, d) batch with seqlens_k (padded query rows computed and thrown away; equal lengths:
+one dense batch without seqlens_k).
 Both are timed on the kernels (attention_fwd.forward, attention_bwd.backward; no op-level device sync)
 and rated in useful TFLOP/s (Σ_b 4·H·L_b²·d, × ½ causal; backward 2.5×). Writes DIR/attention_varlen.json
 and prints a table; with ``--smoke`` tiny lengths on the interpreter (gproj only).
@@ -312,7 +313,9 @@ def varlen(lengths, heads, head_dim, smoke, out):
     rows = []
     for causal in (False, True):
         flops = sum(4 * heads * n * n * head_dim * (0.5 if causal else 1.0) for n in lens)
-        for layout, (q, k, v, do), extra in (("packed", packed, vl), ("padded", padded, dict(seqlens_k=seqlens))):
+        # Equal lengths: the padded batch needs no key lengths, so it runs the dense kernels (on sm_90 the Gluon ones).
+        pad = {} if len(set(lens)) == 1 else dict(seqlens_k=seqlens)
+        for layout, (q, k, v, do), extra in (("packed", packed, vl), ("padded", padded, pad)):
             for fix in fixes:
                 row = {"lengths": lens, "heads": heads, "head_dim": head_dim, "causal": causal, "layout": layout,
                        "fix": fix}

@@ -1,7 +1,7 @@
 """GPU smoke check of the Triton kernels against kernels/reference.py (run on the device machine).
 
 Usage: python benchmarks/gpu_check.py [--quick-speed] [--skip-cases] [--ds-formats bf16,e4m3,e5m2]
-       [--cases base,features,dropout,varlen,hopper,hopper_bwd]
+       [--cases base,features,dropout,varlen,hopper,hopper_bwd,hopper_varlen]
 (the cases include sliding windows and softcap, every fix, and their constant checks)
 
 Prints relative Frobenius differences Triton vs reference (same rounding points: expect <~1e-3,
@@ -76,6 +76,64 @@ def varlen_check(dev):
                 and torch.equal(gp[1][keys], gc[1][keys]) and torch.equal(gp[2][keys], gc[2][keys]))
         torch.cuda.synchronize()
         print(f"varlen causal={causal} {time.time() - t0:.1f}s", " ".join(row), f"independent={same}", flush=True)
+
+
+def hopper_varlen_check(dev, softcap=0.0, window=(-1, -1)):
+    """Packed sequences through the sm_90 Gluon kernels (one cu_seqlens for queries and keys; tiles that cross into
+    the next sequence): the forward and both backward passes against reference.py and against the tl.dot kernels
+    (GPROJ_HOPPER_FWD=0 / GPROJ_HOPPER_BWD=0), fix none and gproj, causal and not, with ``softcap`` / ``window``;
+    independence: one sequence's k, v scaled by 100 (finite: the Gluon tiles multiply the next sequence's masked
+    values by an exact 0, so a NaN there would spread, as in every FlashAttention kernel) leave the others'
+    o, dq, dk, dv bit-identical."""
+    import os
+    from unittest import mock
+    worst = 0.0
+    lens = [700, 0, 1, 129, 2048, 333, 64, 128, 255]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    vl = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    feat = dict(softcap=softcap, window_size=window)
+    for h, hk, d, dt in ((8, 2, 128, torch.bfloat16), (4, 4, 64, torch.float16)):
+        total = sum(lens)
+        q = torch.randn(total, h, d, device=dev, dtype=dt)
+        k = (torch.randn(total, hk, d, device=dev) + 2.0).to(dt)
+        v = torch.randn(total, hk, d, device=dev, dtype=dt)
+        do = torch.randn(total, h, d, device=dev, dtype=dt)
+        tau = d ** -0.5
+        served = (HF.serves_varlen(q[None], k[None], v[None], (cu, cu, max(lens), max(lens))),
+                  HB.serves_varlen(q[None], k[None], v[None], do[None], (cu, cu, max(lens), max(lens))))
+        for causal in (False, True):
+            t0 = time.time()
+            o, m, l2 = F.forward(q, k, v, tau, causal, **vl, **feat)
+            with mock.patch.dict(os.environ, {"GPROJ_HOPPER_FWD": "0"}):
+                o_t, m_t, l_t = F.forward(q, k, v, tau, causal, **vl, **feat)
+            o_r, m_r, l_r = R.forward(q, k, v, tau, causal, **vl, **feat)
+            fin = torch.isfinite(l_r)
+            row = [f"served fwd/bwd={served} o vs reference {rel(o, o_r):.1e} vs tl.dot {rel(o, o_t):.1e} m "
+                   f"{(m - m_t).abs().max().item():.1e} log2l {(l2 - l_t)[fin].abs().max().item():.1e}"]
+            worst = max(worst, rel(o, o_r))
+            for fix in ("none", "gproj"):
+                g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, **vl, **feat)
+                with mock.patch.dict(os.environ, {"GPROJ_HOPPER_BWD": "0"}):
+                    g_t = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, **vl, **feat)
+                g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, **vl, **feat)
+                errs = [rel(x, y) for x, y in zip(g[:3], g_r[:3])]
+                worst = max(worst, *errs)
+                nan = any(torch.isnan(x).any().item() for x in g[:3])
+                row.append(f"{fix}: vs reference " + "/".join(f"{e:.1e}" for e in errs) + " vs tl.dot "
+                           + "/".join(f"{rel(x, y):.1e}" for x, y in zip(g[:3], g_t[:3])) + (" NAN" if nan else ""))
+            k0, k1 = cu[4].item(), cu[5].item()
+            kp, vp = k.clone(), v.clone()
+            kp[k0:k1], vp[k0:k1] = kp[k0:k1] * 100, vp[k0:k1] * 100
+            fp = F.forward(q, kp, vp, tau, causal, **vl, **feat)
+            gp = B.backward(do, q, kp, vp, *fp, tau, causal, "gproj", **vl, **feat)
+            gc = B.backward(do, q, k, v, o, m, l2, tau, causal, "gproj", **vl, **feat)
+            keep = torch.ones(total, dtype=torch.bool, device=dev)
+            keep[k0:k1] = False
+            same = all(torch.equal(x[keep], y[keep]) for x, y in ((fp[0], o), (gp[0], gc[0]), (gp[1], gc[1]), (gp[2], gc[2])))
+            torch.cuda.synchronize()
+            print(f"hopper_varlen h={h} hk={hk} d={d} {str(dt)[6:]} causal={causal} softcap={softcap} window={window} "
+                  f"{time.time() - t0:.1f}s", "; ".join(row), f"independent={same}", flush=True)
+    print("hopper_varlen worst rel diff vs reference (o, grads):", worst, flush=True)
 
 
 def hopper_check(dev, softcap=0.0, window=(-1, -1)):
@@ -190,11 +248,12 @@ def main():
     ap.add_argument("--cases", default="base,features,varlen,hopper",
                     help="which Triton-vs-reference groups to run: base (8 shapes, every fix), features (windows, "
                          "softcap), dropout (attention dropout, the reference drawing the kernels' mask), varlen "
-                         "(packed sequences), hopper (the sm_90 Gluon forward), hopper_bwd (the sm_90 Gluon backward passes)")
+                         "(packed sequences), hopper (the sm_90 Gluon forward), hopper_bwd (the sm_90 Gluon backward passes), "
+                         "hopper_varlen (packed sequences through the Gluon kernels)")
     args = ap.parse_args()
     groups = set(args.cases.split(","))
-    if not groups <= {"base", "features", "dropout", "varlen", "hopper", "hopper_bwd"}:
-        ap.error(f"--cases takes base, features, dropout, varlen, hopper, hopper_bwd; got {args.cases!r}")
+    if not groups <= {"base", "features", "dropout", "varlen", "hopper", "hopper_bwd", "hopper_varlen"}:
+        ap.error(f"--cases takes base, features, dropout, varlen, hopper, hopper_bwd, hopper_varlen; got {args.cases!r}")
     if args.skip_cases:
         groups = set()
     import triton
@@ -275,6 +334,8 @@ def main():
         hopper_check(dev, args.hopper_softcap, window)
     if "hopper_bwd" in groups:
         hopper_bwd_check(dev, args.hopper_softcap, window)
+    if "hopper_varlen" in groups:
+        hopper_varlen_check(dev, args.hopper_softcap, window)
     for cval in (133120.0, 1000.0):
         for causal in (False, True):
             x = torch.full((1, 1000, 2, 128), cval, device=dev, dtype=torch.bfloat16)

@@ -22,6 +22,10 @@
 #        2×16×4096×64 causal, gproj and none, plain and capped side by side (AUTOTUNE=0, as run 18); SOFTCAP_ENV
 #        (e.g. "GPROJ_HOPPER_FWD=0 GPROJ_HOPPER_BWD=0": the tl.dot kernels) is set for that phase;
 # windowspeed: the same with --window 1024 instead of --softcap (SOFTCAP_ENV likewise).
+# varlen: gpu_check.py --cases hopper_varlen (packed sequences through the Gluon kernels; HOPPER_SOFTCAP / HOPPER_WINDOW
+#        as for softcap, default none), then attention.py --varlen (AUTOTUNE=0): the default ragged lengths packed
+#        (Gluon) against padded (tl.dot, key lengths), the same with GPROJ_HOPPER_FWD=0 GPROJ_HOPPER_BWD=0 (packed on
+#        the tl.dot kernels), and 8 × 2048 packed against the dense (8, 2048) batch (Gluon both);
 # Each phase has its own limit (check 100, c2 120, base 220, bwdcheck 300, ab and bwdab 2×100, train 200·R s,
 # softcap 300, softcapfid 100, softcapspeed and windowspeed 130): pick phases so that they end inside 600 s.
 set -u
@@ -82,6 +86,20 @@ for phase in $phases; do
         $flag --out "$OUT/speed_$feature$tag" > "$OUT/speed_$feature$tag.log" 2>&1
       echo "$phase ${SOFTCAP_ENV:-} rc=$?"; rm -f "$OUT/speed_$feature$tag"/*.png
       grep -B2 -A7 "TFLOP/s$" "$OUT/speed_$feature$tag/attention.md" ;;
-    *) echo "unknown phase $phase (check, c2, base, bwdcheck, ab, bwdab, train, softcap, softcapfid, softcapspeed, windowspeed)"; exit 2 ;;
+    varlen)
+      log="$OUT/gpu_check_hopper_varlen_softcap${HOPPER_SOFTCAP:-0}_window${HOPPER_WINDOW:--1,-1}.log"
+      log=${log//,/_}
+      GPROJ_TRITON_AUTOTUNE=0 timeout ${CHECK_LIMIT:-200} python3 benchmarks/gpu_check.py --cases hopper_varlen \
+        --hopper-softcap ${HOPPER_SOFTCAP:-0} --hopper-window=${HOPPER_WINDOW:--1,-1} > "$log" 2>&1
+      echo "varlen check rc=$?"; grep -E "hopper_varlen" "$log"
+      for run in gluon tldot equal; do
+        envs=""; lens=""
+        [[ $run == tldot ]] && envs="GPROJ_HOPPER_FWD=0 GPROJ_HOPPER_BWD=0"
+        [[ $run == equal ]] && lens="2048,2048,2048,2048,2048,2048,2048,2048"
+        env $envs GPROJ_TRITON_AUTOTUNE=0 timeout 120 python3 benchmarks/attention.py --varlen $lens --out "$OUT/varlen_$run" \
+          > "$OUT/speed_varlen_$run.log" 2>&1
+        echo "varlen speed $run rc=$?"; grep -E "packed|padded|\|" "$OUT/speed_varlen_$run.log"
+      done ;;
+    *) echo "unknown phase $phase (check, c2, base, bwdcheck, ab, bwdab, train, softcap, softcapfid, softcapspeed, windowspeed, varlen)"; exit 2 ;;
   esac
 done

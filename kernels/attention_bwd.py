@@ -26,8 +26,8 @@ Two launches, rounding at the points of kernels/reference.py (DESIGN.md §3, §4
      (``dk_fold=True``; DESIGN.md §4.1 table: slightly less accurate dK).
    The choice of default is recorded in benchmarks/NOTES.md with the measurements behind it.
 
-On an sm_90 GPU, for the dense inputs of kernels/attention_bwd_hopper.py (head dim 128, no padding, dropout or
-packing; windows and softcap served), both passes run as that module's warp-specialized Gluon kernels, with the
+On an sm_90 GPU, for the inputs of kernels/attention_bwd_hopper.py (head dim 128, no padding or dropout; windows,
+softcap and packed sequences with one cu_seqlens for queries and keys served), both passes run as that module's warp-specialized Gluon kernels, with the
 same rounding points: the dQ pass for fix "none" and "gproj" without want_stats, the dK/dV pass for "none",
 "gproj" with the "gemm" schedule and the PyTorch "gproj_uniform" (not the in-kernel uniform one of windows and
 softcap).
@@ -801,11 +801,16 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     abs_ds = torch.empty((b, h, nq), dtype=torch.float32, device=dev) if want_stats else delta
     leak = torch.empty((b, h, nq, d), dtype=torch.float32, device=dev) if want_stats else delta
 
-    # sm_90, dense inputs: the warp-specialized Gluon passes (kernels/attention_bwd_hopper.py, same rounding
-    # points), windows and softcap included: the dQ one for fix "none" and "gproj" without statistics, the dK/dV one for
-    # "none", "gproj" with its own-GEMM dK term and the PyTorch gproj_uniform (not the in-kernel uniform one).
-    hopper = (not packed and not has_seqlens and ds_bits == 0 and not (uniform or drop["DROPOUT"])
-              and attention_bwd_hopper.serves(q, k, v, do))
+    # sm_90: the warp-specialized Gluon passes (kernels/attention_bwd_hopper.py, same rounding points), windows,
+    # softcap and packed sequences (one cu_seqlens for queries and keys, no key sums) included: the dQ one for fix
+    # "none" and "gproj" without statistics, the dK/dV one for "none", "gproj" with its own-GEMM dK term and the PyTorch
+    # gproj_uniform (not the in-kernel uniform one).
+    hopper = not has_seqlens and ds_bits == 0 and not (uniform or drop["DROPOUT"])
+    if packed:
+        hopper = hopper and not want_key_sums and attention_bwd_hopper.serves_varlen(q, k, v, do, varlen)
+    else:
+        hopper = hopper and attention_bwd_hopper.serves(q, k, v, do)
+    seq_args = dict(cu_seqlens=varlen[0], max_seqlen=varlen[2]) if packed else {}
     window = (win["WL"], win["WR"]) if win["WINDOW"] else None
     do_tma = attention_bwd_hopper.tma_ready(do) if hopper else None
     if do_tma is None:
@@ -818,7 +823,7 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
              and o.dtype == q.dtype and o.shape == q.shape else None)
     if o_tma is not None:
         attention_bwd_hopper.dq_pass(q, k, v, do, o_tma, m, log2l, delta, dq, c, tau, causal,
-                                     r if gproj else None, qr if dk_mode == _DK_GEMM else None, softcap, window)
+                                     r if gproj else None, qr if dk_mode == _DK_GEMM else None, softcap, window, **seq_args)
     else:
         _dq_kernel[lambda meta: (triton.cdiv(grid_q, meta["BLOCK_M"]), nb * h)](
             q, k, v, do, o, m, log2l, delta, dq, r, qr, abs_ds, leak, seqlens_arg, *cu_args,
@@ -834,7 +839,7 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     if hopper and dk_mode != _DK_FOLD:
         dk, dv, key_sums = attention_bwd_hopper.dkdv(
             q, k, v, do, m, log2l, delta, qr if dk_mode == _DK_GEMM else None, c, tau, causal, dk_dtype, gdv,
-            want_key_sums, softcap, window)
+            want_key_sums, softcap, window, **seq_args)
     else:
         dk = torch.empty((b, nk, hk, d), dtype=dk_dtype, device=dev)
         dv = torch.empty((b, nk, hk, d), dtype=gdv, device=dev)

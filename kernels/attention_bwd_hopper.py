@@ -38,10 +38,11 @@ import functools
 import os
 
 import torch
+import triton
 
 from lightning_gproj.kernels.attention_fwd_hopper import (
     GLUON_ERROR, _gl_dtype, _layouts, _require_gluon, _tma_view, accepts as _fwd_accepts, feature_args, on_sm90, pointer_type,
-    tma_descriptor,
+    packed_ok, tma_descriptor,
 )
 
 if GLUON_ERROR is None:
@@ -54,7 +55,7 @@ if GLUON_ERROR is None:
         window_mask, window_sees, window_tiles,
     )
 
-__all__ = ["dq_pass", "dkdv", "serves", "accepts", "tma_ready", "compile_sm90", "compile_dq_sm90", "BLOCK_N",
+__all__ = ["dq_pass", "dkdv", "serves", "serves_varlen", "accepts", "tma_ready", "compile_sm90", "compile_dq_sm90", "BLOCK_N",
            "HEAD_DIMS", "KEYS_PER_SUM"]
 
 #: Keys per dK/dV program (two consumers of 64); rows of every TMA tile; keys per key-sum slot.
@@ -102,8 +103,9 @@ if GLUON_ERROR is None:
                 i += 1
 
     @gluon.jit
-    def _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, stats, M, LOG2L, DELTA, c, sc, cap, wl, wr,
-                   GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
+    def _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, stats, M, LOG2L, DELTA, c, sc, cap, wl, wr, seqlen,
+                   GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
+                   VARLEN: gl.constexpr):
         """One (Q, dO[, −ρ∘Q]) tile (shared [rows, headdim]; query positions ``rows``, the first start_m) of the
         dK/dV pass for 64 keys: Sᵀ, dPᵀ, P̃ᵀ, dS̃ᵀ and the asynchronous dV, dK [, GProj's dK term] GEMMs, waited for;
         returns (dk, dv)."""
@@ -120,8 +122,12 @@ if GLUON_ERROR is None:
         dpT = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
         # m, log2l loaded here, not before the GEMMs: live across them they spilled (Triton 3.6).
-        m = gl.load(M + stats + rows)
-        l2 = gl.load(LOG2L + stats + rows)
+        if VARLEN:  # rows from seqlen on are the next sequence's: log2l = +inf gives them P = 0
+            m = gl.load(M + stats + rows, mask=rows < seqlen, other=0.0)
+            l2 = gl.load(LOG2L + stats + rows, mask=rows < seqlen, other=float("inf"))
+        else:
+            m = gl.load(M + stats + rows)
+            l2 = gl.load(LOG2L + stats + rows)
         if SOFTCAP:  # the capped logits z = cap·tanh(τ s/cap), bit for bit the forward's; g = 1 − tanh²
             sT, gT = softcap_and_grad(sT, sc, cap)
         # The forward's exponent: (s − m) is exactly 0 at the row max, then scale, then normalize.
@@ -149,7 +155,10 @@ if GLUON_ERROR is None:
             dpT = warpgroup_mma_wait(num_outstanding=2, deps=(dpT,))
         else:
             dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
-        di = gl.load(DELTA + stats + rows)  # loaded where dS needs it: shorter-lived, fewer spills
+        if VARLEN:  # loaded where dS needs it: shorter-lived, fewer spills
+            di = gl.load(DELTA + stats + rows, mask=rows < seqlen, other=0.0)
+        else:
+            di = gl.load(DELTA + stats + rows)
         ds16 = gl.convert_layout((pT * (dpT - di[None, :])).to(dtype), a_layout)  # rounding point: dS̃ (X̃)
         dk = warpgroup_mma(ds16, q, dk, is_async=True)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
@@ -157,8 +166,9 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA,
-                  half, GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, start_n,
-                  out_row, out_col, out_stride, stats0, GROUP, lo, hi, N_CTX, c, tau, key_sums, sc, cap, wl, wr):
+                  half, GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
+                  VARLEN: gl.constexpr, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, hi, N_CTX, seqlen, c, tau,
+                  key_sums, sc, cap, wl, wr):
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
         # The score tiles' layout ([keys, queries]): 64 query rows, with softcap 32 (each tile in two halves).
         if SOFTCAP:
@@ -203,51 +213,62 @@ if GLUON_ERROR is None:
                         for sub in gl.static_range(2):
                             dk, dv = _dkdv_tile(k, v, q.slice(sub * _SUB_M, _SUB_M), do.slice(sub * _SUB_M, _SUB_M),
                                                 qr.slice(sub * _SUB_M, _SUB_M), dk, dv, keys, key0, rows + sub * _SUB_M,
-                                                start_m + sub * _SUB_M, stats, M, LOG2L, DELTA, c, sc, cap, wl, wr, GPROJ,
-                                                CAUSAL, SOFTCAP, WINDOW)
+                                                start_m + sub * _SUB_M, stats, M, LOG2L, DELTA, c, sc, cap, wl, wr, seqlen,
+                                                GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN)
                     else:
                         dk, dv = _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, stats, M, LOG2L, DELTA, c,
-                                            sc, cap, wl, wr, GPROJ, CAUSAL, SOFTCAP, WINDOW)
+                                            sc, cap, wl, wr, seqlen, GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN)
                 mbarrier.arrive(empty.index(st), count=1)
                 i += 1
         dk = dk * tau
         out_rows = (out_row + half * _HALF_N + gl.arange(0, _HALF_N, layout=gl.SliceLayout(1, acc_layout))).to(gl.int64)
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
         offs = out_rows[:, None] * out_stride + out_col + cols[None, :]
-        gl.store(DK + offs, dk.to(DK.dtype.element_ty))
-        gl.store(DV + offs, dv.to(DV.dtype.element_ty))
+        if VARLEN:  # keys from seqlen on are the next sequence's
+            key_ok = (key0 + gl.arange(0, _HALF_N, layout=gl.SliceLayout(1, acc_layout)) < seqlen)[:, None]
+            gl.store(DK + offs, dk.to(DK.dtype.element_ty), mask=key_ok)
+            gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=key_ok)
+        else:
+            gl.store(DK + offs, dk.to(DK.dtype.element_ty))
+            gl.store(DV + offs, dv.to(DV.dtype.element_ty))
         if key_sums != 0:  # dk is fp32 here: Σ over these 64 keys of the values just stored
             gl.store(KS + half * HEAD_DIM + cols, gl.sum(dk, axis=0))
 
-    def _dkdv_partition(gproj: bool, causal: bool, softcap: bool, window: bool):
-        """A dK/dV consumer partition with (GPROJ, CAUSAL, SOFTCAP, WINDOW) compiled in: constexpr arguments do not
-        survive gl.warp_specialize (the loader takes GPROJ as a value), closure constants do; with the mask's, GProj's
-        or the softcap's code compiled in where it is not used the consumers spilled ~4× more (Triton 3.6's ptxas)."""
+    def _dkdv_partition(gproj: bool, causal: bool, softcap: bool, window: bool, varlen: bool):
+        """A dK/dV consumer partition with (GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN) compiled in: constexpr arguments do
+        not survive gl.warp_specialize (the loader takes GPROJ as a value), closure constants do; with the mask's,
+        GProj's or the softcap's code compiled in where it is not used the consumers spilled ~4× more (Triton 3.6's
+        ptxas)."""
         GPROJ, CAUSAL = gl.constexpr(gproj), gl.constexpr(causal)
-        SOFTCAP, WINDOW = gl.constexpr(softcap), gl.constexpr(window)
+        SOFTCAP, WINDOW, VARLEN = gl.constexpr(softcap), gl.constexpr(window), gl.constexpr(varlen)
 
         @gluon.jit
         def consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, start_n,
-                     out_row, out_col, out_stride, stats0, GROUP, lo, hi, N_CTX, c, tau, key_sums, sc, cap, wl, wr, half):
+                     out_row, out_col, out_stride, stats0, GROUP, lo, hi, N_CTX, seqlen, c, tau, key_sums, sc, cap, wl, wr,
+                     half):
             _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, half,
-                      GPROJ, CAUSAL, SOFTCAP, WINDOW, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, hi, N_CTX,
-                      c, tau, key_sums, sc, cap, wl, wr)
+                      GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, hi,
+                      N_CTX, seqlen, c, tau, key_sums, sc, cap, wl, wr)
 
         return consumer
 
     @functools.lru_cache(maxsize=None)
-    def _dkdv_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool):
-        """The dK/dV kernel with GProj's dK term (gproj), the causal mask, the softcap and the sliding window compiled
-        in or out."""
+    def _dkdv_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool, varlen: bool = False):
+        """The dK/dV kernel with GProj's dK term (gproj), the causal mask, the softcap, the sliding window and packed
+        sequences compiled in or out."""
         GPROJ, CAUSAL, WINDOW = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(window)
-        consumer = _dkdv_partition(gproj, causal, softcap, window)
+        VARLEN = gl.constexpr(varlen)
+        consumer = _dkdv_partition(gproj, causal, softcap, window, varlen)
 
         @gluon.jit
-        def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, DK, DV, KS, M, LOG2L, DELTA, c, tau, H, GROUP,
-                                N_CTX, key_sums, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb, qr_rh, qr_ch,
+        def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, DK, DV, KS, M, LOG2L, DELTA, CU, c, tau, H,
+                                GROUP, N_CTX, key_sums, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb, qr_rh, qr_ch,
                                 k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr):
             # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch)
             # (kernels/attention_fwd_hopper._tma_view). dk, dv: (batch, seqlen, nheads_k, headdim) contiguous.
+            # VARLEN: b is the sequence, the tensors are packed (1, total, heads, headdim) views (N_CTX = total), the
+            # sequence's rows start at CU[b]; m, log2l, D are (nheads, total); rows and keys past its end are the next
+            # sequence's (P = 0 there, not stored). No key sums (key_sums = 0).
             HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
             dtype: gl.constexpr = q_desc.dtype
             pid_n = gl.program_id(0)
@@ -257,13 +278,22 @@ if GLUON_ERROR is None:
             hk = pid_bh % HK
             h0 = hk * GROUP
             start_n = pid_n * _BLOCK_N
+            if VARLEN:
+                start = gl.load(CU + b)
+                seqlen = gl.load(CU + b + 1) - start
+                b = 0
+            else:
+                start = 0
+                seqlen = N_CTX
+            if start_n >= seqlen:  # VARLEN: the grid spans the longest sequence
+                return
             lo = 0
-            hi = N_CTX
+            hi = seqlen
             if CAUSAL:
                 lo = start_n  # earlier query rows see none of these keys (seqlen_q = seqlen_k)
             if WINDOW:  # the query tiles some row of which sees one of these keys: key − wr <= row <= key + wl
-                lo, hi = window_tiles(start_n, _BLOCK_N, wr, wl, N_CTX, _BLOCK_M)
-            stats0 = (b * H + h0).to(gl.int64) * N_CTX
+                lo, hi = window_tiles(start_n, _BLOCK_N, wr, wl, seqlen, _BLOCK_M)
+            stats0 = (b * H + h0).to(gl.int64) * N_CTX + start
             ks = KS + pid_bh.to(gl.int64) * (N_CTX // _HALF_N) * HEAD_DIM + pid_n * 2 * HEAD_DIM
 
             q_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -279,17 +309,17 @@ if GLUON_ERROR is None:
             ready, empty = ring_barriers(_NUM_STAGES)
 
             # The two consumers' arguments differ in the last one, their half of the keys (Gluon has no *tuple).
-            out_row = b * N_CTX + start_n
+            out_row = b * N_CTX + start + start_n
             args0 = (q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, ks, M, LOG2L, DELTA, start_n,
-                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, stats0, GROUP, lo, hi, N_CTX, c, tau, key_sums, sc, cap, wl,
-                     wr, 0)
+                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, stats0, GROUP, lo, hi, N_CTX, seqlen, c, tau, key_sums, sc,
+                     cap, wl, wr, 0)
             args1 = (q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, ks, M, LOG2L, DELTA, start_n,
-                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, stats0, GROUP, lo, hi, N_CTX, c, tau, key_sums, sc, cap, wl,
-                     wr, 1)
+                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, stats0, GROUP, lo, hi, N_CTX, seqlen, c, tau, key_sums, sc,
+                     cap, wl, wr, 1)
             loader_args = (q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar,
-                           ready, empty, b * k_rb + hk * k_rh + start_n, hk * k_ch, b * v_rb + hk * v_rh + start_n,
-                           hk * v_ch, b * q_rb, q_rh, q_ch, b * do_rb, do_rh, do_ch, b * qr_rb, qr_rh, qr_ch, h0, GROUP, lo,
-                           hi, GPROJ)
+                           ready, empty, b * k_rb + hk * k_rh + start + start_n, hk * k_ch,
+                           b * v_rb + hk * v_rh + start + start_n, hk * v_ch, b * q_rb + start, q_rh, q_ch,
+                           b * do_rb + start, do_rh, do_ch, b * qr_rb + start, qr_rh, qr_ch, h0, GROUP, lo, hi, GPROJ)
             # 240 registers for each consumer, 24 for the loader: the register file's even split (run 18's probe:
             # fewer spills than 232 / 248).
             gl.warp_specialize([(consumer, args0), (consumer, args1), (_loader, loader_args)], [4, 1], [240, 24])
@@ -329,8 +359,9 @@ if GLUON_ERROR is None:
             i += 1
 
     @gluon.jit
-    def _dq_tile(q, do, k, v, e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n, c, sc, cap, wl, wr,
-                 GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
+    def _dq_tile(q, do, k, v, e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n, c, sc, cap, wl, wr, seqlen,
+                 GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
+                 VARLEN: gl.constexpr):
         """One key tile (k, v: shared [keys, headdim]) of the dQ pass for 64 query rows: S, dP, P̃, dS̃ and the
         asynchronous dQ [, P̃K, row sums] GEMMs, waited for; returns (dq, pk, r, ps)."""
         HEAD_DIM: gl.constexpr = q.shape[1]
@@ -360,6 +391,11 @@ if GLUON_ERROR is None:
             if window_crosses(first, _DQ_HALF_M, start_n, KEYS, wl, wr):
                 cols = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
                 p = gl.where(window_mask(rows[:, None], cols[None, :], wl, wr), p, 0.0)
+        if VARLEN:  # keys from seqlen on are the next sequence's (causal rows never reach them)
+            if not CAUSAL:
+                if start_n + KEYS > seqlen:
+                    cols = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+                    p = gl.where(cols[None, :] < seqlen, p, 0.0)
         if GPROJ:
             p16 = p.to(dtype)  # rounding point: P̃ (GProj's direction)
             if SOFTCAP:
@@ -408,8 +444,9 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, row0, stats,
-                     out_row, out_col, out_stride, lo, hi, c, tau, store_qr, sc, cap, wl, wr, half):
+                     GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
+                     VARLEN: gl.constexpr, row0, stats, out_row, out_col, out_stride, lo, hi, seqlen, c, tau, store_qr, sc,
+                     cap, wl, wr, half):
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         # The score tiles' layout: 64 keys, with softcap 32 (each K/V tile in two halves, see the loop).
         if SOFTCAP:
@@ -428,16 +465,24 @@ if GLUON_ERROR is None:
         if CAUSAL:
             # seqlen_q = seqlen_k: these rows see no key past the last of them. Half 0 skips the block's last
             # tile (only half 1 waits for it and arrives; no later load waits for that slot).
-            hi = first + _DQ_HALF_M
+            hi = gl.minimum(hi, first + _DQ_HALF_M)
         rows = first + gl.arange(0, _DQ_HALF_M, layout=row_s)
-        m = gl.load(M + stats + rows)
-        l2 = gl.load(LOG2L + stats + rows)
+        rows_a = first + gl.arange(0, _DQ_HALF_M, layout=row_a)
+        if VARLEN:  # rows from seqlen on are the next sequence's: log2l = +inf gives them P = 0, stores skip them
+            m = gl.load(M + stats + rows, mask=rows < seqlen, other=0.0)
+            l2 = gl.load(LOG2L + stats + rows, mask=rows < seqlen, other=float("inf"))
+        else:
+            m = gl.load(M + stats + rows)
+            l2 = gl.load(LOG2L + stats + rows)
         q = q_smem.index(half)
         do = do_smem.index(half)
         mbarrier.wait(q_bar, 0)
         # D_i = Σ_d dO_id O_id in fp32 from the 16-bit o and dO (exact products), stored for the dK/dV pass.
         di = gl.sum(o_smem.index(half).load(acc_layout).to(gl.float32) * do.load(acc_layout).to(gl.float32), axis=1)
-        gl.store(DELTA + stats + first + gl.arange(0, _DQ_HALF_M, layout=row_a), di)
+        if VARLEN:
+            gl.store(DELTA + stats + rows_a, di, mask=rows_a < seqlen)
+        else:
+            gl.store(DELTA + stats + rows_a, di)
         di = gl.convert_layout(di, row_s)
 
         dq = gl.zeros([_DQ_HALF_M, HEAD_DIM], gl.float32, layout=acc_layout)
@@ -469,15 +514,19 @@ if GLUON_ERROR is None:
                     for sub in gl.static_range(2):
                         dq, pk, r, ps = _dq_tile(q, do, k.slice(sub * _DQ_HALF_N, _DQ_HALF_N),
                                                  v.slice(sub * _DQ_HALF_N, _DQ_HALF_N), e0_smem, dq, pk, r, ps, m, l2, di, rows,
-                                                 first, start_n + sub * _DQ_HALF_N, c, sc, cap, wl, wr, GPROJ, CAUSAL, SOFTCAP,
-                                                 WINDOW)
+                                                 first, start_n + sub * _DQ_HALF_N, c, sc, cap, wl, wr, seqlen, GPROJ, CAUSAL,
+                                                 SOFTCAP, WINDOW, VARLEN)
                 else:
                     dq, pk, r, ps = _dq_tile(q, do, k, v, e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n, c, sc, cap,
-                                             wl, wr, GPROJ, CAUSAL, SOFTCAP, WINDOW)
+                                             wl, wr, seqlen, GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN)
             mbarrier.arrive(empty.index(st), count=1)
             i += 1
         offs = ((out_row + half * _DQ_HALF_M + gl.arange(0, _DQ_HALF_M, layout=row_a)).to(gl.int64)[:, None] * out_stride
                 + out_col + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))[None, :])
+        # VARLEN: the rows of this sequence only (a full mask otherwise, folded away)
+        row_ok = rows_a < seqlen
+        if not VARLEN:
+            row_ok = rows_a >= 0
         if GPROJ:
             # Column 0 holds the sums, the others 0: adding them is exact. ρ_i = r_i / Σ_j P̃_ij (0 for a row
             # that sees no key); dQ_i = τ (Σ_j dS̃_ij k_j − ρ_i (P̃K)_i).
@@ -487,38 +536,42 @@ if GLUON_ERROR is None:
             r = gl.convert_layout(r, row_a)
             rho = r / gl.maximum(gl.convert_layout(ps, row_a), 1.1754943508222875e-38)
             dq = dq - rho[:, None] * pk
-        gl.store(DQ + offs, (dq * tau).to(DQ.dtype.element_ty))
+        gl.store(DQ + offs, (dq * tau).to(DQ.dtype.element_ty), mask=row_ok[:, None])
         if GPROJ:
-            gl.store(R + stats + first + gl.arange(0, _DQ_HALF_M, layout=row_a), r)
+            gl.store(R + stats + rows_a, r, mask=row_ok)
             if store_qr != 0:  # −ρ∘Q rounded: the B operand of the dK/dV pass's GProj term (after dq's store)
-                gl.store(QR + offs, (q.load(acc_layout).to(gl.float32) * (-rho)[:, None]).to(QR.dtype.element_ty))
+                gl.store(QR + offs, (q.load(acc_layout).to(gl.float32) * (-rho)[:, None]).to(QR.dtype.element_ty),
+                         mask=row_ok[:, None])
 
-    def _dq_partition(gproj: bool, causal: bool, softcap: bool, window: bool):
-        """A dQ consumer partition with (GPROJ, CAUSAL, SOFTCAP, WINDOW) compiled in, as :func:`_dkdv_partition`."""
+    def _dq_partition(gproj: bool, causal: bool, softcap: bool, window: bool, varlen: bool):
+        """A dQ consumer partition with (GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN) compiled in, as
+        :func:`_dkdv_partition`."""
         GPROJ, CAUSAL = gl.constexpr(gproj), gl.constexpr(causal)
-        SOFTCAP, WINDOW = gl.constexpr(softcap), gl.constexpr(window)
+        SOFTCAP, WINDOW, VARLEN = gl.constexpr(softcap), gl.constexpr(window), gl.constexpr(varlen)
 
         @gluon.jit
         def consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     row0, stats, out_row, out_col, out_stride, lo, hi, c, tau, store_qr, sc, cap, wl, wr, half):
+                     row0, stats, out_row, out_col, out_stride, lo, hi, seqlen, c, tau, store_qr, sc, cap, wl, wr, half):
             _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L,
-                         DELTA, GPROJ, CAUSAL, SOFTCAP, WINDOW, row0, stats, out_row, out_col, out_stride, lo, hi, c, tau,
-                         store_qr, sc, cap, wl, wr, half)
+                         DELTA, GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN, row0, stats, out_row, out_col, out_stride, lo, hi,
+                         seqlen, c, tau, store_qr, sc, cap, wl, wr, half)
 
         return consumer
 
     @functools.lru_cache(maxsize=None)
-    def _dq_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool):
-        """The dQ kernel with GProj's projection (gproj), the causal mask, the softcap and the sliding window compiled
-        in or out."""
+    def _dq_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool, varlen: bool = False):
+        """The dQ kernel with GProj's projection (gproj), the causal mask, the softcap, the sliding window and packed
+        sequences compiled in or out."""
         GPROJ, CAUSAL, WINDOW = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(window)
-        consumer = _dq_partition(gproj, causal, softcap, window)
+        VARLEN = gl.constexpr(varlen)
+        consumer = _dq_partition(gproj, causal, softcap, window, varlen)
 
         @gluon.jit
-        def _hopper_dq_kernel(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, DQ, R, QR, M, LOG2L, DELTA, c, tau, H,
+        def _hopper_dq_kernel(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, DQ, R, QR, M, LOG2L, DELTA, CU, c, tau, H,
                               GROUP, N_CTX, store_qr, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, o_rb, o_rh, o_ch, k_rb, k_rh,
                               k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr):
             # Tiles located as in _hopper_dkdv_kernel; dq and −ρ∘Q: (batch, seqlen, nheads, headdim) contiguous.
+            # VARLEN as in _hopper_dkdv_kernel: b is the sequence, its rows start at CU[b].
             HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
             dtype: gl.constexpr = q_desc.dtype
             pid_m = gl.program_id(0)
@@ -529,13 +582,23 @@ if GLUON_ERROR is None:
             h = pid_bh % H
             hk = h // GROUP
             row0 = pid_m * _DQ_BLOCK_M
+            if VARLEN:
+                start = gl.load(CU + b)
+                seqlen = gl.load(CU + b + 1) - start
+                b = 0
+            else:
+                start = 0
+                seqlen = N_CTX
+            if row0 >= seqlen:  # VARLEN: the grid spans the longest sequence
+                return
             lo = 0
-            hi = N_CTX
+            hi = seqlen
             if CAUSAL:
-                hi = row0 + _DQ_BLOCK_M  # seqlen_q = seqlen_k: no row of the block sees a key past its last row
+                # seqlen_q = seqlen_k: no row of the block sees a key past its last row
+                hi = gl.minimum(seqlen, row0 + _DQ_BLOCK_M)
             if WINDOW:  # the key tiles some row of the block sees
-                lo, hi = window_tiles(row0, _DQ_BLOCK_M, wl, wr, N_CTX, _DQ_BLOCK_N)
-            stats = pid_bh.to(gl.int64) * N_CTX
+                lo, hi = window_tiles(row0, _DQ_BLOCK_M, wl, wr, seqlen, _DQ_BLOCK_N)
+            stats = (b * H + h).to(gl.int64) * N_CTX + start
 
             q_smem = gl.allocate_shared_memory(dtype, [2, _DQ_HALF_M, HEAD_DIM], q_desc.layout)
             do_smem = gl.allocate_shared_memory(dtype, [2, _DQ_HALF_M, HEAD_DIM], do_desc.layout)
@@ -550,17 +613,18 @@ if GLUON_ERROR is None:
             mbarrier.init(q_bar, count=1)
             ready, empty = ring_barriers(_NUM_STAGES)
 
-            out_row = b * N_CTX + row0
+            out_row = b * N_CTX + start + row0
             args0 = (q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA, row0,
-                     stats, out_row, h * HEAD_DIM, H * HEAD_DIM, lo, hi, c, tau, store_qr, sc, cap, wl, wr,
+                     stats, out_row, h * HEAD_DIM, H * HEAD_DIM, lo, hi, seqlen, c, tau, store_qr, sc, cap, wl, wr,
                      0)
             args1 = (q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA, row0,
-                     stats, out_row, h * HEAD_DIM, H * HEAD_DIM, lo, hi, c, tau, store_qr, sc, cap, wl, wr,
+                     stats, out_row, h * HEAD_DIM, H * HEAD_DIM, lo, hi, seqlen, c, tau, store_qr, sc, cap, wl, wr,
                      1)
+            first = start + row0
             loader_args = (q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem,
-                           e0_smem, q_bar, ready, empty, b * q_rb + h * q_rh + row0, h * q_ch, b * do_rb + h * do_rh + row0,
-                           h * do_ch, b * o_rb + h * o_rh + row0, h * o_ch, b * k_rb + hk * k_rh, hk * k_ch,
-                           b * v_rb + hk * v_rh, hk * v_ch, lo, hi, GPROJ)
+                           e0_smem, q_bar, ready, empty, b * q_rb + h * q_rh + first, h * q_ch,
+                           b * do_rb + h * do_rh + first, h * do_ch, b * o_rb + h * o_rh + first, h * o_ch,
+                           b * k_rb + hk * k_rh + start, hk * k_ch, b * v_rb + hk * v_rh + start, hk * v_ch, lo, hi, GPROJ)
             gl.warp_specialize([(consumer, args0), (consumer, args1), (_dq_loader, loader_args)], [4, 1], [240, 24])
 
         return _hopper_dq_kernel
@@ -596,6 +660,14 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) 
     return enabled() and on_sm90(q) and accepts(q, k, v, do)
 
 
+def serves_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, varlen) -> bool:
+    """Whether both passes serve packed sequences: GPROJ_HOPPER_BWD not 0, kernels/attention_fwd_hopper.packed_ok (q, k,
+    v, do their (1, total, heads, headdim) views, one cu_seqlens tensor for queries and keys), head dim 128.
+    The caller checks the rest, as for :func:`serves` (and wants no key sums). Never raises."""
+    return (enabled() and packed_ok(q, k, v, varlen) and q.shape[3] in HEAD_DIMS and do.shape == q.shape
+            and do.dtype == q.dtype)
+
+
 def _layout(head_dim: int, dtype: torch.dtype):
     """The shared layout of every tile here: TILE_ROWS = 64 rows (q, do, o, −ρ∘Q, the halves of k, v and the dQ pass's K/V
     tiles), the forward's q / o tile layout (cached there)."""
@@ -614,7 +686,8 @@ def _descriptors(*tensors):
 
 
 def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causal: bool, dk_dtype: torch.dtype,
-         dv_dtype: torch.dtype, want_key_sums: bool, softcap: float = 0.0, window: tuple[int, int] | None = None):
+         dv_dtype: torch.dtype, want_key_sums: bool, softcap: float = 0.0, window: tuple[int, int] | None = None,
+         cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0):
     """The dK/dV pass on Hopper; call only where :func:`serves` is True, after the dQ pass.
 
     Args:
@@ -630,6 +703,9 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
             g = 1 − tanh², and GProj's dK direction bf16(P̃∘g) (kernels/reference.py).
         window: None, or (wl, wr) >= 0: row i sees keys i − wl … i + wr only (kernels/_triton_utils.window_args;
             ``causal`` False).
+        cu_seqlens, max_seqlen: packed sequences (:func:`serves_varlen`): the tensors are (1, total, heads,
+            headdim) views, m, log2l, delta (1, nheads, total), cu_seqlens int32 (nseq + 1,) for queries and keys
+            alike; not with ``want_key_sums``.
 
     Returns:
         dk, dv (batch, seqlen, nheads_k, headdim) contiguous in dk_dtype / dv_dtype (GQA: summed over each kv
@@ -640,19 +716,23 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
     hk = k.shape[2]
     dk = torch.empty((b, n, hk, d), dtype=dk_dtype, device=q.device)
     dv = torch.empty((b, n, hk, d), dtype=dv_dtype, device=q.device)
+    packed = cu_seqlens is not None
+    if packed and want_key_sums:
+        raise ValueError("dkdv: key sums are not kept for packed sequences")
     slots = n // KEYS_PER_SUM
     ks = torch.empty((b, hk, slots, d), dtype=torch.float32, device=q.device) if want_key_sums else delta
     descs, where = _descriptors(q, do, q if qr is None else qr, k, v)  # q: a placeholder the kernel never reads
-    _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0, window is not None)[(n // BLOCK_N, b * hk)](
-        *descs, dk, dv, ks, m, log2l, delta, float(c), float(softmax_scale), h, h // hk, n,
-        int(bool(want_key_sums)), *where, *feature_args(softmax_scale, softcap, window), num_warps=4,
+    grid = (triton.cdiv(max_seqlen, BLOCK_N), (cu_seqlens.numel() - 1) * hk) if packed else (n // BLOCK_N, b * hk)
+    _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0, window is not None, packed)[grid](
+        *descs, dk, dv, ks, m, log2l, delta, cu_seqlens if packed else delta, float(c), float(softmax_scale), h, h // hk,
+        n, int(bool(want_key_sums)), *where, *feature_args(softmax_scale, softcap, window), num_warps=4,
     )
     return dk, dv, (ks.sum(dim=2, dtype=torch.float64) if want_key_sums else None)
 
 
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
                  dk_dtype: torch.dtype | None = None, ones: tuple[str, ...] = (), softcap: bool = False,
-                 window: bool = False):
+                 window: bool = False, varlen: bool = False):
     """Compile the kernel for sm_90 without a GPU (Triton's ahead-of-time path), as CI does: head dim 128, dk
     in ``dk_dtype`` (default: ``dtype``; torch.float32 for the fp32-dk path), dv in ``dtype``. ``ones`` names
     integer arguments compiled as the constant 1, as Triton specializes them at launch (``key_sums``,
@@ -661,11 +741,12 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal
     d = HEAD_DIMS[0]
     t = tensordesc_type(dtype, TILE_ROWS, d, _layout(d, dtype))
     sig = {"q_desc": t, "do_desc": t, "qr_desc": t, "k_desc": t, "v_desc": t, "DK": pointer_type(dk_dtype or dtype),
-           "DV": pointer_type(dtype), "KS": "*fp32", "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32",
+           "DV": pointer_type(dtype), "KS": "*fp32", "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32",
+           "CU": "*i32" if varlen else "*fp32", "c": "fp32",
            "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "key_sums": "i32",
            **{f"{x}_{w}": "i32" for x in ("q", "do", "qr", "k", "v") for w in ("rb", "rh", "ch")}, "sc": "fp32", "cap": "fp32",
            "wl": "i32", "wr": "i32"}
-    return aot_compile_sm90(_dkdv_kernel_for(bool(gproj), bool(causal), bool(softcap), bool(window)), sig,
+    return aot_compile_sm90(_dkdv_kernel_for(bool(gproj), bool(causal), bool(softcap), bool(window), bool(varlen)), sig,
                             {arg: 1 for arg in ones})
 
 
@@ -693,7 +774,8 @@ _e0_cached = functools.lru_cache(maxsize=None)(_e0_tile)
 
 
 def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float, causal: bool, r=None, qr=None,
-            softcap: float = 0.0, window: tuple[int, int] | None = None):
+            softcap: float = 0.0, window: tuple[int, int] | None = None, cu_seqlens: torch.Tensor | None = None,
+            max_seqlen: int = 0):
     """The dQ pass on Hopper, fix "none" or "gproj"; call only where :func:`serves` is True, with do and o as
     :func:`tma_ready` returns them (o shaped like q, in its dtype).
 
@@ -709,14 +791,20 @@ def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float,
         softcap: 0 (off) or the cap of the logits z = cap·tanh(τ s / cap): the dQ operand is X̃ = bf16(dZ∘g),
             g = 1 − tanh², r_i = Σ_j X̃_ij / g_ij and GProj's direction bf16(P̃∘g) (kernels/reference.py).
         window: None, or (wl, wr) >= 0, as :func:`dkdv`.
+        cu_seqlens, max_seqlen: packed sequences, as :func:`dkdv` (dq, qr (1, total, nheads, headdim), r (1, nheads,
+            total)).
     """
     b, n, h, d = q.shape
     hk = k.shape[2]
     descs, where = _descriptors(q, do, o, k, v)
     gproj = r is not None
     e0 = _e0(q.device, q.dtype) if gproj else descs[0]  # fix="none": a placeholder the kernel never reads
-    _dq_kernel_for(gproj, bool(causal), softcap > 0, window is not None)[(n // _DQ_BLOCK_M.value, b * h)](
-        *descs, e0, dq, delta if r is None else r, q if qr is None else qr, m, log2l, delta, float(c),
+    packed = cu_seqlens is not None
+    grid = ((triton.cdiv(max_seqlen, _DQ_BLOCK_M.value), (cu_seqlens.numel() - 1) * h) if packed
+            else (n // _DQ_BLOCK_M.value, b * h))
+    _dq_kernel_for(gproj, bool(causal), softcap > 0, window is not None, packed)[grid](
+        *descs, e0, dq, delta if r is None else r, q if qr is None else qr, m, log2l, delta,
+        cu_seqlens if packed else delta, float(c),
         float(softmax_scale), h, h // hk, n, int(qr is not None), *where, *feature_args(softmax_scale, softcap, window),
         num_warps=4,
     )
@@ -724,7 +812,7 @@ def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float,
 
 def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
                     dq_dtype: torch.dtype | None = None, ones: tuple[str, ...] = (), softcap: bool = False,
-                    window: bool = False):
+                    window: bool = False, varlen: bool = False):
     """Compile the dQ kernel for sm_90 without a GPU, as :func:`compile_sm90` does the dK/dV one (``ones``:
     ``store_qr``, ``GROUP``)."""
     _require_gluon()
@@ -733,8 +821,9 @@ def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, cau
     e0 = tensordesc_type(dtype, TILE_ROWS, ROWSUM_N, _e0_layout(dtype)) if gproj else t
     sig = {"q_desc": t, "do_desc": t, "o_desc": t, "k_desc": t, "v_desc": t, "e0_desc": e0,
            "DQ": pointer_type(dq_dtype or dtype), "R": "*fp32", "QR": pointer_type(dtype), "M": "*fp32",
-           "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32", "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32",
+           "LOG2L": "*fp32", "DELTA": "*fp32", "CU": "*i32" if varlen else "*fp32", "c": "fp32", "tau": "fp32", "H": "i32",
+           "GROUP": "i32", "N_CTX": "i32",
            "store_qr": "i32", **{f"{x}_{w}": "i32" for x in ("q", "do", "o", "k", "v") for w in ("rb", "rh", "ch")},
            "sc": "fp32", "cap": "fp32", "wl": "i32", "wr": "i32"}
-    return aot_compile_sm90(_dq_kernel_for(bool(gproj), bool(causal), bool(softcap), bool(window)), sig,
+    return aot_compile_sm90(_dq_kernel_for(bool(gproj), bool(causal), bool(softcap), bool(window), bool(varlen)), sig,
                             {arg: 1 for arg in ones})

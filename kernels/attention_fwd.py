@@ -292,9 +292,14 @@ def forward(
     # nq, nk are total_q, total_k when packed: window_args only needs an "unbounded" wider than any sequence.
     win = window_args(causal, window_size, softcap, nq, nk)
     drop = dropout_args(dropout_p, dropout_seed, dropout_offset)
-    if varlen is None and seqlens_k is None and not drop["DROPOUT"] and attention_fwd_hopper.serves(q, k, v):
-        return attention_fwd_hopper.forward(q, k, v, softmax_scale, win["CAUSAL"], softcap,
-                                            (win["WL"], win["WR"]) if win["WINDOW"] else None)
+    if seqlens_k is None and not drop["DROPOUT"]:
+        window = (win["WL"], win["WR"]) if win["WINDOW"] else None
+        if varlen is None and attention_fwd_hopper.serves(q, k, v):
+            return attention_fwd_hopper.forward(q, k, v, softmax_scale, win["CAUSAL"], softcap, window)
+        if varlen is not None and attention_fwd_hopper.serves_varlen(q4, k4, v4, varlen):
+            o, m, log2l = attention_fwd_hopper.forward(q4, k4, v4, softmax_scale, win["CAUSAL"], softcap, window,
+                                                       varlen[0], varlen[2])
+            return o[0], m[0], log2l[0]
     o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
     m = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
     log2l = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)

@@ -50,7 +50,7 @@ try:  # Gluon ships with Triton >= 3.4; the TMA copies were renamed after 3.6.
 except Exception as exc:  # pragma: no cover - depends on the Triton build
     GLUON_ERROR = f"{exc.__class__.__name__}: {exc}"
 
-__all__ = ["forward", "serves", "accepts", "on_sm90", "tma_descriptor", "feature_args", "compile_sm90", "aot_compile_sm90",
+__all__ = ["forward", "serves", "serves_varlen", "packed_ok", "accepts", "on_sm90", "tma_descriptor", "feature_args", "compile_sm90", "aot_compile_sm90",
            "tensordesc_type", "pointer_type", "BLOCK_M"]
 
 #: Query rows per program (two consumers of 64) and keys per K/V tile; the served seqlen's multiple.
@@ -151,12 +151,13 @@ if GLUON_ERROR is None:
         return (keys >= rows - wl) & (keys <= rows + wr)
 
     @gluon.jit
-    def _softmax(s, m_i, l_i, offs_m, start_n, diag_from, c, causal, sc, cap, wl, wr, HEAD_DIM: gl.constexpr,
-                 dtype: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
+    def _softmax(s, m_i, l_i, offs_m, start_n, diag_from, c, causal, sc, cap, wl, wr, seqlen, HEAD_DIM: gl.constexpr,
+                 dtype: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr):
         """One key block of the online softmax: with SOFTCAP the capped logits z = cap·tanh(τ s/cap) replace the
         scores; mask them on and past the diagonal (rows from ``diag_from``), or with WINDOW outside the sliding
-        window row − wl <= key <= row + wr; update the row max m and sum l. Returns (P̃ as the A operand of P̃·V,
-        the factor α that rescales the accumulator (in its row layout), m, l)."""
+        window row − wl <= key <= row + wr, and with VARLEN the keys from ``seqlen`` on (the next sequence's);
+        update the row max m and sum l. Returns (P̃ as the A operand of P̃·V, the factor α that rescales the
+        accumulator (in its row layout), m, l)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -173,6 +174,10 @@ if GLUON_ERROR is None:
             if window_crosses(diag_from, _HALF_M, start_n, _BLOCK_N, wl, wr):
                 offs_n = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
                 s = gl.where(window_mask(offs_m[:, None], offs_n[None, :], wl, wr), s, float("-inf"))
+        if VARLEN:  # the tile reaches past the sequence's last key
+            if start_n + _BLOCK_N > seqlen:
+                offs_n = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                s = gl.where(offs_n[None, :] < seqlen, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_use = m_new
         if WINDOW:  # a row that has seen no key yet keeps m = −inf and shifts by 0 (its weights are all 0)
@@ -194,9 +199,9 @@ if GLUON_ERROR is None:
         mbarrier.arrive(v_empty.index(st), count=1)
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, M, LOG2L,
-                  half: gl.constexpr, o_row, row0, o_col, lo, hi, c, causal, sc, cap, wl, wr, SOFTCAP: gl.constexpr,
-                  WINDOW: gl.constexpr):
+    def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, O, M, LOG2L,
+                  half: gl.constexpr, o_row, row0, o_col, o_stride, lo, hi, seqlen, c, causal, sc, cap, wl, wr,
+                  SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr):
         HEAD_DIM: gl.constexpr = o_desc.block_type.shape[1]
         dtype: gl.constexpr = o_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -232,8 +237,8 @@ if GLUON_ERROR is None:
         s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_empty.index(st), count=1)
-        p16, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, lo_h, first, c, causal, sc, cap, wl, wr, HEAD_DIM, dtype,
-                                        SOFTCAP, WINDOW)
+        p16, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, lo_h, first, c, causal, sc, cap, wl, wr, seqlen, HEAD_DIM,
+                                        dtype, SOFTCAP, WINDOW, VARLEN)
         for start_n in range(lo_h + _BLOCK_N, last + _BLOCK_N, _BLOCK_N):  # tile j = i + 1 at start_n
             st = i % _NUM_STAGES
             nx = (i + 1) % _NUM_STAGES
@@ -243,8 +248,8 @@ if GLUON_ERROR is None:
             acc = warpgroup_mma(p16, v_smem.index(st), acc * alpha[:, None], is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j (P̃_{j-1}·V_{j-1} may still run)
             mbarrier.arrive(k_empty.index(nx), count=1)
-            p16, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n, first, c, causal, sc, cap, wl, wr, HEAD_DIM,
-                                            dtype, SOFTCAP, WINDOW)
+            p16, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n, first, c, causal, sc, cap, wl, wr, seqlen,
+                                            HEAD_DIM, dtype, SOFTCAP, WINDOW, VARLEN)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(st), count=1)
             i += 1
@@ -258,39 +263,50 @@ if GLUON_ERROR is None:
             release_unread(k_ready, k_empty, v_ready, v_empty, i)
             i += 1
         o = acc / gl.convert_layout(l_i, row_o)[:, None]
-        o_smem = gl.allocate_shared_memory(dtype, [_HALF_M, HEAD_DIM], o_desc.layout)
-        o_smem.store(o.to(dtype))
-        fence_async_shared()
-        tma_store(o_desc, [o_row + half * _HALF_M, o_col], o_smem)
-        gl.store(M + offs_m, m_i)
-        gl.store(LOG2L + offs_m, gl.log2(l_i))
-        tma.store_wait(pendings=0)
+        if VARLEN:  # rows past the sequence's end are the next sequence's: masked stores, not a TMA tile
+            rows_o = half * _HALF_M + gl.arange(0, _HALF_M, layout=row_o)
+            offs_o = ((o_row + rows_o).to(gl.int64)[:, None] * o_stride + o_col
+                      + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))[None, :])
+            gl.store(O + offs_o, o.to(dtype), mask=(row0 + rows_o < seqlen)[:, None])
+            gl.store(M + offs_m, m_i, mask=offs_m < seqlen)
+            gl.store(LOG2L + offs_m, gl.log2(l_i), mask=offs_m < seqlen)
+        else:
+            o_smem = gl.allocate_shared_memory(dtype, [_HALF_M, HEAD_DIM], o_desc.layout)
+            o_smem.store(o.to(dtype))
+            fence_async_shared()
+            tma_store(o_desc, [o_row + half * _HALF_M, o_col], o_smem)
+            gl.store(M + offs_m, m_i)
+            gl.store(LOG2L + offs_m, gl.log2(l_i))
+            tma.store_wait(pendings=0)
 
-    def _partition(half: int, softcap: bool, window: bool):
-        """A consumer partition of gl.warp_specialize for one half of the rows, with SOFTCAP and WINDOW compiled in:
-        constexpr arguments do not survive gl.warp_specialize, closure constants do."""
+    def _partition(half: int, softcap: bool, window: bool, varlen: bool):
+        """A consumer partition of gl.warp_specialize for one half of the rows, with SOFTCAP, WINDOW and VARLEN
+        compiled in: constexpr arguments do not survive gl.warp_specialize, closure constants do."""
         HALF, SOFTCAP, WINDOW = gl.constexpr(half), gl.constexpr(softcap), gl.constexpr(window)
+        VARLEN = gl.constexpr(varlen)
 
         @gluon.jit
-        def consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, M, LOG2L, o_row, row0,
-                     o_col, lo, hi, c, causal, sc, cap, wl, wr):
-            _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, M, LOG2L, HALF, o_row,
-                      row0, o_col, lo, hi, c, causal, sc, cap, wl, wr, SOFTCAP, WINDOW)
+        def consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, O, M, LOG2L, o_row, row0,
+                     o_col, o_stride, lo, hi, seqlen, c, causal, sc, cap, wl, wr):
+            _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, O, M, LOG2L, HALF, o_row,
+                      row0, o_col, o_stride, lo, hi, seqlen, c, causal, sc, cap, wl, wr, SOFTCAP, WINDOW, VARLEN)
 
         return consumer
 
     @functools.lru_cache(maxsize=None)
-    def _kernel_for(softcap: bool, window: bool):
-        """The forward kernel, with or without the logit softcap and the sliding window."""
-        consumer0, consumer1 = _partition(0, softcap, window), _partition(1, softcap, window)
-        WINDOW = gl.constexpr(window)
+    def _kernel_for(softcap: bool, window: bool, varlen: bool = False):
+        """The forward kernel, with or without the logit softcap, the sliding window and packed sequences."""
+        consumer0, consumer1 = _partition(0, softcap, window, varlen), _partition(1, softcap, window, varlen)
+        WINDOW, VARLEN = gl.constexpr(window), gl.constexpr(varlen)
 
         @gluon.jit
-        def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, M, LOG2L, c, H, GROUP, N_CTX, causal,
+        def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, M, LOG2L, CU, c, H, GROUP, N_CTX, causal,
                                q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr):
             # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch);
             # (batch, seqlen, heads, headdim) memory has rb = seqlen, rh = 0, ch = headdim; (batch, heads,
-            # seqlen, headdim) memory rb = heads·seqlen, rh = seqlen, ch = 0 (see _tma_view).
+            # seqlen, headdim) memory rb = heads·seqlen, rh = seqlen, ch = 0 (see _tma_view). VARLEN: b is the
+            # sequence, the tensors are packed (1, total, heads, headdim) views (N_CTX = total), its rows start at
+            # CU[b], and m, log2l are (nheads, total).
             HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
             dtype: gl.constexpr = q_desc.dtype
             pid_bh = gl.program_id(1)
@@ -301,20 +317,29 @@ if GLUON_ERROR is None:
             h = pid_bh % H
             hk = h // GROUP
             row0 = pid_m * _BLOCK_M
-            q_row = b * q_rb + h * q_rh + row0
+            if VARLEN:
+                start = gl.load(CU + b)
+                seqlen = gl.load(CU + b + 1) - start
+                b = 0
+            else:
+                start = 0
+                seqlen = N_CTX
+            if row0 >= seqlen:  # VARLEN: the grid spans the longest sequence
+                return
+            q_row = b * q_rb + h * q_rh + start + row0
             q_col = h * q_ch
-            k_row = b * k_rb + hk * k_rh
-            v_row = b * v_rb + hk * v_rh
-            o_row = b * N_CTX + row0  # o is (batch, seqlen, nheads, headdim) contiguous
+            k_row = b * k_rb + hk * k_rh + start
+            v_row = b * v_rb + hk * v_rh + start
+            o_row = b * N_CTX + start + row0  # o is (batch, seqlen, nheads, headdim) contiguous
             o_col = h * HEAD_DIM
             lo = 0
-            hi = N_CTX
+            hi = seqlen
             if causal != 0:
-                hi = gl.minimum(N_CTX, row0 + _BLOCK_M)
+                hi = gl.minimum(seqlen, row0 + _BLOCK_M)
             if WINDOW:  # the key tiles some row of the block sees
-                lo, hi = window_tiles(row0, _BLOCK_M, wl, wr, N_CTX, _BLOCK_N)
-            stats = M + pid_bh.to(gl.int64) * N_CTX
-            stats2 = LOG2L + pid_bh.to(gl.int64) * N_CTX
+                lo, hi = window_tiles(row0, _BLOCK_M, wl, wr, seqlen, _BLOCK_N)
+            stats = M + (b * H + h).to(gl.int64) * N_CTX + start
+            stats2 = LOG2L + (b * H + h).to(gl.int64) * N_CTX + start
 
             q_smem = gl.allocate_shared_memory(dtype, [2, _HALF_M, HEAD_DIM], q_desc.layout)
             k_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -324,8 +349,8 @@ if GLUON_ERROR is None:
             k_ready, k_empty = ring_barriers(_NUM_STAGES)
             v_ready, v_empty = ring_barriers(_NUM_STAGES)
 
-            consumer_args = (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, stats, stats2,
-                             o_row, row0, o_col, lo, hi, c, causal, sc, cap, wl, wr)
+            consumer_args = (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, O, stats, stats2,
+                             o_row, row0, o_col, H * HEAD_DIM, lo, hi, seqlen, c, causal, sc, cap, wl, wr)
             gl.warp_specialize([
                 (consumer0, consumer_args),
                 (consumer1, consumer_args),
@@ -389,17 +414,35 @@ def on_sm90(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) == (9, 0))
 
 
-def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: bool = False) -> bool:
     """The shape, dtype and layout half of :func:`serves` (any device): bf16 / fp16, each tensor in
     (batch, seqlen, heads, headdim) or (batch, heads, seqlen, headdim) memory order, contiguous there and
-    16-byte aligned, seqlen_q = seqlen_k a multiple of 128, head dim 64 or 128, nheads a multiple of nheads_k.
+    16-byte aligned, seqlen_q = seqlen_k a multiple of 128 (``packed``: (1, total, heads, headdim) views of
+    packed sequences, total_q = total_k, any total), head dim 64 or 128, nheads a multiple of nheads_k.
     Never raises (False for other ranks and for nheads_k = 0)."""
     if not q.dim() == k.dim() == v.dim() == 4:
         return False
     b, n, h, d = q.shape
     return (q.numel() > 0 and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype and d in HEAD_DIMS
             and k.shape == v.shape and k.shape[0] == b and k.shape[1] == n and k.shape[3] == d and k.shape[2] > 0
-            and h % k.shape[2] == 0 and n % BLOCK_M == 0 and all(_tma_view(x) is not None for x in (q, k, v)))
+            and h % k.shape[2] == 0 and (b == 1 if packed else n % BLOCK_M == 0)
+            and all(_tma_view(x) is not None for x in (q, k, v)))
+
+
+def serves_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen) -> bool:
+    """Whether :func:`forward` serves packed sequences: GPROJ_HOPPER_FWD not 0 and :func:`packed_ok`. Never raises."""
+    return enabled() and packed_ok(q, k, v, varlen)
+
+
+def packed_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen) -> bool:
+    """Whether these kernels can take packed sequences: ``varlen`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k) as kernels/_triton_utils.check_varlen returns them, q, k, v their (1, total, heads, headdim) views,
+    on an sm_90 GPU; the sequences must be the same for queries and keys (one cu_seqlens tensor for both, as packed
+    self-attention passes it: then seqlen_q = seqlen_k per sequence, as the kernels' causal mask assumes), and
+    :func:`accepts` (packed) holds. Never raises."""
+    cu_q, cu_k, max_q, max_k = varlen
+    return (cu_q.data_ptr() == cu_k.data_ptr() and max_q == max_k and (cu_q.numel() - 1) * q.shape[2] <= 65535
+            and on_sm90(q) and accepts(q, k, v, packed=True))
 
 
 def tma_descriptor(x: torch.Tensor, rows: int, layout):
@@ -428,7 +471,7 @@ def _descriptors(q, k, v, o):
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, softcap: float = 0.0,
-            window: tuple[int, int] | None = None):
+            window: tuple[int, int] | None = None, cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0):
     """FMA-safe attention forward on Hopper; call only where :func:`serves` is True.
 
     Args:
@@ -440,11 +483,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
         softcap: 0 (off) or cap > 0: the logits are z = cap·tanh(τ q·k / cap) (Gemma 2), softmax(z) unscaled.
         window: None, or (wl, wr) >= 0: row i sees keys i − wl … i + wr only (flash-attn's ``window_size`` after
             kernels/_triton_utils.window_args: an unbounded side as a width past the sequence; ``causal`` False).
+        cu_seqlens, max_seqlen: packed sequences (:func:`serves_varlen`): q, k, v (1, total, nheads[_k], headdim)
+            views, cu_seqlens int32 (nseq + 1,) (0, …, total; the queries' and the keys'), max_seqlen >= every
+            sequence's length. Each sequence attends within itself (causal, window per sequence).
 
     Returns:
         o (batch, seqlen, nheads, headdim) in q's dtype; m, log2l (batch, nheads, seqlen) fp32: the row max
         of the logits (the raw scores q·k, or z with softcap) and log2 Σ_j exp2((logit_ij − m_i)·c) with
-        c = τ·log2e (log2e with softcap), as attention_fwd.forward.
+        c = τ·log2e (log2e with softcap), as attention_fwd.forward. Packed: o (1, total, nheads, headdim),
+        m, log2l (1, nheads, total).
     """
     b, n, h, d = q.shape
     hk = k.shape[2]
@@ -453,17 +500,19 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     log2l = torch.empty_like(m)
     descs, where = _descriptors(q, k, v, o)
     c = exponent_factor(softmax_scale, softcap)
-    _kernel_for(softcap > 0, window is not None)[(n // BLOCK_M, b * h)](
-        *descs, m, log2l, c, h, h // hk, n, int(bool(causal)), *where, *feature_args(softmax_scale, softcap, window),
-        num_warps=4,
+    packed = cu_seqlens is not None
+    grid = (triton.cdiv(max_seqlen, BLOCK_M), (cu_seqlens.numel() - 1) * h) if packed else (n // BLOCK_M, b * h)
+    _kernel_for(softcap > 0, window is not None, packed)[grid](
+        *descs, o, m, log2l, cu_seqlens if packed else m, c, h, h // hk, n, int(bool(causal)), *where,
+        *feature_args(softmax_scale, softcap, window), num_warps=4,
     )
     return o, m, log2l
 
 
 def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple[str, ...] = (), softcap: bool = False,
-                 window: bool = False):
-    """Compile the kernel (its softcap and / or window variant) for sm_90 without a GPU (Triton's ahead-of-time
-    path), as CI does.
+                 window: bool = False, varlen: bool = False):
+    """Compile the kernel (its softcap, window and / or packed-sequence variant) for sm_90 without a GPU (Triton's
+    ahead-of-time path), as CI does.
 
     ``ones`` names integer arguments compiled as the constant 1, as Triton specializes them at launch
     (``causal`` = 1 for every causal call; ``H``, ``GROUP`` for one head or no GQA sharing).
@@ -474,10 +523,11 @@ def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple
     qo_layout, kv_layout = _layouts(head_dim, dtype)
     qo = tensordesc_type(dtype, _HALF_M.value, head_dim, qo_layout)
     kv = tensordesc_type(dtype, _BLOCK_N.value, head_dim, kv_layout)
-    sig = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "M": "*fp32", "LOG2L": "*fp32", "c": "fp32",
+    sig = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "O": pointer_type(dtype), "M": "*fp32", "LOG2L": "*fp32",
+           "CU": "*i32" if varlen else "*fp32", "c": "fp32",
            "H": "i32", "GROUP": "i32", "N_CTX": "i32", "causal": "i32", **{f"{t}_{w}": "i32" for t in "qkv" for w in ("rb", "rh", "ch")},
            "sc": "fp32", "cap": "fp32", "wl": "i32", "wr": "i32"}
-    return aot_compile_sm90(_kernel_for(bool(softcap), bool(window)), sig, {arg: 1 for arg in ones})
+    return aot_compile_sm90(_kernel_for(bool(softcap), bool(window), bool(varlen)), sig, {arg: 1 for arg in ones})
 
 
 def feature_args(softmax_scale: float, softcap: float, window) -> tuple[float, float, int, int]:

@@ -260,7 +260,7 @@ def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj, soft
                                cap, window)
     assert launched == [(n // 128, b * h), (n // HB.BLOCK_N, b * hk)]
     # (GPROJ, CAUSAL, SOFTCAP, WINDOW) of each launch
-    assert variants == [(gproj, not softcap, softcap, softcap), (gproj, False, softcap, softcap)]
+    assert variants == [(gproj, not softcap, softcap, softcap, False), (gproj, False, softcap, softcap, False)]
     assert dk.dtype == torch.float32 and dv.dtype == torch.bfloat16 and dk.shape == dv.shape == k.shape
     assert key_sums.shape == (b, hk, d) and key_sums.dtype == torch.float64
 
@@ -279,3 +279,81 @@ def test_e0_tile_is_cached_except_under_graph_capture(monkeypatch):
     monkeypatch.setattr(HB, "_e0_cached", lambda device, dtype: "cached")
     assert HB._e0(torch.device("cuda", 0), torch.bfloat16) == "fresh" and built == [torch.device("cuda", 0)]
     assert HB._e0(torch.device("cpu"), torch.bfloat16) == "cached"  # no capture on a CPU tensor
+
+
+@pytest.mark.parametrize("gproj", [False, True], ids=["none", "gproj"])
+@pytest.mark.parametrize("which", ["dq", "dkdv"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_packed_variants_compile_for_sm90(gproj, which, causal):
+    """Packed sequences (bf16): the same Hopper paths, with the sequence bounds tested (rows past a sequence's end
+    read no statistics, keys past it are masked or not stored)."""
+    compile_ = HB.compile_dq_sm90 if which == "dq" else HB.compile_sm90
+    kernel = compile_(torch.bfloat16, gproj, causal, None, (), False, varlen=True)
+    plain = compile_(torch.bfloat16, gproj, causal, None, (), False)
+    assert_hopper_kernel(kernel, 2 * (6 if gproj else 3) if which == "dq" else 2 * (5 if gproj else 4))
+    assert kernel.asm["ptx"].count("setp.") > plain.asm["ptx"].count("setp.")
+
+
+def test_packed_launches_one_program_row_per_sequence_and_head(monkeypatch):
+    """dq_pass and dkdv with cu_seqlens, on CPU tensors: grids over the longest sequence's blocks and nseq·nheads
+    (nheads_k for dK/dV), cu_seqlens as the CU argument, every kernel parameter given once; key sums refused."""
+    launched = {}
+
+    class Launcher:
+        def __init__(self, name, kernel_for, variant):
+            self.name, self.names = name, kernel_for(*variant).arg_names
+            assert variant[-1] is True  # the packed variant
+
+        def __getitem__(self, grid):
+            def launch(*args, num_warps):
+                assert len(args) == len(self.names)
+                launched[self.name] = (grid, dict(zip(self.names, args))["CU"])
+            return launch
+
+    for name in ("_dq_kernel_for", "_dkdv_kernel_for"):
+        monkeypatch.setattr(HB, name, lambda *variant, name=name, real=getattr(HB, name): Launcher(name, real, variant))
+    total, h, hk, d = 300, 4, 2, 128
+    q, do, o, qr = (_t(1, total, h, d) for _ in range(4))
+    k, v = _t(1, total, hk, d), _t(1, total, hk, d)
+    m, log2l, delta, r = (torch.zeros(1, h, total) for _ in range(4))
+    cu = torch.tensor([0, 40, 300], dtype=torch.int32)
+    HB.dq_pass(q, k, v, do, o, m, log2l, delta, torch.empty(1, total, h, d), 1.0, 0.1, True, r, qr, cu_seqlens=cu,
+               max_seqlen=260)
+    HB.dkdv(q, k, v, do, m, log2l, delta, qr, 1.0, 0.1, True, torch.bfloat16, torch.bfloat16, False, cu_seqlens=cu,
+            max_seqlen=260)
+    assert launched["_dq_kernel_for"] == ((3, 2 * h), cu) and launched["_dkdv_kernel_for"] == ((3, 2 * hk), cu)
+    with pytest.raises(ValueError, match="key sums"):
+        HB.dkdv(q, k, v, do, m, log2l, delta, qr, 1.0, 0.1, True, torch.float32, torch.bfloat16, True, cu_seqlens=cu,
+                max_seqlen=260)
+
+
+@pytest.mark.parametrize("grad_dtype, routed", [(None, True), (torch.float32, False)], ids=["bf16", "fp32-C2"])
+def test_backward_routes_packed_sequences_to_the_gluon_passes(monkeypatch, grad_dtype, routed):
+    """Packed sequences reach both Gluon passes (with cu_seqlens and max_seqlen) where serves_varlen holds, except an
+    fp32 dk under GProj, whose per-sequence C2 projection needs key sums those passes do not keep."""
+    seen = {}
+
+    def fake_dq_pass(*args, cu_seqlens=None, max_seqlen=0, **kw):
+        seen["dq"] = (cu_seqlens, max_seqlen)
+
+    def fake_dkdv(*args, cu_seqlens=None, max_seqlen=0):
+        seen["dkdv"] = (cu_seqlens, max_seqlen)
+        raise _Routed
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(HB, "serves_varlen", lambda *a: True)
+    monkeypatch.setattr(HB, "dq_pass", fake_dq_pass)
+    monkeypatch.setattr(HB, "dkdv", fake_dkdv)
+    monkeypatch.setattr(B, "_dq_kernel", _Launcher())
+    monkeypatch.setattr(B, "_dkdv_kernel", _Launcher(_TlDot()))
+    total, h, d = 300, 2, 128
+    q, k, v, do, o = (torch.randn(total, h, d, dtype=torch.bfloat16) for _ in range(5))
+    m, log2l = torch.zeros(h, total), torch.full((h, total), 8.0)
+    cu = torch.tensor([0, 40, 300], dtype=torch.int32)
+    vl = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=260, max_seqlen_k=260)
+    with pytest.raises(_Routed if routed else _TlDot):
+        B.backward(do, q, k, v, o, m, log2l, d ** -0.5, True, "gproj", grad_dtype=grad_dtype, **vl)
+    if routed:
+        assert seen == {"dq": (cu, 260), "dkdv": (cu, 260)}
+    else:
+        assert "dq" not in seen

@@ -177,3 +177,62 @@ def test_benchmark_variants_still_apply_and_compile():
     for name in ab.VARIANTS:
         kernel = ab.variant_module(name).compile_sm90(64, torch.bfloat16, ("causal",))
         assert "wgmma.mma_async" in kernel.asm["ptx"], name
+
+
+@pytest.mark.parametrize("head_dim", H.HEAD_DIMS)
+@pytest.mark.parametrize("ones, softcap, window", [((), False, False), (("causal",), False, False), ((), True, True)],
+                         ids=["full", "causal", "softcap-window"])
+def test_packed_variant_compiles_for_sm90_with_masked_stores(head_dim, ones, softcap, window):
+    """Packed sequences: the same Hopper paths, o written by masked stores (a tile's rows past its sequence's end
+    belong to the next one) instead of the TMA store, and the key bound tested."""
+    kernel = H.compile_sm90(head_dim, torch.bfloat16, ones, softcap, window, varlen=True)
+    dense = H.compile_sm90(head_dim, torch.bfloat16, ones, softcap, window)
+    assert_hopper_kernel(kernel, 4)
+    ptx, dense_ptx = kernel.asm["ptx"], dense.asm["ptx"]
+    assert "cp.async.bulk.tensor.2d.global.shared" not in ptx and "cp.async.bulk.tensor.2d.global.shared" in dense_ptx
+    assert ptx.count("setp.") > dense_ptx.count("setp.")
+
+
+def _packed(total=300, h=4, hk=2, d=128, dtype=torch.bfloat16):
+    return tuple(torch.zeros(1, total, n, d, dtype=dtype) for n in (h, hk, hk))
+
+
+@pytest.mark.parametrize("why, qkv, varlen, ok", [
+    ("one cu_seqlens for both", _packed(), "same", True),
+    ("head dim 64, fp16", _packed(d=64, dtype=torch.float16), "same", True),
+    ("equal values in two tensors (could differ: not compared on the host)", _packed(), "copy", False),
+    ("max_seqlen_q != max_seqlen_k", _packed(), "max", False),
+    ("head dim 96", _packed(d=96), "same", False),
+    ("total_q != total_k", (_packed()[0], *_packed(total=200)[1:]), "same", False),
+    ("batch·nheads over the grid's 65535", _packed(h=4096, hk=4096), "many", False),
+])
+def test_packed_ok_takes_one_cu_seqlens_for_queries_and_keys(monkeypatch, why, qkv, varlen, ok):
+    """The Gluon kernels' causal mask and tile bounds assume seqlen_q = seqlen_k per sequence, which only sharing
+    one cu_seqlens tensor guarantees without reading it (a device sync)."""
+    monkeypatch.setattr(H, "on_sm90", lambda x: True)
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    args = {"same": (cu, cu, 200, 200), "copy": (cu, cu.clone(), 200, 200), "max": (cu, cu, 200, 256),
+            "many": (torch.zeros(17, dtype=torch.int32),) * 2 + (200, 200)}[varlen]
+    assert H.packed_ok(*qkv, args) == ok, why
+
+
+def test_forward_dispatch_sends_packed_sequences_to_the_gluon_kernel(monkeypatch):
+    """Where serves_varlen holds, attention_fwd.forward hands packed sequences to the Gluon kernel as (1, total, …)
+    views with cu_seqlens and max_seqlen, and returns its o, m, log2l without the leading 1."""
+    from lightning_gproj.kernels import attention_fwd as F
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+    monkeypatch.setattr(H, "serves_varlen", lambda q, k, v, varlen: True)
+
+    def fake(q, k, v, scale, causal, softcap, window, cu_seqlens=None, max_seqlen=0):
+        calls.append((q.shape, causal, window, cu_seqlens, max_seqlen))
+        return torch.zeros(q.shape), torch.zeros(1, q.shape[2], q.shape[1]), torch.zeros(1, q.shape[2], q.shape[1])
+
+    monkeypatch.setattr(H, "forward", fake)
+    q, k, v = (x[0] for x in _packed())
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    o, m, log2l = F.forward(q, k, v, 0.125, True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=200, max_seqlen_k=200,
+                            window_size=(31, 0))
+    assert calls == [((1, 300, 4, 128), False, (31, 0), cu, 200)]
+    assert o.shape == (300, 4, 128) and m.shape == log2l.shape == (4, 300)

@@ -25,7 +25,8 @@
 # varlen: gpu_check.py --cases hopper_varlen (packed sequences through the Gluon kernels; HOPPER_SOFTCAP / HOPPER_WINDOW
 #        as for softcap, default none), then attention.py --varlen (AUTOTUNE=0): the default ragged lengths packed
 #        (Gluon) against padded (tl.dot, key lengths), the same with GPROJ_HOPPER_FWD=0 GPROJ_HOPPER_BWD=0 (packed on
-#        the tl.dot kernels), and 8 × 2048 packed against the dense (8, 2048) batch (Gluon both);
+#        the tl.dot kernels), and 8 × 2048 packed against the dense (8, 2048) batch (Gluon both); VARLEN_RUNS (default
+#        "gluon tldot equal") picks those runs, VARLEN_RUNS= none;
 # Each phase has its own limit (check 100, c2 120, base 220, bwdcheck 300, ab and bwdab 2×100, train 200·R s,
 # softcap 300, softcapfid 100, softcapspeed and windowspeed 130): pick phases so that they end inside 600 s.
 set -u
@@ -92,7 +93,7 @@ for phase in $phases; do
       GPROJ_TRITON_AUTOTUNE=0 timeout ${CHECK_LIMIT:-200} python3 benchmarks/gpu_check.py --cases hopper_varlen \
         --hopper-softcap ${HOPPER_SOFTCAP:-0} --hopper-window=${HOPPER_WINDOW:--1,-1} > "$log" 2>&1
       echo "varlen check rc=$?"; grep -E "hopper_varlen" "$log"
-      for run in gluon tldot equal; do
+      for run in ${VARLEN_RUNS-gluon tldot equal}; do
         envs=""; lens=""
         [[ $run == tldot ]] && envs="GPROJ_HOPPER_FWD=0 GPROJ_HOPPER_BWD=0"
         [[ $run == equal ]] && lens="2048,2048,2048,2048,2048,2048,2048,2048"

@@ -21,7 +21,8 @@
 # softcapspeed: attention.py --softcap 30 on 4×16×2048×128 full and causal, 1×16×8192×128 causal and
 #        2×16×4096×64 causal, gproj and none, plain and capped side by side (AUTOTUNE=0, as run 18); SOFTCAP_ENV
 #        (e.g. "GPROJ_HOPPER_FWD=0 GPROJ_HOPPER_BWD=0": the tl.dot kernels) is set for that phase;
-# windowspeed: the same with --window 1024 instead of --softcap (SOFTCAP_ENV likewise).
+# windowspeed: the same with --window 1024 instead of --softcap (SOFTCAP_ENV likewise); TIMER=kernels times both
+#        with attention.py --timer kernels.
 # varlen: gpu_check.py --cases hopper_varlen (packed sequences through the Gluon kernels; HOPPER_SOFTCAP / HOPPER_WINDOW
 #        as for softcap, default none), then attention.py --varlen (AUTOTUNE=0): the default ragged lengths packed
 #        (Gluon) against padded (tl.dot, key lengths), the same with GPROJ_HOPPER_FWD=0 GPROJ_HOPPER_BWD=0 (packed on
@@ -84,7 +85,7 @@ for phase in $phases; do
       flag="--softcap 30"; [[ $feature == window ]] && flag="--window 1024"
       tag=${SOFTCAP_ENV:+_tldot}
       env ${SOFTCAP_ENV:-} GPROJ_TRITON_AUTOTUNE=0 timeout 130 python3 benchmarks/attention.py --methods gproj,none --shapes 0,1,3,5 \
-        $flag --out "$OUT/speed_$feature$tag" > "$OUT/speed_$feature$tag.log" 2>&1
+        $flag ${TIMER:+--timer $TIMER} --out "$OUT/speed_$feature$tag" > "$OUT/speed_$feature$tag.log" 2>&1
       echo "$phase ${SOFTCAP_ENV:-} rc=$?"; rm -f "$OUT/speed_$feature$tag"/*.png
       grep -B2 -A7 "TFLOP/s$" "$OUT/speed_$feature$tag/attention.md" ;;
     varlen)

@@ -26,8 +26,10 @@ Served (:func:`serves`): the inputs of the Gluon forward (kernels/attention_fwd_
 multiple of 128, GQA) at head dim 128 only — at 64 the Gluon dK/dV pass was not faster than the tl.dot one
 (benchmarks/NOTES.md, run 19) —, dS rounded to the input dtype, logit softcap (X̃ = bf16(dZ∘g) as the dS operand,
 kernels/reference.py), sliding windows (each program visits only the tiles its rows' or keys' windows touch, a
-consumer releases a tile none of its rows or keys sees unread, edge tiles masked), no key padding, dropout or
-packed sequences; do and o in any strides (copied when not in a served order). Gradients in 16-bit or fp32;
+consumer releases a tile none of its rows or keys sees unread, edge tiles masked), packed sequences with one
+cu_seqlens for queries and keys (:func:`serves_varlen`; rows past a sequence's end read no statistics (P = 0), keys
+past it are masked in the dQ pass and not stored by the dK/dV pass; no key sums), no key padding or dropout; do and
+o in any strides (copied when not in a served order). Gradients in 16-bit or fp32;
 with an fp32 dk the per-64-key sums Σ_j dk_j of the stored values, for the C2 projection
 (kernels/reference.project_key_sum_). ``GPROJ_HOPPER_BWD=0`` keeps every call on the tl.dot kernels.
 """

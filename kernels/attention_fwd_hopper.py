@@ -21,8 +21,11 @@ Served (:func:`serves`): bf16 / fp16, (batch, seqlen, nheads, headdim) tensors w
 in that order or in (batch, nheads, seqlen, headdim) order (each tensor its own), 16-byte aligned,
 seqlen_q = seqlen_k a multiple of 128, head dim 64 or 128, GQA, causal or not, sliding windows (each block
 visits only the key tiles its rows' windows touch; a half that sees none of a tile releases it unread), logit
-softcap (its tanh as the tl.dot kernels form it); no key padding, dropout or packed sequences. Speed on the H200:
-benchmarks/NOTES.md (runs 18, 21).
+softcap (its tanh as the tl.dot kernels form it), packed sequences that share one cu_seqlens between queries and
+keys (:func:`serves_varlen`: one program row per (sequence, head), a tile's rows and keys past its sequence's end
+masked, o stored row by row there; the next sequence's values in such a tile are multiplied by an exact 0, so they
+change nothing unless they are inf or NaN, as in any FlashAttention kernel); no key padding or dropout. Speed on the
+H200: benchmarks/NOTES.md (runs 18, 21, 24, 26).
 """
 
 from __future__ import annotations

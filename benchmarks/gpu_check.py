@@ -1,7 +1,7 @@
 """GPU smoke check of the Triton kernels against kernels/reference.py (run on the device machine).
 
 Usage: python benchmarks/gpu_check.py [--quick-speed] [--skip-cases] [--ds-formats bf16,e4m3,e5m2]
-       [--cases base,features,dropout,varlen,hopper,hopper_bwd,hopper_varlen]
+       [--cases base,features,dropout,varlen,hopper,hopper_bwd,hopper_varlen,hopper_ragged]
 (the cases include sliding windows and softcap, every fix, and their constant checks)
 
 Prints relative Frobenius differences Triton vs reference (same rounding points: expect <~1e-3,
@@ -136,7 +136,14 @@ def hopper_varlen_check(dev, softcap=0.0, window=(-1, -1)):
     print("hopper_varlen worst rel diff vs reference (o, grads):", worst, flush=True)
 
 
-def hopper_check(dev, softcap=0.0, window=(-1, -1)):
+#: hopper_ragged: seqlens that are not a multiple of 128 (the Gluon kernels' edge variant), (B, N, H, Hk, d, causal, dtype).
+RAGGED_FWD = [(2, 1000, 8, 2, 128, True, torch.bfloat16), (1, 333, 4, 4, 64, False, torch.float16),
+              (2, 200, 4, 1, 128, False, torch.bfloat16), (2, 1000, 8, 2, 128, False, "bhsd")]
+RAGGED_BWD = [(2, 1000, 8, 2, 128, False, torch.bfloat16), (2, 1000, 8, 2, 128, True, torch.bfloat16),
+              (1, 333, 4, 4, 128, True, torch.float16), (2, 777, 8, 8, 128, True, "bhsd")]
+
+
+def hopper_check(dev, softcap=0.0, window=(-1, -1), shapes=None):
     """The sm_90 Gluon forward (kernels/attention_fwd_hopper.py) through attention_fwd.forward's dispatch:
     o, m, log2l against reference.py and against the tl.dot forward (GPROJ_HOPPER_FWD=0), the backward fed
     its m and log2l against reference.py's backward, and the constant checks of DESIGN.md §5 (o exact); with
@@ -145,9 +152,10 @@ def hopper_check(dev, softcap=0.0, window=(-1, -1)):
     import os
     from unittest import mock
     worst = 0.0
-    for (b, n, h, hk, d, causal, dt) in [(2, 1024, 8, 2, 128, False, torch.bfloat16), (2, 1024, 8, 2, 128, True, torch.bfloat16),
-                                         (1, 512, 4, 4, 64, True, torch.float16), (2, 256, 4, 1, 128, False, torch.float16),
-                                         (1, 384, 2, 2, 64, False, torch.bfloat16), (2, 1024, 8, 2, 128, True, "bhsd")]:
+    for (b, n, h, hk, d, causal, dt) in shapes or [
+            (2, 1024, 8, 2, 128, False, torch.bfloat16), (2, 1024, 8, 2, 128, True, torch.bfloat16),
+            (1, 512, 4, 4, 64, True, torch.float16), (2, 256, 4, 1, 128, False, torch.float16),
+            (1, 384, 2, 2, 64, False, torch.bfloat16), (2, 1024, 8, 2, 128, True, "bhsd")]:
         heads_major = dt == "bhsd"  # q, v in (B, H, N, d) memory, as Hugging Face models hand them over
         dt = torch.bfloat16 if heads_major else dt
         q = torch.randn(b, n, h, d, device=dev, dtype=dt)
@@ -179,7 +187,7 @@ def hopper_check(dev, softcap=0.0, window=(-1, -1)):
     print("hopper worst rel diff vs reference (o, grads):", worst, flush=True)
 
 
-def hopper_bwd_check(dev, softcap=0.0, window=(-1, -1)):
+def hopper_bwd_check(dev, softcap=0.0, window=(-1, -1), shapes=None):
     """The sm_90 Gluon backward passes (kernels/attention_bwd_hopper.py) through attention_bwd.backward's dispatch:
     dq, dk, dv against reference.py and against the tl.dot kernels (GPROJ_HOPPER_BWD=0) for fix none, gproj (own
     GEMM and folded dK term) and gproj_uniform; GQA, fp16, heads-major q / v, a do that needs a copy; an fp32 dk (C2: |Σ_j dk_j| relative
@@ -188,9 +196,9 @@ def hopper_bwd_check(dev, softcap=0.0, window=(-1, -1)):
     import os
     from unittest import mock
     worst = 0.0
-    for (b, n, h, hk, d, causal, dt) in [(2, 1024, 8, 2, 128, False, torch.bfloat16), (2, 1024, 8, 2, 128, True, torch.bfloat16),
-                                         (1, 512, 4, 4, 128, True, torch.float16), (2, 1024, 8, 8, 128, True, "bhsd"),
-                                         (1, 384, 2, 2, 64, False, torch.bfloat16)]:
+    for (b, n, h, hk, d, causal, dt) in shapes or [
+            (2, 1024, 8, 2, 128, False, torch.bfloat16), (2, 1024, 8, 2, 128, True, torch.bfloat16),
+            (1, 512, 4, 4, 128, True, torch.float16), (2, 1024, 8, 8, 128, True, "bhsd"), (1, 384, 2, 2, 64, False, torch.bfloat16)]:
         odd = dt == "bhsd"  # q, v in (B, H, N, d) memory, do a strided slice (copied for the kernel)
         dt = torch.bfloat16 if odd else dt
         q = torch.randn(b, n, h, d, device=dev, dtype=dt)
@@ -249,11 +257,13 @@ def main():
                     help="which Triton-vs-reference groups to run: base (8 shapes, every fix), features (windows, "
                          "softcap), dropout (attention dropout, the reference drawing the kernels' mask), varlen "
                          "(packed sequences), hopper (the sm_90 Gluon forward), hopper_bwd (the sm_90 Gluon backward passes), "
-                         "hopper_varlen (packed sequences through the Gluon kernels)")
+                         "hopper_varlen (packed sequences through the Gluon kernels), hopper_ragged (the hopper and "
+                         "hopper_bwd checks at seqlens that are not a multiple of 128)")
     args = ap.parse_args()
     groups = set(args.cases.split(","))
-    if not groups <= {"base", "features", "dropout", "varlen", "hopper", "hopper_bwd", "hopper_varlen"}:
-        ap.error(f"--cases takes base, features, dropout, varlen, hopper, hopper_bwd, hopper_varlen; got {args.cases!r}")
+    if not groups <= {"base", "features", "dropout", "varlen", "hopper", "hopper_bwd", "hopper_varlen", "hopper_ragged"}:
+        ap.error(f"--cases takes base, features, dropout, varlen, hopper, hopper_bwd, hopper_varlen, hopper_ragged; got "
+                 f"{args.cases!r}")
     if args.skip_cases:
         groups = set()
     import triton
@@ -336,6 +346,9 @@ def main():
         hopper_bwd_check(dev, args.hopper_softcap, window)
     if "hopper_varlen" in groups:
         hopper_varlen_check(dev, args.hopper_softcap, window)
+    if "hopper_ragged" in groups:
+        hopper_check(dev, args.hopper_softcap, window, RAGGED_FWD)
+        hopper_bwd_check(dev, args.hopper_softcap, window, RAGGED_BWD)
     for cval in (133120.0, 1000.0):
         for causal in (False, True):
             x = torch.full((1, 1000, 2, 128), cval, device=dev, dtype=torch.bfloat16)

@@ -28,6 +28,9 @@
 #        (Gluon) against padded (tl.dot, key lengths), the same with GPROJ_HOPPER_FWD=0 GPROJ_HOPPER_BWD=0 (packed on
 #        the tl.dot kernels), and 8 × 2048 packed against the dense (8, 2048) batch (Gluon both); VARLEN_RUNS (default
 #        "gluon tldot equal") picks those runs, VARLEN_RUNS= none;
+# ragged: gpu_check.py --cases hopper_ragged (the Gluon kernels at seqlens that are not a multiple of 128), then
+#        attention.py --varlen with 8 × 1000 tokens (packed and the dense (8, 1000) batch) on the Gluon kernels and
+#        on the tl.dot ones (GPROJ_HOPPER_FWD=0 GPROJ_HOPPER_BWD=0);
 # Each phase has its own limit (check 100, c2 120, base 220, bwdcheck 300, ab and bwdab 2×100, train 200·R s,
 # softcap 300, softcapfid 100, softcapspeed and windowspeed 130): pick phases so that they end inside 600 s.
 set -u
@@ -102,6 +105,16 @@ for phase in $phases; do
           > "$OUT/speed_varlen_$run.log" 2>&1
         echo "varlen speed $run rc=$?"; grep -E "packed|padded|\|" "$OUT/speed_varlen_$run.log"
       done ;;
-    *) echo "unknown phase $phase (check, c2, base, bwdcheck, ab, bwdab, train, softcap, softcapfid, softcapspeed, windowspeed, varlen)"; exit 2 ;;
+    ragged)
+      GPROJ_TRITON_AUTOTUNE=0 timeout ${CHECK_LIMIT:-260} python3 benchmarks/gpu_check.py --cases hopper_ragged \
+        > "$OUT/gpu_check_hopper_ragged.log" 2>&1
+      echo "ragged check rc=$?"; grep -E "hopper" "$OUT/gpu_check_hopper_ragged.log"
+      for run in gluon tldot; do
+        envs=""; [[ $run == tldot ]] && envs="GPROJ_HOPPER_FWD=0 GPROJ_HOPPER_BWD=0"
+        env $envs GPROJ_TRITON_AUTOTUNE=0 timeout 100 python3 benchmarks/attention.py --varlen 1000,1000,1000,1000,1000,1000,1000,1000 \
+          --out "$OUT/ragged_$run" > "$OUT/speed_ragged_$run.log" 2>&1
+        echo "ragged speed $run rc=$?"; grep -E "packed|padded|\|" "$OUT/speed_ragged_$run.log"
+      done ;;
+    *) echo "unknown phase $phase (check, c2, base, bwdcheck, ab, bwdab, train, softcap, softcapfid, softcapspeed, windowspeed, varlen, ragged)"; exit 2 ;;
   esac
 done

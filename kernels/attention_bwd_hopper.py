@@ -107,7 +107,7 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, stats, M, LOG2L, DELTA, c, sc, cap, wl, wr, seqlen,
                    GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
-                   VARLEN: gl.constexpr):
+                   EDGES: gl.constexpr):
         """One (Q, dO[, −ρ∘Q]) tile (shared [rows, headdim]; query positions ``rows``, the first start_m) of the
         dK/dV pass for 64 keys: Sᵀ, dPᵀ, P̃ᵀ, dS̃ᵀ and the asynchronous dV, dK [, GProj's dK term] GEMMs, waited for;
         returns (dk, dv)."""
@@ -124,7 +124,7 @@ if GLUON_ERROR is None:
         dpT = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
         # m, log2l loaded here, not before the GEMMs: live across them they spilled (Triton 3.6).
-        if VARLEN:  # rows from seqlen on are the next sequence's: log2l = +inf gives them P = 0
+        if EDGES:  # rows from seqlen on are the next sequence's: log2l = +inf gives them P = 0
             m = gl.load(M + stats + rows, mask=rows < seqlen, other=0.0)
             l2 = gl.load(LOG2L + stats + rows, mask=rows < seqlen, other=float("inf"))
         else:
@@ -157,7 +157,7 @@ if GLUON_ERROR is None:
             dpT = warpgroup_mma_wait(num_outstanding=2, deps=(dpT,))
         else:
             dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
-        if VARLEN:  # loaded where dS needs it: shorter-lived, fewer spills
+        if EDGES:  # loaded where dS needs it: shorter-lived, fewer spills
             di = gl.load(DELTA + stats + rows, mask=rows < seqlen, other=0.0)
         else:
             di = gl.load(DELTA + stats + rows)
@@ -169,7 +169,7 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA,
                   half, GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
-                  VARLEN: gl.constexpr, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, hi, N_CTX, seqlen, c, tau,
+                  EDGES: gl.constexpr, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, hi, N_CTX, seqlen, c, tau,
                   key_sums, sc, cap, wl, wr):
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
         # The score tiles' layout ([keys, queries]): 64 query rows, with softcap 32 (each tile in two halves).
@@ -216,17 +216,17 @@ if GLUON_ERROR is None:
                             dk, dv = _dkdv_tile(k, v, q.slice(sub * _SUB_M, _SUB_M), do.slice(sub * _SUB_M, _SUB_M),
                                                 qr.slice(sub * _SUB_M, _SUB_M), dk, dv, keys, key0, rows + sub * _SUB_M,
                                                 start_m + sub * _SUB_M, stats, M, LOG2L, DELTA, c, sc, cap, wl, wr, seqlen,
-                                                GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN)
+                                                GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES)
                     else:
                         dk, dv = _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, stats, M, LOG2L, DELTA, c,
-                                            sc, cap, wl, wr, seqlen, GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN)
+                                            sc, cap, wl, wr, seqlen, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES)
                 mbarrier.arrive(empty.index(st), count=1)
                 i += 1
         dk = dk * tau
         out_rows = (out_row + half * _HALF_N + gl.arange(0, _HALF_N, layout=gl.SliceLayout(1, acc_layout))).to(gl.int64)
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
         offs = out_rows[:, None] * out_stride + out_col + cols[None, :]
-        if VARLEN:  # keys from seqlen on are the next sequence's
+        if EDGES:  # keys from seqlen on are the next sequence's
             key_ok = (key0 + gl.arange(0, _HALF_N, layout=gl.SliceLayout(1, acc_layout)) < seqlen)[:, None]
             gl.store(DK + offs, dk.to(DK.dtype.element_ty), mask=key_ok)
             gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=key_ok)
@@ -236,31 +236,33 @@ if GLUON_ERROR is None:
         if key_sums != 0:  # dk is fp32 here: Σ over these 64 keys of the values just stored
             gl.store(KS + half * HEAD_DIM + cols, gl.sum(dk, axis=0))
 
-    def _dkdv_partition(gproj: bool, causal: bool, softcap: bool, window: bool, varlen: bool):
-        """A dK/dV consumer partition with (GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN) compiled in: constexpr arguments do
+    def _dkdv_partition(gproj: bool, causal: bool, softcap: bool, window: bool, edges: bool):
+        """A dK/dV consumer partition with (GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES) compiled in: constexpr arguments do
         not survive gl.warp_specialize (the loader takes GPROJ as a value), closure constants do; with the mask's,
         GProj's or the softcap's code compiled in where it is not used the consumers spilled ~4× more (Triton 3.6's
         ptxas)."""
         GPROJ, CAUSAL = gl.constexpr(gproj), gl.constexpr(causal)
-        SOFTCAP, WINDOW, VARLEN = gl.constexpr(softcap), gl.constexpr(window), gl.constexpr(varlen)
+        SOFTCAP, WINDOW, EDGES = gl.constexpr(softcap), gl.constexpr(window), gl.constexpr(edges)
 
         @gluon.jit
         def consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, start_n,
                      out_row, out_col, out_stride, stats0, GROUP, lo, hi, N_CTX, seqlen, c, tau, key_sums, sc, cap, wl, wr,
                      half):
             _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, half,
-                      GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, hi,
+                      GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, hi,
                       N_CTX, seqlen, c, tau, key_sums, sc, cap, wl, wr)
 
         return consumer
 
     @functools.lru_cache(maxsize=None)
-    def _dkdv_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool, varlen: bool = False):
-        """The dK/dV kernel with GProj's dK term (gproj), the causal mask, the softcap, the sliding window and packed
-        sequences compiled in or out."""
+    def _dkdv_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool, varlen: bool = False,
+                         edges: bool = False):
+        """The dK/dV kernel with GProj's dK term (gproj), the causal mask, the softcap, the sliding window, packed
+        sequences (varlen) and sequence ends inside tiles (edges: a seqlen not a multiple of 128; implied by varlen)
+        compiled in or out."""
         GPROJ, CAUSAL, WINDOW = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(window)
         VARLEN = gl.constexpr(varlen)
-        consumer = _dkdv_partition(gproj, causal, softcap, window, varlen)
+        consumer = _dkdv_partition(gproj, causal, softcap, window, edges or varlen)
 
         @gluon.jit
         def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, DK, DV, KS, M, LOG2L, DELTA, CU, c, tau, H,
@@ -363,7 +365,7 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _dq_tile(q, do, k, v, e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n, c, sc, cap, wl, wr, seqlen,
                  GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
-                 VARLEN: gl.constexpr):
+                 EDGES: gl.constexpr):
         """One key tile (k, v: shared [keys, headdim]) of the dQ pass for 64 query rows: S, dP, P̃, dS̃ and the
         asynchronous dQ [, P̃K, row sums] GEMMs, waited for; returns (dq, pk, r, ps)."""
         HEAD_DIM: gl.constexpr = q.shape[1]
@@ -393,7 +395,7 @@ if GLUON_ERROR is None:
             if window_crosses(first, _DQ_HALF_M, start_n, KEYS, wl, wr):
                 cols = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
                 p = gl.where(window_mask(rows[:, None], cols[None, :], wl, wr), p, 0.0)
-        if VARLEN:  # keys from seqlen on are the next sequence's (causal rows never reach them)
+        if EDGES:  # keys from seqlen on are the next sequence's (causal rows never reach them)
             if not CAUSAL:
                 if start_n + KEYS > seqlen:
                     cols = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
@@ -447,7 +449,7 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
                      GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
-                     VARLEN: gl.constexpr, row0, stats, out_row, out_col, out_stride, lo, hi, seqlen, c, tau, store_qr, sc,
+                     EDGES: gl.constexpr, row0, stats, out_row, out_col, out_stride, lo, hi, seqlen, c, tau, store_qr, sc,
                      cap, wl, wr, half):
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         # The score tiles' layout: 64 keys, with softcap 32 (each K/V tile in two halves, see the loop).
@@ -470,7 +472,7 @@ if GLUON_ERROR is None:
             hi = gl.minimum(hi, first + _DQ_HALF_M)
         rows = first + gl.arange(0, _DQ_HALF_M, layout=row_s)
         rows_a = first + gl.arange(0, _DQ_HALF_M, layout=row_a)
-        if VARLEN:  # rows from seqlen on are the next sequence's: log2l = +inf gives them P = 0, stores skip them
+        if EDGES:  # rows from seqlen on are the next sequence's: log2l = +inf gives them P = 0, stores skip them
             m = gl.load(M + stats + rows, mask=rows < seqlen, other=0.0)
             l2 = gl.load(LOG2L + stats + rows, mask=rows < seqlen, other=float("inf"))
         else:
@@ -481,7 +483,7 @@ if GLUON_ERROR is None:
         mbarrier.wait(q_bar, 0)
         # D_i = Σ_d dO_id O_id in fp32 from the 16-bit o and dO (exact products), stored for the dK/dV pass.
         di = gl.sum(o_smem.index(half).load(acc_layout).to(gl.float32) * do.load(acc_layout).to(gl.float32), axis=1)
-        if VARLEN:
+        if EDGES:
             gl.store(DELTA + stats + rows_a, di, mask=rows_a < seqlen)
         else:
             gl.store(DELTA + stats + rows_a, di)
@@ -517,17 +519,17 @@ if GLUON_ERROR is None:
                         dq, pk, r, ps = _dq_tile(q, do, k.slice(sub * _DQ_HALF_N, _DQ_HALF_N),
                                                  v.slice(sub * _DQ_HALF_N, _DQ_HALF_N), e0_smem, dq, pk, r, ps, m, l2, di, rows,
                                                  first, start_n + sub * _DQ_HALF_N, c, sc, cap, wl, wr, seqlen, GPROJ, CAUSAL,
-                                                 SOFTCAP, WINDOW, VARLEN)
+                                                 SOFTCAP, WINDOW, EDGES)
                 else:
                     dq, pk, r, ps = _dq_tile(q, do, k, v, e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n, c, sc, cap,
-                                             wl, wr, seqlen, GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN)
+                                             wl, wr, seqlen, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES)
             mbarrier.arrive(empty.index(st), count=1)
             i += 1
         offs = ((out_row + half * _DQ_HALF_M + gl.arange(0, _DQ_HALF_M, layout=row_a)).to(gl.int64)[:, None] * out_stride
                 + out_col + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))[None, :])
-        # VARLEN: the rows of this sequence only (a full mask otherwise, folded away)
+        # EDGES: the rows of this sequence only (a full mask otherwise, folded away)
         row_ok = rows_a < seqlen
-        if not VARLEN:
+        if not EDGES:
             row_ok = rows_a >= 0
         if GPROJ:
             # Column 0 holds the sums, the others 0: adding them is exact. ρ_i = r_i / Σ_j P̃_ij (0 for a row
@@ -545,28 +547,29 @@ if GLUON_ERROR is None:
                 gl.store(QR + offs, (q.load(acc_layout).to(gl.float32) * (-rho)[:, None]).to(QR.dtype.element_ty),
                          mask=row_ok[:, None])
 
-    def _dq_partition(gproj: bool, causal: bool, softcap: bool, window: bool, varlen: bool):
-        """A dQ consumer partition with (GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN) compiled in, as
+    def _dq_partition(gproj: bool, causal: bool, softcap: bool, window: bool, edges: bool):
+        """A dQ consumer partition with (GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES) compiled in, as
         :func:`_dkdv_partition`."""
         GPROJ, CAUSAL = gl.constexpr(gproj), gl.constexpr(causal)
-        SOFTCAP, WINDOW, VARLEN = gl.constexpr(softcap), gl.constexpr(window), gl.constexpr(varlen)
+        SOFTCAP, WINDOW, EDGES = gl.constexpr(softcap), gl.constexpr(window), gl.constexpr(edges)
 
         @gluon.jit
         def consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
                      row0, stats, out_row, out_col, out_stride, lo, hi, seqlen, c, tau, store_qr, sc, cap, wl, wr, half):
             _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L,
-                         DELTA, GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN, row0, stats, out_row, out_col, out_stride, lo, hi,
+                         DELTA, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, row0, stats, out_row, out_col, out_stride, lo, hi,
                          seqlen, c, tau, store_qr, sc, cap, wl, wr, half)
 
         return consumer
 
     @functools.lru_cache(maxsize=None)
-    def _dq_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool, varlen: bool = False):
-        """The dQ kernel with GProj's projection (gproj), the causal mask, the softcap, the sliding window and packed
-        sequences compiled in or out."""
+    def _dq_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool, varlen: bool = False,
+                       edges: bool = False):
+        """The dQ kernel with GProj's projection (gproj), the causal mask, the softcap, the sliding window, packed
+        sequences (varlen) and sequence ends inside tiles (edges, as :func:`_dkdv_kernel_for`) compiled in or out."""
         GPROJ, CAUSAL, WINDOW = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(window)
         VARLEN = gl.constexpr(varlen)
-        consumer = _dq_partition(gproj, causal, softcap, window, varlen)
+        consumer = _dq_partition(gproj, causal, softcap, window, edges or varlen)
 
         @gluon.jit
         def _hopper_dq_kernel(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, DQ, R, QR, M, LOG2L, DELTA, CU, c, tau, H,
@@ -719,13 +722,14 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
     dk = torch.empty((b, n, hk, d), dtype=dk_dtype, device=q.device)
     dv = torch.empty((b, n, hk, d), dtype=dv_dtype, device=q.device)
     packed = cu_seqlens is not None
-    if packed and want_key_sums:
-        raise ValueError("dkdv: key sums are not kept for packed sequences")
+    edges = packed or n % BLOCK_N != 0
+    if edges and want_key_sums:
+        raise ValueError("dkdv: key sums are kept only for a seqlen that is a multiple of 128, not packed")
     slots = n // KEYS_PER_SUM
     ks = torch.empty((b, hk, slots, d), dtype=torch.float32, device=q.device) if want_key_sums else delta
     descs, where = _descriptors(q, do, q if qr is None else qr, k, v)  # q: a placeholder the kernel never reads
-    grid = (triton.cdiv(max_seqlen, BLOCK_N), (cu_seqlens.numel() - 1) * hk) if packed else (n // BLOCK_N, b * hk)
-    _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0, window is not None, packed)[grid](
+    grid = (triton.cdiv(max_seqlen if packed else n, BLOCK_N), (cu_seqlens.numel() - 1 if packed else b) * hk)
+    _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0, window is not None, packed, edges)[grid](
         *descs, dk, dv, ks, m, log2l, delta, cu_seqlens if packed else delta, float(c), float(softmax_scale), h, h // hk,
         n, int(bool(want_key_sums)), *where, *feature_args(softmax_scale, softcap, window), num_warps=4,
     )
@@ -734,7 +738,7 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
 
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
                  dk_dtype: torch.dtype | None = None, ones: tuple[str, ...] = (), softcap: bool = False,
-                 window: bool = False, varlen: bool = False):
+                 window: bool = False, varlen: bool = False, edges: bool = False):
     """Compile the kernel for sm_90 without a GPU (Triton's ahead-of-time path), as CI does: head dim 128, dk
     in ``dk_dtype`` (default: ``dtype``; torch.float32 for the fp32-dk path), dv in ``dtype``. ``ones`` names
     integer arguments compiled as the constant 1, as Triton specializes them at launch (``key_sums``,
@@ -748,7 +752,8 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal
            "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "key_sums": "i32",
            **{f"{x}_{w}": "i32" for x in ("q", "do", "qr", "k", "v") for w in ("rb", "rh", "ch")}, "sc": "fp32", "cap": "fp32",
            "wl": "i32", "wr": "i32"}
-    return aot_compile_sm90(_dkdv_kernel_for(bool(gproj), bool(causal), bool(softcap), bool(window), bool(varlen)), sig,
+    return aot_compile_sm90(_dkdv_kernel_for(bool(gproj), bool(causal), bool(softcap), bool(window), bool(varlen),
+                                             bool(edges)), sig,
                             {arg: 1 for arg in ones})
 
 
@@ -802,9 +807,8 @@ def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float,
     gproj = r is not None
     e0 = _e0(q.device, q.dtype) if gproj else descs[0]  # fix="none": a placeholder the kernel never reads
     packed = cu_seqlens is not None
-    grid = ((triton.cdiv(max_seqlen, _DQ_BLOCK_M.value), (cu_seqlens.numel() - 1) * h) if packed
-            else (n // _DQ_BLOCK_M.value, b * h))
-    _dq_kernel_for(gproj, bool(causal), softcap > 0, window is not None, packed)[grid](
+    grid = (triton.cdiv(max_seqlen if packed else n, _DQ_BLOCK_M.value), (cu_seqlens.numel() - 1 if packed else b) * h)
+    _dq_kernel_for(gproj, bool(causal), softcap > 0, window is not None, packed, n % _DQ_BLOCK_M.value != 0)[grid](
         *descs, e0, dq, delta if r is None else r, q if qr is None else qr, m, log2l, delta,
         cu_seqlens if packed else delta, float(c),
         float(softmax_scale), h, h // hk, n, int(qr is not None), *where, *feature_args(softmax_scale, softcap, window),
@@ -814,7 +818,7 @@ def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float,
 
 def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
                     dq_dtype: torch.dtype | None = None, ones: tuple[str, ...] = (), softcap: bool = False,
-                    window: bool = False, varlen: bool = False):
+                    window: bool = False, varlen: bool = False, edges: bool = False):
     """Compile the dQ kernel for sm_90 without a GPU, as :func:`compile_sm90` does the dK/dV one (``ones``:
     ``store_qr``, ``GROUP``)."""
     _require_gluon()
@@ -827,5 +831,6 @@ def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, cau
            "GROUP": "i32", "N_CTX": "i32",
            "store_qr": "i32", **{f"{x}_{w}": "i32" for x in ("q", "do", "o", "k", "v") for w in ("rb", "rh", "ch")},
            "sc": "fp32", "cap": "fp32", "wl": "i32", "wr": "i32"}
-    return aot_compile_sm90(_dq_kernel_for(bool(gproj), bool(causal), bool(softcap), bool(window), bool(varlen)), sig,
+    return aot_compile_sm90(_dq_kernel_for(bool(gproj), bool(causal), bool(softcap), bool(window), bool(varlen),
+                                           bool(edges)), sig,
                             {arg: 1 for arg in ones})

@@ -19,7 +19,8 @@ O = acc / l rounded once.
 
 Served (:func:`serves`): bf16 / fp16, (batch, seqlen, nheads, headdim) tensors whose memory is contiguous
 in that order or in (batch, nheads, seqlen, headdim) order (each tensor its own), 16-byte aligned,
-seqlen_q = seqlen_k a multiple of 128, head dim 64 or 128, GQA, causal or not, sliding windows (each block
+seqlen_q = seqlen_k (a multiple of 128, or any with the edge variant: the last block's rows and keys past the
+sequence are masked and its o stored row by row), head dim 64 or 128, GQA, causal or not, sliding windows (each block
 visits only the key tiles its rows' windows touch; a half that sees none of a tile releases it unread), logit
 softcap (its tanh as the tl.dot kernels form it), packed sequences that share one cu_seqlens between queries and
 keys (:func:`serves_varlen`: one program row per (sequence, head), a tile's rows and keys past its sequence's end
@@ -155,10 +156,10 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _softmax(s, m_i, l_i, offs_m, start_n, diag_from, c, causal, sc, cap, wl, wr, seqlen, HEAD_DIM: gl.constexpr,
-                 dtype: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr):
+                 dtype: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, EDGES: gl.constexpr):
         """One key block of the online softmax: with SOFTCAP the capped logits z = cap·tanh(τ s/cap) replace the
         scores; mask them on and past the diagonal (rows from ``diag_from``), or with WINDOW outside the sliding
-        window row − wl <= key <= row + wr, and with VARLEN the keys from ``seqlen`` on (the next sequence's);
+        window row − wl <= key <= row + wr, and with EDGES the keys from ``seqlen`` on (the next sequence's or head's);
         update the row max m and sum l. Returns (P̃ as the A operand of P̃·V, the factor α that rescales the
         accumulator (in its row layout), m, l)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -177,7 +178,7 @@ if GLUON_ERROR is None:
             if window_crosses(diag_from, _HALF_M, start_n, _BLOCK_N, wl, wr):
                 offs_n = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
                 s = gl.where(window_mask(offs_m[:, None], offs_n[None, :], wl, wr), s, float("-inf"))
-        if VARLEN:  # the tile reaches past the sequence's last key
+        if EDGES:  # the tile reaches past the sequence's last key
             if start_n + _BLOCK_N > seqlen:
                 offs_n = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
                 s = gl.where(offs_n[None, :] < seqlen, s, float("-inf"))
@@ -204,7 +205,7 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, O, M, LOG2L,
                   half: gl.constexpr, o_row, row0, o_col, o_stride, lo, hi, seqlen, c, causal, sc, cap, wl, wr,
-                  SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr):
+                  SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, EDGES: gl.constexpr):
         HEAD_DIM: gl.constexpr = o_desc.block_type.shape[1]
         dtype: gl.constexpr = o_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -241,7 +242,7 @@ if GLUON_ERROR is None:
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_empty.index(st), count=1)
         p16, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, lo_h, first, c, causal, sc, cap, wl, wr, seqlen, HEAD_DIM,
-                                        dtype, SOFTCAP, WINDOW, VARLEN)
+                                        dtype, SOFTCAP, WINDOW, EDGES)
         for start_n in range(lo_h + _BLOCK_N, last + _BLOCK_N, _BLOCK_N):  # tile j = i + 1 at start_n
             st = i % _NUM_STAGES
             nx = (i + 1) % _NUM_STAGES
@@ -252,7 +253,7 @@ if GLUON_ERROR is None:
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j (P̃_{j-1}·V_{j-1} may still run)
             mbarrier.arrive(k_empty.index(nx), count=1)
             p16, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n, first, c, causal, sc, cap, wl, wr, seqlen,
-                                            HEAD_DIM, dtype, SOFTCAP, WINDOW, VARLEN)
+                                            HEAD_DIM, dtype, SOFTCAP, WINDOW, EDGES)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(st), count=1)
             i += 1
@@ -266,7 +267,7 @@ if GLUON_ERROR is None:
             release_unread(k_ready, k_empty, v_ready, v_empty, i)
             i += 1
         o = acc / gl.convert_layout(l_i, row_o)[:, None]
-        if VARLEN:  # rows past the sequence's end are the next sequence's: masked stores, not a TMA tile
+        if EDGES:  # rows past the sequence's end are the next sequence's (or head's): masked stores, not a TMA tile
             rows_o = half * _HALF_M + gl.arange(0, _HALF_M, layout=row_o)
             offs_o = ((o_row + rows_o).to(gl.int64)[:, None] * o_stride + o_col
                       + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))[None, :])
@@ -282,24 +283,26 @@ if GLUON_ERROR is None:
             gl.store(LOG2L + offs_m, gl.log2(l_i))
             tma.store_wait(pendings=0)
 
-    def _partition(half: int, softcap: bool, window: bool, varlen: bool):
-        """A consumer partition of gl.warp_specialize for one half of the rows, with SOFTCAP, WINDOW and VARLEN
-        compiled in: constexpr arguments do not survive gl.warp_specialize, closure constants do."""
+    def _partition(half: int, softcap: bool, window: bool, edges: bool):
+        """A consumer partition of gl.warp_specialize for one half of the rows, with SOFTCAP, WINDOW and EDGES (sequence
+        ends inside tiles) compiled in: constexpr arguments do not survive gl.warp_specialize, closure constants do."""
         HALF, SOFTCAP, WINDOW = gl.constexpr(half), gl.constexpr(softcap), gl.constexpr(window)
-        VARLEN = gl.constexpr(varlen)
+        EDGES = gl.constexpr(edges)
 
         @gluon.jit
         def consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, O, M, LOG2L, o_row, row0,
                      o_col, o_stride, lo, hi, seqlen, c, causal, sc, cap, wl, wr):
             _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, O, M, LOG2L, HALF, o_row,
-                      row0, o_col, o_stride, lo, hi, seqlen, c, causal, sc, cap, wl, wr, SOFTCAP, WINDOW, VARLEN)
+                      row0, o_col, o_stride, lo, hi, seqlen, c, causal, sc, cap, wl, wr, SOFTCAP, WINDOW, EDGES)
 
         return consumer
 
     @functools.lru_cache(maxsize=None)
-    def _kernel_for(softcap: bool, window: bool, varlen: bool = False):
-        """The forward kernel, with or without the logit softcap, the sliding window and packed sequences."""
-        consumer0, consumer1 = _partition(0, softcap, window, varlen), _partition(1, softcap, window, varlen)
+    def _kernel_for(softcap: bool, window: bool, varlen: bool = False, edges: bool = False):
+        """The forward kernel, with or without the logit softcap, the sliding window, packed sequences (varlen) and
+        sequence ends inside tiles (edges: a seqlen that is not a multiple of 128; implied by varlen)."""
+        edges = edges or varlen
+        consumer0, consumer1 = _partition(0, softcap, window, edges), _partition(1, softcap, window, edges)
         WINDOW, VARLEN = gl.constexpr(window), gl.constexpr(varlen)
 
         @gluon.jit
@@ -307,7 +310,8 @@ if GLUON_ERROR is None:
                                q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr):
             # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch);
             # (batch, seqlen, heads, headdim) memory has rb = seqlen, rh = 0, ch = headdim; (batch, heads,
-            # seqlen, headdim) memory rb = heads·seqlen, rh = seqlen, ch = 0 (see _tma_view). VARLEN: b is the
+            # seqlen, headdim) memory rb = heads·seqlen, rh = seqlen, ch = 0 (see _tma_view); the last tile of a seqlen
+            # that is not a multiple of 128 reads the next batch row's or head's rows (masked). VARLEN: b is the
             # sequence, the tensors are packed (1, total, heads, headdim) views (N_CTX = total), its rows start at
             # CU[b], and m, log2l are (nheads, total).
             HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -420,16 +424,15 @@ def on_sm90(x: torch.Tensor) -> bool:
 def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: bool = False) -> bool:
     """The shape, dtype and layout half of :func:`serves` (any device): bf16 / fp16, each tensor in
     (batch, seqlen, heads, headdim) or (batch, heads, seqlen, headdim) memory order, contiguous there and
-    16-byte aligned, seqlen_q = seqlen_k a multiple of 128 (``packed``: (1, total, heads, headdim) views of
-    packed sequences, total_q = total_k, any total), head dim 64 or 128, nheads a multiple of nheads_k.
-    Never raises (False for other ranks and for nheads_k = 0)."""
+    16-byte aligned, seqlen_q = seqlen_k (any; not a multiple of 128: the kernels' edge variant) (``packed``:
+    (1, total, heads, headdim) views of packed sequences, total_q = total_k), head dim 64 or 128, nheads a multiple
+    of nheads_k. Never raises (False for other ranks and for nheads_k = 0)."""
     if not q.dim() == k.dim() == v.dim() == 4:
         return False
     b, n, h, d = q.shape
     return (q.numel() > 0 and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype and d in HEAD_DIMS
             and k.shape == v.shape and k.shape[0] == b and k.shape[1] == n and k.shape[3] == d and k.shape[2] > 0
-            and h % k.shape[2] == 0 and (b == 1 if packed else n % BLOCK_M == 0)
-            and all(_tma_view(x) is not None for x in (q, k, v)))
+            and h % k.shape[2] == 0 and (b == 1 or not packed) and all(_tma_view(x) is not None for x in (q, k, v)))
 
 
 def serves_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen) -> bool:
@@ -504,8 +507,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     descs, where = _descriptors(q, k, v, o)
     c = exponent_factor(softmax_scale, softcap)
     packed = cu_seqlens is not None
-    grid = (triton.cdiv(max_seqlen, BLOCK_M), (cu_seqlens.numel() - 1) * h) if packed else (n // BLOCK_M, b * h)
-    _kernel_for(softcap > 0, window is not None, packed)[grid](
+    grid = (triton.cdiv(max_seqlen if packed else n, BLOCK_M), (cu_seqlens.numel() - 1 if packed else b) * h)
+    _kernel_for(softcap > 0, window is not None, packed, n % BLOCK_M != 0)[grid](
         *descs, o, m, log2l, cu_seqlens if packed else m, c, h, h // hk, n, int(bool(causal)), *where,
         *feature_args(softmax_scale, softcap, window), num_warps=4,
     )
@@ -513,7 +516,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
 
 
 def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple[str, ...] = (), softcap: bool = False,
-                 window: bool = False, varlen: bool = False):
+                 window: bool = False, varlen: bool = False, edges: bool = False):
     """Compile the kernel (its softcap, window and / or packed-sequence variant) for sm_90 without a GPU (Triton's
     ahead-of-time path), as CI does.
 
@@ -530,7 +533,8 @@ def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple
            "CU": "*i32" if varlen else "*fp32", "c": "fp32",
            "H": "i32", "GROUP": "i32", "N_CTX": "i32", "causal": "i32", **{f"{t}_{w}": "i32" for t in "qkv" for w in ("rb", "rh", "ch")},
            "sc": "fp32", "cap": "fp32", "wl": "i32", "wr": "i32"}
-    return aot_compile_sm90(_kernel_for(bool(softcap), bool(window), bool(varlen)), sig, {arg: 1 for arg in ones})
+    return aot_compile_sm90(_kernel_for(bool(softcap), bool(window), bool(varlen), bool(edges)), sig,
+                            {arg: 1 for arg in ones})
 
 
 def feature_args(softmax_scale: float, softcap: float, window) -> tuple[float, float, int, int]:

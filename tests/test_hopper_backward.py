@@ -68,6 +68,7 @@ def _t(b=2, n=256, h=4, d=128, dtype=torch.bfloat16):
 
 def test_accepts_the_shapes_it_is_written_for():
     assert HB.accepts(_t(), _t(h=2), _t(h=2), _t())
+    assert HB.accepts(_t(n=200), _t(n=200, h=2), _t(n=200, h=2), _t(n=200))  # the edge variant
     assert HB.accepts(_t(dtype=torch.float16), _t(h=1, dtype=torch.float16), _t(h=1, dtype=torch.float16),
                       _t(dtype=torch.float16))
     # do in any strides (copied for the kernel), q in (B, H, N, d) memory
@@ -77,7 +78,6 @@ def test_accepts_the_shapes_it_is_written_for():
 
 @pytest.mark.parametrize("why, q, k, v, do", [
     ("head dim 64 (the tl.dot pass is as fast there)", _t(d=64), _t(d=64), _t(d=64), _t(d=64)),
-    ("seqlen not a multiple of 128", _t(n=200), _t(n=200), _t(n=200), _t(n=200)),
     ("seqlen_q != seqlen_k", _t(n=128), _t(), _t(), _t(n=128)),
     ("do dtype differs", _t(), _t(), _t(), _t(dtype=torch.float16)),
     ("do shape differs", _t(), _t(), _t(), _t(h=2)),
@@ -259,8 +259,8 @@ def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj, soft
     dk, dv, key_sums = HB.dkdv(q, k, v, do, m, log2l, delta, qr, 1.0, 0.1, False, torch.float32, torch.bfloat16, True,
                                cap, window)
     assert launched == [(n // 128, b * h), (n // HB.BLOCK_N, b * hk)]
-    # (GPROJ, CAUSAL, SOFTCAP, WINDOW) of each launch
-    assert variants == [(gproj, not softcap, softcap, softcap, False), (gproj, False, softcap, softcap, False)]
+    # (GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN, EDGES) of each launch
+    assert variants == [(gproj, not softcap, softcap, softcap, False, False), (gproj, False, softcap, softcap, False, False)]
     assert dk.dtype == torch.float32 and dv.dtype == torch.bfloat16 and dk.shape == dv.shape == k.shape
     assert key_sums.shape == (b, hk, d) and key_sums.dtype == torch.float64
 
@@ -284,11 +284,12 @@ def test_e0_tile_is_cached_except_under_graph_capture(monkeypatch):
 @pytest.mark.parametrize("gproj", [False, True], ids=["none", "gproj"])
 @pytest.mark.parametrize("which", ["dq", "dkdv"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_packed_variants_compile_for_sm90(gproj, which, causal):
-    """Packed sequences (bf16): the same Hopper paths, with the sequence bounds tested (rows past a sequence's end
-    read no statistics, keys past it are masked or not stored)."""
+@pytest.mark.parametrize("varlen", [True, False], ids=["packed", "edges"])
+def test_packed_and_edge_variants_compile_for_sm90(gproj, which, causal, varlen):
+    """Packed sequences and a seqlen that is not a multiple of 128 (bf16): the same Hopper paths, with the sequence
+    bounds tested (rows past a sequence's end read no statistics, keys past it are masked or not stored)."""
     compile_ = HB.compile_dq_sm90 if which == "dq" else HB.compile_sm90
-    kernel = compile_(torch.bfloat16, gproj, causal, None, (), False, varlen=True)
+    kernel = compile_(torch.bfloat16, gproj, causal, None, (), False, varlen=varlen, edges=True)
     plain = compile_(torch.bfloat16, gproj, causal, None, (), False)
     assert_hopper_kernel(kernel, 2 * (6 if gproj else 3) if which == "dq" else 2 * (5 if gproj else 4))
     assert kernel.asm["ptx"].count("setp.") > plain.asm["ptx"].count("setp.")
@@ -302,7 +303,7 @@ def test_packed_launches_one_program_row_per_sequence_and_head(monkeypatch):
     class Launcher:
         def __init__(self, name, kernel_for, variant):
             self.name, self.names = name, kernel_for(*variant).arg_names
-            assert variant[-1] is True  # the packed variant
+            assert variant[-2:] == (True, True)  # the packed variant, with its sequence edges
 
         def __getitem__(self, grid):
             def launch(*args, num_warps):
@@ -357,3 +358,23 @@ def test_backward_routes_packed_sequences_to_the_gluon_passes(monkeypatch, grad_
         assert seen == {"dq": (cu, 260), "dkdv": (cu, 260)}
     else:
         assert "dq" not in seen
+
+
+@pytest.mark.parametrize("n, grad_dtype, routed", [(200, None, True), (200, torch.float32, False), (256, torch.float32, True)],
+                         ids=["ragged", "ragged-fp32-C2", "fp32-C2"])
+def test_backward_keeps_key_sums_off_the_edge_variant(monkeypatch, n, grad_dtype, routed):
+    """A seqlen that is not a multiple of 128 reaches the Gluon dK/dV pass, except for an fp32 dk under GProj: the
+    per-64-key sums of its C2 projection would include the rows past the sequence's end."""
+    def fake_dkdv(*args, **kw):
+        raise _Routed
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(HB, "serves", lambda *a: True)
+    monkeypatch.setattr(HB, "dq_pass", lambda *a, **kw: None)
+    monkeypatch.setattr(HB, "dkdv", fake_dkdv)
+    monkeypatch.setattr(B, "_dq_kernel", _Launcher())
+    monkeypatch.setattr(B, "_dkdv_kernel", _Launcher(_TlDot()))
+    q, k, v, do, o = (torch.randn(1, n, 2, 128, dtype=torch.bfloat16) for _ in range(5))
+    m, log2l = torch.zeros(1, 2, n), torch.full((1, 2, n), 8.0)
+    with pytest.raises(_Routed if routed else _TlDot):
+        B.backward(do, q, k, v, o, m, log2l, 128 ** -0.5, True, "gproj", grad_dtype=grad_dtype)

@@ -40,10 +40,10 @@ def test_accepts_the_shapes_it_is_written_for():
     assert H.accepts(*_qkv())
     assert H.accepts(*_qkv(d=64, dtype=torch.float16, hk=1))
     assert H.accepts(*_qkv(n=128, hk=4))
+    assert H.accepts(*_qkv(n=200)) and H.accepts(*_qkv(n=1))  # the edge variant: seqlen not a multiple of 128
 
 
 @pytest.mark.parametrize("why, q, k, v", [
-    ("seqlen not a multiple of 128", *_qkv(n=200)),
     ("head dim 96", *_qkv(d=96)),
     ("head dim 32", *_qkv(d=32)),
     ("fp32", *_qkv(dtype=torch.float32)),
@@ -182,10 +182,12 @@ def test_benchmark_variants_still_apply_and_compile():
 @pytest.mark.parametrize("head_dim", H.HEAD_DIMS)
 @pytest.mark.parametrize("ones, softcap, window", [((), False, False), (("causal",), False, False), ((), True, True)],
                          ids=["full", "causal", "softcap-window"])
-def test_packed_variant_compiles_for_sm90_with_masked_stores(head_dim, ones, softcap, window):
-    """Packed sequences: the same Hopper paths, o written by masked stores (a tile's rows past its sequence's end
-    belong to the next one) instead of the TMA store, and the key bound tested."""
-    kernel = H.compile_sm90(head_dim, torch.bfloat16, ones, softcap, window, varlen=True)
+@pytest.mark.parametrize("varlen", [True, False], ids=["packed", "edges"])
+def test_packed_and_edge_variants_compile_for_sm90_with_masked_stores(head_dim, ones, softcap, window, varlen):
+    """Packed sequences, and a seqlen that is not a multiple of 128 (edges): the same Hopper paths, o written by
+    masked stores (a tile's rows past its sequence's end belong to the next sequence, batch row or head) instead of
+    the TMA store, and the key bound tested."""
+    kernel = H.compile_sm90(head_dim, torch.bfloat16, ones, softcap, window, varlen=varlen, edges=True)
     dense = H.compile_sm90(head_dim, torch.bfloat16, ones, softcap, window)
     assert_hopper_kernel(kernel, 4)
     ptx, dense_ptx = kernel.asm["ptx"], dense.asm["ptx"]
@@ -236,3 +238,33 @@ def test_forward_dispatch_sends_packed_sequences_to_the_gluon_kernel(monkeypatch
                             window_size=(31, 0))
     assert calls == [((1, 300, 4, 128), False, (31, 0), cu, 200)]
     assert o.shape == (300, 4, 128) and m.shape == log2l.shape == (4, 300)
+
+
+@pytest.mark.parametrize("n, packed, grid, variant", [
+    (256, False, (2, 8), (False, False, False, False)),
+    (200, False, (2, 8), (False, False, False, True)),
+    (300, True, (2, 8), (False, False, True, True)),  # max_seqlen 200: 2 blocks; 2 sequences × 4 heads
+], ids=["multiple of 128", "edges", "packed"])
+def test_forward_launches_the_edge_variant_where_seqlen_is_ragged(monkeypatch, n, packed, grid, variant):
+    """forward up to the launch on CPU tensors: the grid covers every row (cdiv), the edge variant is compiled in
+    exactly where a block can end past the sequence, and every kernel parameter gets one argument."""
+    launched = []
+
+    real = H._kernel_for
+
+    class Launcher:
+        def __init__(self, *v):
+            self.v, self.names = v, real(*v).arg_names
+
+        def __getitem__(self, g):
+            def launch(*args, num_warps):
+                assert len(args) == len(self.names)
+                launched.append((g, self.v))
+            return launch
+
+    monkeypatch.setattr(H, "_kernel_for", Launcher)
+    b = 1 if packed else 2
+    q, k, v = (torch.zeros(b, n, h, 128, dtype=torch.bfloat16) for h in (4, 2, 2))
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32) if packed else None
+    H.forward(q, k, v, 0.1, False, cu_seqlens=cu, max_seqlen=200 if packed else 0)
+    assert launched == [(grid, variant)]

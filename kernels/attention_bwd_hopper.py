@@ -22,8 +22,8 @@ past the diagonal are masked, and a consumer skips the 64-tile its keys or rows 
 run; the slot is released).
 
 Served (:func:`serves`): the inputs of the Gluon forward (kernels/attention_fwd_hopper.accepts: bf16 / fp16,
-(batch, seqlen, nheads, headdim) or (batch, nheads, seqlen, headdim) memory per tensor, seqlen_q = seqlen_k a
-multiple of 128, GQA) at head dim 128 only — at 64 the Gluon dK/dV pass was not faster than the tl.dot one
+(batch, seqlen, nheads, headdim) or (batch, nheads, seqlen, headdim) memory per tensor, seqlen_q = seqlen_k (not a
+multiple of 128: the edge variant, as packing's), GQA) at head dim 128 only — at 64 the Gluon dK/dV pass was not faster than the tl.dot one
 (benchmarks/NOTES.md, run 19) —, dS rounded to the input dtype, logit softcap (X̃ = bf16(dZ∘g) as the dS operand,
 kernels/reference.py), sliding windows (each program visits only the tiles its rows' or keys' windows touch, a
 consumer releases a tile none of its rows or keys sees unread, edge tiles masked), packed sequences with one

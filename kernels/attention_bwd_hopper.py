@@ -53,7 +53,8 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
     from lightning_gproj.kernels.attention_fwd_hopper import (
-        aot_compile_sm90, rcp_approx, ring_barriers, ring_load_pair, softcap_and_grad, tensordesc_type, tma_load, window_crosses,
+        aot_compile_sm90, rcp_approx, ring_barriers, ring_load_pair, sequence_span, softcap_and_grad, tensordesc_type, tma_load,
+        window_crosses,
         window_mask, window_sees, window_tiles,
     )
 
@@ -282,13 +283,7 @@ if GLUON_ERROR is None:
             hk = pid_bh % HK
             h0 = hk * GROUP
             start_n = pid_n * _BLOCK_N
-            if VARLEN:
-                start = gl.load(CU + b)
-                seqlen = gl.load(CU + b + 1) - start
-                b = 0
-            else:
-                start = 0
-                seqlen = N_CTX
+            b, start, seqlen = sequence_span(CU, b, N_CTX, VARLEN)
             if start_n >= seqlen:  # VARLEN: the grid spans the longest sequence
                 return
             lo = 0
@@ -587,13 +582,7 @@ if GLUON_ERROR is None:
             h = pid_bh % H
             hk = h // GROUP
             row0 = pid_m * _DQ_BLOCK_M
-            if VARLEN:
-                start = gl.load(CU + b)
-                seqlen = gl.load(CU + b + 1) - start
-                b = 0
-            else:
-                start = 0
-                seqlen = N_CTX
+            b, start, seqlen = sequence_span(CU, b, N_CTX, VARLEN)
             if row0 >= seqlen:  # VARLEN: the grid spans the longest sequence
                 return
             lo = 0

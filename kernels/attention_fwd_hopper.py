@@ -193,6 +193,16 @@ if GLUON_ERROR is None:
         return gl.convert_layout(p.to(dtype), p_layout), gl.convert_layout(alpha, row_o), m_new, l_i
 
     @gluon.jit
+    def sequence_span(CU, b, N_CTX, VARLEN: gl.constexpr):
+        """(batch row of the TMA views, first row, length) of program row b: with VARLEN sequence b of the packed
+        (1, total, …) views, from cu_seqlens CU; else batch row b, its N_CTX rows."""
+        if VARLEN:
+            start = gl.load(CU + b)
+            return 0, start, gl.load(CU + b + 1) - start
+        else:
+            return b, 0, N_CTX
+
+    @gluon.jit
     def release_unread(k_ready, k_empty, v_ready, v_empty, i):
         """Release tile i of the K and V rings without reading it (waited for first, so that the rings' phases stay
         in step)."""
@@ -324,13 +334,7 @@ if GLUON_ERROR is None:
             h = pid_bh % H
             hk = h // GROUP
             row0 = pid_m * _BLOCK_M
-            if VARLEN:
-                start = gl.load(CU + b)
-                seqlen = gl.load(CU + b + 1) - start
-                b = 0
-            else:
-                start = 0
-                seqlen = N_CTX
+            b, start, seqlen = sequence_span(CU, b, N_CTX, VARLEN)
             if row0 >= seqlen:  # VARLEN: the grid spans the longest sequence
                 return
             q_row = b * q_rb + h * q_rh + start + row0

@@ -180,9 +180,9 @@ def test_benchmark_variants_still_apply_and_compile():
 
 
 @pytest.mark.parametrize("head_dim", H.HEAD_DIMS)
-@pytest.mark.parametrize("ones, softcap, window", [((), False, False), (("causal",), False, False), ((), True, True)],
-                         ids=["full", "causal", "softcap-window"])
-@pytest.mark.parametrize("varlen", [True, False], ids=["packed", "edges"])
+@pytest.mark.parametrize("ones, softcap, window, varlen", [
+    ((), False, False, True), (("causal",), False, False, True), ((), True, True, True), (("causal",), False, False, False),
+], ids=["packed", "packed-causal", "packed-softcap-window", "edges-causal"])  # edges: the same code without cu_seqlens
 def test_packed_and_edge_variants_compile_for_sm90_with_masked_stores(head_dim, ones, softcap, window, varlen):
     """Packed sequences, and a seqlen that is not a multiple of 128 (edges): the same Hopper paths, o written by
     masked stores (a tile's rows past its sequence's end belong to the next sequence, batch row or head) instead of

@@ -107,16 +107,24 @@ def kernel_time(fn, calls=30, warmup=5):
             kernel[(flush.numel() // block,)](flush, BLOCK=block)
             fn()
         torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
-    per_call = []
-    for e in events:
-        if "_l2_flush" in e.name:
-            per_call.append(0.0)
-        elif per_call:
-            per_call[-1] += (e.time_range.end - e.time_range.start) / 1e3  # µs → ms
+    events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    per_call = split_calls(events)
     if len(per_call) != calls or min(per_call) <= 0:
         raise RuntimeError(f"kernel_time: {len(per_call)} of {calls} calls seen with kernels by the profiler")
     return sorted(per_call)[calls // 2]
+
+
+def split_calls(events):
+    """Per-call GPU time in ms from device events (name, start µs, end µs), in any order: each ``_l2_flush`` kernel
+    starts a call, whose time is the summed durations of the events after it up to the next flush (events before the
+    first flush are dropped)."""
+    per_call = []
+    for name, start, end in sorted(events, key=lambda e: e[1]):
+        if "_l2_flush" in name:
+            per_call.append(0.0)
+        elif per_call:
+            per_call[-1] += (end - start) / 1e3
+    return per_call
 
 
 def bench(fn, smoke):

@@ -37,6 +37,15 @@ def test_attention_runs_every_shape_with_and_without_causal_mask():
     assert len(attention.SHAPES) == len(set(attention.SHAPES))
 
 
+def test_kernel_timer_splits_the_profile_at_each_flush():
+    """--timer kernels: a call's time is the sum of its kernels' durations between two flushes, host gaps excluded
+    (events arrive in any order; a kernel before the first flush belongs to no timed call)."""
+    attention = load_script("benchmarks/attention.py", "attention_benchmark")
+    events = [("fwd", 120.0, 170.0), ("_l2_flush", 100.0, 110.0), ("warm", 0.0, 50.0), ("_l2_flush", 300.0, 310.0),
+              ("bwd", 180.0, 280.0), ("Memset (Device)", 320.0, 321.5), ("fwd", 400.0, 460.0)]
+    assert attention.split_calls(events) == pytest.approx([0.150, 0.0615])
+
+
 def test_attention_smoke_writes_speed_records(tmp_path):
     out = tmp_path / "speed.json"
     _run(["benchmarks/attention.py", "--smoke", "--out", str(tmp_path), "--json", str(out),

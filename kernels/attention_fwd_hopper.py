@@ -428,15 +428,17 @@ def on_sm90(x: torch.Tensor) -> bool:
 def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: bool = False) -> bool:
     """The shape, dtype and layout half of :func:`serves` (any device): bf16 / fp16, each tensor in
     (batch, seqlen, heads, headdim) or (batch, heads, seqlen, headdim) memory order, contiguous there and
-    16-byte aligned, seqlen_q = seqlen_k (any; not a multiple of 128: the kernels' edge variant) (``packed``:
-    (1, total, heads, headdim) views of packed sequences, total_q = total_k), head dim 64 or 128, nheads a multiple
-    of nheads_k. Never raises (False for other ranks and for nheads_k = 0)."""
+    16-byte aligned, seqlen_q = seqlen_k >= 128 (not a multiple of 128: the kernels' edge variant; below 128 a TMA
+    tile would be taller than the tensor, a case not run on a GPU yet) (``packed``: (1, total, heads, headdim) views
+    of packed sequences, total_q = total_k >= 128), head dim 64 or 128, nheads a multiple of nheads_k. Never raises
+    (False for other ranks and for nheads_k = 0)."""
     if not q.dim() == k.dim() == v.dim() == 4:
         return False
     b, n, h, d = q.shape
     return (q.numel() > 0 and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype and d in HEAD_DIMS
             and k.shape == v.shape and k.shape[0] == b and k.shape[1] == n and k.shape[3] == d and k.shape[2] > 0
-            and h % k.shape[2] == 0 and (b == 1 or not packed) and all(_tma_view(x) is not None for x in (q, k, v)))
+            and h % k.shape[2] == 0 and (b == 1 or not packed) and n >= BLOCK_M
+            and all(_tma_view(x) is not None for x in (q, k, v)))
 
 
 def serves_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen) -> bool:

@@ -40,10 +40,11 @@ def test_accepts_the_shapes_it_is_written_for():
     assert H.accepts(*_qkv())
     assert H.accepts(*_qkv(d=64, dtype=torch.float16, hk=1))
     assert H.accepts(*_qkv(n=128, hk=4))
-    assert H.accepts(*_qkv(n=200)) and H.accepts(*_qkv(n=1))  # the edge variant: seqlen not a multiple of 128
+    assert H.accepts(*_qkv(n=200)) and H.accepts(*_qkv(n=129))  # the edge variant: seqlen not a multiple of 128
 
 
 @pytest.mark.parametrize("why, q, k, v", [
+    ("seqlen below one 128-row tile (not run on a GPU)", *_qkv(n=100)),
     ("head dim 96", *_qkv(d=96)),
     ("head dim 32", *_qkv(d=32)),
     ("fp32", *_qkv(dtype=torch.float32)),
@@ -206,6 +207,7 @@ def _packed(total=300, h=4, hk=2, d=128, dtype=torch.bfloat16):
     ("max_seqlen_q != max_seqlen_k", _packed(), "max", False),
     ("head dim 96", _packed(d=96), "same", False),
     ("total_q != total_k", (_packed()[0], *_packed(total=200)[1:]), "same", False),
+    ("total below one 128-row tile", _packed(total=100), "same", False),
     ("batch·nheads over the grid's 65535", _packed(h=4096, hk=4096), "many", False),
 ])
 def test_packed_ok_takes_one_cu_seqlens_for_queries_and_keys(monkeypatch, why, qkv, varlen, ok):

@@ -25,9 +25,9 @@ the Philox keep mask of kernels/reference.dropout_keep_mask, one Philox call per
 is scaled by 1/(1 − p̂) at the end, p̂ the drop probability of the 16-bit keep test).
 
 On an sm_90 GPU, dense inputs with seqlen_q = seqlen_k >= 128 (causal, windows and softcap included) and packed
-sequences that share one cu_seqlens between queries and keys (>= 128 tokens in all), at head dim 64 / 128, go to the warp-specialized Gluon kernel of
-kernels/attention_fwd_hopper.py (same contract, same rounding points); everything else (key padding, dropout,
-seqlen_q != seqlen_k), and every interpreter run, uses the kernel below.
+sequences that share one cu_seqlens between queries and keys (>= 128 tokens in all), at head dim 64 / 128, go to
+the warp-specialized Gluon kernel of kernels/attention_fwd_hopper.py (same contract, same rounding points);
+everything else (key padding, dropout, seqlen_q != seqlen_k), and every interpreter run, uses the kernel below.
 """
 
 from __future__ import annotations

@@ -106,6 +106,16 @@ if GLUON_ERROR is None:
                 i += 1
 
     @gluon.jit
+    def row_statistics(M, LOG2L, stats, rows, seqlen, EDGES: gl.constexpr):
+        """(m, log2l) of query positions ``rows``; with EDGES the rows from seqlen on (the next sequence's, batch row's
+        or head's) read none: m = 0 and log2l = +inf, which gives them P = exp2(… − inf) = 0."""
+        if EDGES:
+            return (gl.load(M + stats + rows, mask=rows < seqlen, other=0.0),
+                    gl.load(LOG2L + stats + rows, mask=rows < seqlen, other=float("inf")))
+        else:
+            return gl.load(M + stats + rows), gl.load(LOG2L + stats + rows)
+
+    @gluon.jit
     def _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, stats, M, LOG2L, DELTA, c, sc, cap, wl, wr, seqlen,
                    GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
                    EDGES: gl.constexpr):
@@ -125,12 +135,7 @@ if GLUON_ERROR is None:
         dpT = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
         # m, log2l loaded here, not before the GEMMs: live across them they spilled (Triton 3.6).
-        if EDGES:  # rows from seqlen on are the next sequence's: log2l = +inf gives them P = 0
-            m = gl.load(M + stats + rows, mask=rows < seqlen, other=0.0)
-            l2 = gl.load(LOG2L + stats + rows, mask=rows < seqlen, other=float("inf"))
-        else:
-            m = gl.load(M + stats + rows)
-            l2 = gl.load(LOG2L + stats + rows)
+        m, l2 = row_statistics(M, LOG2L, stats, rows, seqlen, EDGES)
         if SOFTCAP:  # the capped logits z = cap·tanh(τ s/cap), bit for bit the forward's; g = 1 − tanh²
             sT, gT = softcap_and_grad(sT, sc, cap)
         # The forward's exponent: (s − m) is exactly 0 at the row max, then scale, then normalize.
@@ -467,21 +472,17 @@ if GLUON_ERROR is None:
             hi = gl.minimum(hi, first + _DQ_HALF_M)
         rows = first + gl.arange(0, _DQ_HALF_M, layout=row_s)
         rows_a = first + gl.arange(0, _DQ_HALF_M, layout=row_a)
-        if EDGES:  # rows from seqlen on are the next sequence's: log2l = +inf gives them P = 0, stores skip them
-            m = gl.load(M + stats + rows, mask=rows < seqlen, other=0.0)
-            l2 = gl.load(LOG2L + stats + rows, mask=rows < seqlen, other=float("inf"))
-        else:
-            m = gl.load(M + stats + rows)
-            l2 = gl.load(LOG2L + stats + rows)
+        # With EDGES the rows from seqlen on get P = 0 and no store writes them (row_ok; None: all rows).
+        row_ok = None
+        if EDGES:
+            row_ok = rows_a < seqlen
+        m, l2 = row_statistics(M, LOG2L, stats, rows, seqlen, EDGES)
         q = q_smem.index(half)
         do = do_smem.index(half)
         mbarrier.wait(q_bar, 0)
         # D_i = Σ_d dO_id O_id in fp32 from the 16-bit o and dO (exact products), stored for the dK/dV pass.
         di = gl.sum(o_smem.index(half).load(acc_layout).to(gl.float32) * do.load(acc_layout).to(gl.float32), axis=1)
-        if EDGES:
-            gl.store(DELTA + stats + rows_a, di, mask=rows_a < seqlen)
-        else:
-            gl.store(DELTA + stats + rows_a, di)
+        gl.store(DELTA + stats + rows_a, di, mask=row_ok)
         di = gl.convert_layout(di, row_s)
 
         dq = gl.zeros([_DQ_HALF_M, HEAD_DIM], gl.float32, layout=acc_layout)
@@ -520,12 +521,12 @@ if GLUON_ERROR is None:
                                              wl, wr, seqlen, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES)
             mbarrier.arrive(empty.index(st), count=1)
             i += 1
+        tile_ok = None
+        if EDGES:  # formed again here rather than kept live across the loop
+            row_ok = rows_a < seqlen
+            tile_ok = row_ok[:, None]
         offs = ((out_row + half * _DQ_HALF_M + gl.arange(0, _DQ_HALF_M, layout=row_a)).to(gl.int64)[:, None] * out_stride
                 + out_col + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))[None, :])
-        # EDGES: the rows of this sequence only (a full mask otherwise, folded away)
-        row_ok = rows_a < seqlen
-        if not EDGES:
-            row_ok = rows_a >= 0
         if GPROJ:
             # Column 0 holds the sums, the others 0: adding them is exact. ρ_i = r_i / Σ_j P̃_ij (0 for a row
             # that sees no key); dQ_i = τ (Σ_j dS̃_ij k_j − ρ_i (P̃K)_i).
@@ -535,12 +536,12 @@ if GLUON_ERROR is None:
             r = gl.convert_layout(r, row_a)
             rho = r / gl.maximum(gl.convert_layout(ps, row_a), 1.1754943508222875e-38)
             dq = dq - rho[:, None] * pk
-        gl.store(DQ + offs, (dq * tau).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+        gl.store(DQ + offs, (dq * tau).to(DQ.dtype.element_ty), mask=tile_ok)
         if GPROJ:
             gl.store(R + stats + rows_a, r, mask=row_ok)
             if store_qr != 0:  # −ρ∘Q rounded: the B operand of the dK/dV pass's GProj term (after dq's store)
                 gl.store(QR + offs, (q.load(acc_layout).to(gl.float32) * (-rho)[:, None]).to(QR.dtype.element_ty),
-                         mask=row_ok[:, None])
+                         mask=tile_ok)
 
     def _dq_partition(gproj: bool, causal: bool, softcap: bool, window: bool, edges: bool):
         """A dQ consumer partition with (GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES) compiled in, as

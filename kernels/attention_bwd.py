@@ -27,7 +27,8 @@ Two launches, rounding at the points of kernels/reference.py (DESIGN.md §3, §4
    The choice of default is recorded in benchmarks/NOTES.md with the measurements behind it.
 
 On an sm_90 GPU, for the inputs of kernels/attention_bwd_hopper.py (head dim 128, seqlen_q = seqlen_k, no key padding
-or dropout; windows, softcap and packed sequences with one cu_seqlens for queries and keys served), both passes run as that module's warp-specialized Gluon kernels, with the
+or dropout; windows, softcap and packed sequences with one cu_seqlens for queries and keys served), both passes
+run as that module's warp-specialized Gluon kernels, with the
 same rounding points: the dQ pass for fix "none" and "gproj" without want_stats, the dK/dV pass for "none",
 "gproj" with the "gemm" schedule and the PyTorch "gproj_uniform" (not the in-kernel uniform one of windows and
 softcap).
@@ -807,10 +808,9 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     # gproj_uniform (not the in-kernel uniform one).
     hopper = not has_seqlens and ds_bits == 0 and not (uniform or drop["DROPOUT"])
     if packed:
-        hopper = hopper and not want_key_sums and attention_bwd_hopper.serves_varlen(q, k, v, do, varlen)
-    else:  # the key sums of an fp32 dk: only for a seqlen the kernels' blocks tile exactly
-        hopper = (hopper and not (want_key_sums and nq % attention_bwd_hopper.BLOCK_N)
-                  and attention_bwd_hopper.serves(q, k, v, do))
+        hopper = hopper and attention_bwd_hopper.serves_varlen(q, k, v, do, varlen, key_sums=want_key_sums)
+    else:
+        hopper = hopper and attention_bwd_hopper.serves(q, k, v, do, key_sums=want_key_sums)
     seq_args = dict(cu_seqlens=varlen[0], max_seqlen=varlen[2]) if packed else {}
     window = (win["WL"], win["WR"]) if win["WINDOW"] else None
     do_tma = attention_bwd_hopper.tma_ready(do) if hopper else None

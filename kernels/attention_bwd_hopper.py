@@ -23,8 +23,8 @@ run; the slot is released).
 
 Served (:func:`serves`): the inputs of the Gluon forward (kernels/attention_fwd_hopper.accepts: bf16 / fp16,
 (batch, seqlen, nheads, headdim) or (batch, nheads, seqlen, headdim) memory per tensor, seqlen_q = seqlen_k (not a
-multiple of 128: the edge variant, as packing's), GQA) at head dim 128 only — at 64 the Gluon dK/dV pass was not faster than the tl.dot one
-(benchmarks/NOTES.md, run 19) —, dS rounded to the input dtype, logit softcap (X̃ = bf16(dZ∘g) as the dS operand,
+multiple of 128: the edge variant, as packing's), GQA) at head dim 128 only — at 64 the Gluon dK/dV pass was not
+faster than the tl.dot one (benchmarks/NOTES.md, run 19) —, dS rounded to the input dtype, logit softcap (X̃ = bf16(dZ∘g) as the dS operand,
 kernels/reference.py), sliding windows (each program visits only the tiles its rows' or keys' windows touch, a
 consumer releases a tile none of its rows or keys sees unread, edge tiles masked), packed sequences with one
 cu_seqlens for queries and keys (:func:`serves_varlen`; rows past a sequence's end read no statistics (P = 0), keys
@@ -648,19 +648,22 @@ def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor)
     return (_fwd_accepts(q, k, v) and q.shape[3] in HEAD_DIMS and do.shape == q.shape and do.dtype == q.dtype)
 
 
-def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
+def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, key_sums: bool = False) -> bool:
     """Whether :func:`dkdv` serves these (already validated) inputs: an sm_90 GPU (not the interpreter, Gluon
-    importable, GPROJ_HOPPER_BWD not 0) and :func:`accepts`. The caller checks the rest (fix "none" or "gproj"
-    with its own-GEMM dK term, ds_format "bf16", no key padding, dropout or packing). Never raises."""
-    return enabled() and on_sm90(q) and accepts(q, k, v, do)
+    importable, GPROJ_HOPPER_BWD not 0) and :func:`accepts`; with ``key_sums`` (an fp32 dk's Σ_j dk_j for the C2
+    projection) only a seqlen that is a multiple of BLOCK_N (the per-64-key sums would take the rows past the end).
+    The caller checks the rest (fix "none" or "gproj" with its own-GEMM dK term, ds_format "bf16", no key padding,
+    dropout or packing). Never raises."""
+    return enabled() and on_sm90(q) and accepts(q, k, v, do) and not (key_sums and q.shape[1] % BLOCK_N)
 
 
-def serves_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, varlen) -> bool:
+def serves_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, varlen,
+                  key_sums: bool = False) -> bool:
     """Whether both passes serve packed sequences: GPROJ_HOPPER_BWD not 0, kernels/attention_fwd_hopper.packed_ok (q, k,
-    v, do their (1, total, heads, headdim) views, one cu_seqlens tensor for queries and keys), head dim 128.
-    The caller checks the rest, as for :func:`serves` (and wants no key sums). Never raises."""
-    return (enabled() and packed_ok(q, k, v, varlen) and q.shape[3] in HEAD_DIMS and do.shape == q.shape
-            and do.dtype == q.dtype)
+    v, do their (1, total, heads, headdim) views, one cu_seqlens tensor for queries and keys), head dim 128, no
+    ``key_sums`` (not kept per sequence). The caller checks the rest, as for :func:`serves`. Never raises."""
+    return (enabled() and not key_sums and packed_ok(q, k, v, varlen) and q.shape[3] in HEAD_DIMS
+            and do.shape == q.shape and do.dtype == q.dtype)
 
 
 def _layout(head_dim: int, dtype: torch.dtype):

@@ -15,6 +15,7 @@ import torch
 
 from lightning_gproj.kernels import attention_bwd as B
 from lightning_gproj.kernels import attention_bwd_hopper as HB
+from lightning_gproj.kernels import attention_fwd_hopper as HF
 
 from _hopper import assert_hopper_kernel, assert_softcap_code
 
@@ -154,9 +155,9 @@ class _Launcher:
 ])
 def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatch, kwargs, dq_routed, dkdv_routed,
                                                                        gemm_term):
-    """With the predicate forced true, attention_bwd.backward must hand the Gluon passes exactly the calls whose
-    features they implement, with GProj's dK operand −ρ∘Q for fix="gproj" (own GEMM) and none otherwise; every
-    other call stays on the tl.dot kernels."""
+    """With on_sm90 forced true (the real predicate otherwise), attention_bwd.backward must hand the Gluon passes
+    exactly the calls whose features they implement, with GProj's dK operand −ρ∘Q for fix="gproj" (own GEMM) and
+    none otherwise; every other call stays on the tl.dot kernels."""
     seen = {}
 
     def fake_dq_pass(q, k, v, do, o, m, log2l, delta, dq, c, tau, causal, r=None, qr=None, softcap=0.0, window=None):
@@ -178,7 +179,7 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
     expected_window = {(64, 0): (64, 0), (100, 37): (100, 0)}.get(kwargs.get("window_size"))
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # supports()' CPU condition; no kernel below really launches
-    monkeypatch.setattr(HB, "serves", lambda *a: True)
+    monkeypatch.setattr(HB, "on_sm90", lambda x: True)  # the real predicate, off the GPU
     monkeypatch.setattr(HB, "dkdv", fake_dkdv)
     monkeypatch.setattr(HB, "dq_pass", fake_dq_pass)
     monkeypatch.setattr(B, "_dq_kernel", DqLauncher())
@@ -342,7 +343,7 @@ def test_backward_routes_packed_sequences_to_the_gluon_passes(monkeypatch, grad_
         raise _Routed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(HB, "serves_varlen", lambda *a: True)
+    monkeypatch.setattr(HF, "on_sm90", lambda x: True)  # the real predicate (packed_ok), off the GPU
     monkeypatch.setattr(HB, "dq_pass", fake_dq_pass)
     monkeypatch.setattr(HB, "dkdv", fake_dkdv)
     monkeypatch.setattr(B, "_dq_kernel", _Launcher())
@@ -369,7 +370,7 @@ def test_backward_keeps_key_sums_off_the_edge_variant(monkeypatch, n, grad_dtype
         raise _Routed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(HB, "serves", lambda *a: True)
+    monkeypatch.setattr(HB, "on_sm90", lambda x: True)  # the real predicate, off the GPU
     monkeypatch.setattr(HB, "dq_pass", lambda *a, **kw: None)
     monkeypatch.setattr(HB, "dkdv", fake_dkdv)
     monkeypatch.setattr(B, "_dq_kernel", _Launcher())

@@ -80,7 +80,7 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _loader(q_desc, do_desc, qr_desc, k_desc, v_desc, m_desc, l_desc, d_desc, q_smem, do_smem, qr_smem, k_smem, v_smem,
                 m_smem, l_smem, d_smem, kv_bar, ready, empty, k_row, k_col, v_row, v_col, q_b, q_rh, q_ch, do_b, do_rh,
-                do_ch, qr_b, qr_rh, qr_ch, h0, GROUP, lo, hi, stats0, N_CTX, GPROJ, STAGED):
+                do_ch, qr_b, qr_rh, qr_ch, h0, GROUP, lo, hi, stats0, N_CTX, GPROJ):
         # GPROJ arrives as a value through gl.warp_specialize, not a constexpr: both branches below compile (their
         # operands are shaped alike) and the constant folds them away (the PTX equals a constexpr variant's).
         # The program's K and V rows, once, as two halves of 64 keys (one per consumer).
@@ -97,21 +97,16 @@ if GLUON_ERROR is None:
                 qdo_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
                 qr_bytes: gl.constexpr = qr_desc.block_type.nbytes
                 st_bytes: gl.constexpr = 3 * m_desc.block_type.nbytes
-                if GPROJ:  # GPROJ, STAGED: values, as above (mbarrier.expect takes a constant byte count)
-                    if STAGED:
-                        mbarrier.expect(ready.index(s), qdo_bytes + qr_bytes + st_bytes)
-                    else:
-                        mbarrier.expect(ready.index(s), qdo_bytes + qr_bytes)
+                if GPROJ:  # a value, as above (mbarrier.expect takes a constant byte count)
+                    mbarrier.expect(ready.index(s), qdo_bytes + qr_bytes + st_bytes)
                 else:
-                    if STAGED:
-                        mbarrier.expect(ready.index(s), qdo_bytes + st_bytes)
-                    else:
-                        mbarrier.expect(ready.index(s), qdo_bytes)
-                if STAGED:  # the rows' m, log2l and D: (batch, nheads, seqlen) fp32, flat
-                    row = (stats0 + g * N_CTX + start_m).to(gl.int32)
-                    tma_load(m_desc, [row], ready.index(s), m_smem.index(s))
-                    tma_load(l_desc, [row], ready.index(s), l_smem.index(s))
-                    tma_load(d_desc, [row], ready.index(s), d_smem.index(s))
+                    mbarrier.expect(ready.index(s), qdo_bytes + st_bytes)
+                # The rows' m, log2l and D ((batch, nheads, seqlen) fp32, flat; past a sequence's end the consumers mask
+                # them, past the tensor's TMA reads zeros).
+                row = (stats0 + g * N_CTX + start_m).to(gl.int32)
+                tma_load(m_desc, [row], ready.index(s), m_smem.index(s))
+                tma_load(l_desc, [row], ready.index(s), l_smem.index(s))
+                tma_load(d_desc, [row], ready.index(s), d_smem.index(s))
                 tma_load(q_desc, [q_b + h * q_rh + start_m, h * q_ch], ready.index(s), q_smem.index(s))
                 tma_load(do_desc, [do_b + h * do_rh + start_m, h * do_ch], ready.index(s), do_smem.index(s))
                 if GPROJ:
@@ -129,11 +124,11 @@ if GLUON_ERROR is None:
             return gl.load(M + stats + rows), gl.load(LOG2L + stats + rows)
 
     @gluon.jit
-    def _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, stats, M, LOG2L, DELTA, c, sc, cap, wl, wr, seqlen,
-                   m_s, l_s, d_s, GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
+    def _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, c, sc, cap, wl, wr, seqlen, m_s, l_s, d_s,
+                   GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
                    EDGES: gl.constexpr):
-        """One (Q, dO[, −ρ∘Q]) tile (shared [rows, headdim]; query positions ``rows``, the first start_m) of the
-        dK/dV pass for 64 keys: Sᵀ, dPᵀ, P̃ᵀ, dS̃ᵀ and the asynchronous dV, dK [, GProj's dK term] GEMMs, waited for;
+        """One (Q, dO[, −ρ∘Q]) tile (shared [rows, headdim]; query positions ``rows``, the first start_m; m_s, l_s, d_s:
+        their m, log2l and D, shared [rows]) of the dK/dV pass for 64 keys: Sᵀ, dPᵀ, P̃ᵀ, dS̃ᵀ and the asynchronous dV, dK [, GProj's dK term] GEMMs, waited for;
         returns (dk, dv)."""
         HEAD_DIM: gl.constexpr = k.shape[1]
         ROWS: gl.constexpr = q.shape[0]
@@ -147,14 +142,14 @@ if GLUON_ERROR is None:
         sT = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
         dpT = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
-        # m, log2l loaded here, not before the GEMMs: live across them they spilled (Triton 3.6). Dense: from the
-        # tile's shared-memory slot, where the loader put them with Q and dO (from global memory, each tile's loads
-        # stalled the consumer: benchmarks/NOTES.md, run 28).
-        if EDGES:
-            m, l2 = row_statistics(M, LOG2L, stats, rows, seqlen, EDGES)
-        else:
-            m = m_s.load(rows.type.layout)
-            l2 = l_s.load(rows.type.layout)
+        # m, log2l read here, not before the GEMMs: live across them they spilled (Triton 3.6). From the tile's
+        # shared-memory slot, where the loader put them with Q and dO (from global memory, each tile's loads stalled
+        # the consumer and spilled: benchmarks/NOTES.md, run 28).
+        m = m_s.load(rows.type.layout)
+        l2 = l_s.load(rows.type.layout)
+        if EDGES:  # rows from seqlen on (the next sequence's, batch row's or head's) read none: P = exp2(… − inf) = 0
+            m = gl.where(rows < seqlen, m, 0.0)
+            l2 = gl.where(rows < seqlen, l2, float("inf"))
         if SOFTCAP:  # the capped logits z = cap·tanh(τ s/cap), bit for bit the forward's; g = 1 − tanh²
             sT, gT = softcap_and_grad(sT, sc, cap)
         # The forward's exponent: (s − m) is exactly 0 at the row max, then scale, then normalize.
@@ -182,21 +177,19 @@ if GLUON_ERROR is None:
             dpT = warpgroup_mma_wait(num_outstanding=2, deps=(dpT,))
         else:
             dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
-        if EDGES:  # loaded where dS needs it: shorter-lived, fewer spills
-            di = gl.load(DELTA + stats + rows, mask=rows < seqlen, other=0.0)
-        else:
-            di = d_s.load(rows.type.layout)
+        di = d_s.load(rows.type.layout)  # read where dS needs it: shorter-lived, fewer spills
+        if EDGES:
+            di = gl.where(rows < seqlen, di, 0.0)
         ds16 = gl.convert_layout((pT * (dpT - di[None, :])).to(dtype), a_layout)  # rounding point: dS̃ (X̃)
         dk = warpgroup_mma(ds16, q, dk, is_async=True)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
         return dk, dv
 
     @gluon.jit
-    def _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, KS, M,
-                  LOG2L, DELTA,
+    def _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, KS,
                   half, GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
-                  EDGES: gl.constexpr, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, hi, N_CTX, seqlen, c, tau,
-                  key_sums, sc, cap, wl, wr):
+                  EDGES: gl.constexpr, start_n, out_row, out_col, out_stride, GROUP, lo, hi, seqlen, c, tau, key_sums, sc, cap,
+                  wl, wr):
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
         # The score tiles' layout ([keys, queries]): 64 query rows, with softcap 32 (each tile in two halves).
         if SOFTCAP:
@@ -219,7 +212,6 @@ if GLUON_ERROR is None:
             first_m = key0  # the rows before these keys see none of them
         i = 0
         for g in range(GROUP):
-            stats = stats0 + g * N_CTX  # row statistics of query head h0 + g: (batch, nheads, seqlen) fp32
             if CAUSAL:
                 if half == 1:  # the group's first tile (rows start_n … key0 − 1): released unread
                     st = i % _NUM_STAGES
@@ -244,12 +236,12 @@ if GLUON_ERROR is None:
                         for sub in gl.static_range(2):
                             dk, dv = _dkdv_tile(k, v, q.slice(sub * _SUB_M, _SUB_M), do.slice(sub * _SUB_M, _SUB_M),
                                                 qr.slice(sub * _SUB_M, _SUB_M), dk, dv, keys, key0, rows + sub * _SUB_M,
-                                                start_m + sub * _SUB_M, stats, M, LOG2L, DELTA, c, sc, cap, wl, wr, seqlen,
+                                                start_m + sub * _SUB_M, c, sc, cap, wl, wr, seqlen,
                                                 m_s.slice(sub * _SUB_M, _SUB_M), l_s.slice(sub * _SUB_M, _SUB_M),
                                                 d_s.slice(sub * _SUB_M, _SUB_M), GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES)
                     else:
-                        dk, dv = _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, stats, M, LOG2L, DELTA, c,
-                                            sc, cap, wl, wr, seqlen, m_s, l_s, d_s, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES)
+                        dk, dv = _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, c, sc, cap, wl, wr, seqlen,
+                                            m_s, l_s, d_s, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES)
                 mbarrier.arrive(empty.index(st), count=1)
                 i += 1
         dk = dk * tau
@@ -275,13 +267,11 @@ if GLUON_ERROR is None:
         SOFTCAP, WINDOW, EDGES = gl.constexpr(softcap), gl.constexpr(window), gl.constexpr(edges)
 
         @gluon.jit
-        def consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, KS, M,
-                     LOG2L, DELTA, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, hi, N_CTX, seqlen, c, tau,
-                     key_sums, sc, cap, wl, wr, half):
-            _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, KS, M,
-                      LOG2L, DELTA, half,
-                      GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, hi,
-                      N_CTX, seqlen, c, tau, key_sums, sc, cap, wl, wr)
+        def consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, KS,
+                     start_n, out_row, out_col, out_stride, GROUP, lo, hi, seqlen, c, tau, key_sums, sc, cap, wl, wr, half):
+            _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, KS,
+                      half, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, start_n, out_row, out_col, out_stride, GROUP, lo, hi,
+                      seqlen, c, tau, key_sums, sc, cap, wl, wr)
 
         return consumer
 
@@ -294,11 +284,9 @@ if GLUON_ERROR is None:
         GPROJ, CAUSAL, WINDOW = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(window)
         VARLEN = gl.constexpr(varlen)
         consumer = _dkdv_partition(gproj, causal, softcap, window, edges or varlen)
-        STAGED = gl.constexpr(not (edges or varlen))  # m, log2l, D through the loader's ring (not at sequence edges)
 
         @gluon.jit
-        def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, m_desc, l_desc, d_desc, DK, DV, KS, M, LOG2L, DELTA,
-                                CU, c, tau, H,
+        def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, m_desc, l_desc, d_desc, DK, DV, KS, CU, c, tau, H,
                                 GROUP, N_CTX, key_sums, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb, qr_rh, qr_ch,
                                 k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr):
             # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch)
@@ -335,8 +323,7 @@ if GLUON_ERROR is None:
                 qr_smem = q_smem  # not read
             k_smem = gl.allocate_shared_memory(dtype, [2, _HALF_N, HEAD_DIM], k_desc.layout)
             v_smem = gl.allocate_shared_memory(dtype, [2, _HALF_N, HEAD_DIM], v_desc.layout)
-            # Each Q tile's m, log2l, D rows, loaded with it (STAGED; otherwise allocated, 1.5 KB, and not read: the
-            # loader's branches both compile)
+            # Each Q tile's m, log2l, D rows, loaded with it
             m_smem = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], m_desc.layout)
             l_smem = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], m_desc.layout)
             d_smem = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], m_desc.layout)
@@ -346,16 +333,14 @@ if GLUON_ERROR is None:
 
             # The two consumers' arguments differ in the last one, their half of the keys (Gluon has no *tuple).
             out_row = b * N_CTX + start + start_n
-            args0 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, ks, M, LOG2L, DELTA, start_n,
-                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, stats0, GROUP, lo, hi, N_CTX, seqlen, c, tau, key_sums, sc,
-                     cap, wl, wr, 0)
-            args1 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, ks, M, LOG2L, DELTA, start_n,
-                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, stats0, GROUP, lo, hi, N_CTX, seqlen, c, tau, key_sums, sc,
-                     cap, wl, wr, 1)
+            args0 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, ks, start_n,
+                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, GROUP, lo, hi, seqlen, c, tau, key_sums, sc, cap, wl, wr, 0)
+            args1 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, ks, start_n,
+                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, GROUP, lo, hi, seqlen, c, tau, key_sums, sc, cap, wl, wr, 1)
             loader_args = (q_desc, do_desc, qr_desc, k_desc, v_desc, m_desc, l_desc, d_desc, q_smem, do_smem, qr_smem,
                            k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, b * k_rb + hk * k_rh + start + start_n, hk * k_ch,
                            b * v_rb + hk * v_rh + start + start_n, hk * v_ch, b * q_rb + start, q_rh, q_ch,
-                           b * do_rb + start, do_rh, do_ch, b * qr_rb + start, qr_rh, qr_ch, h0, GROUP, lo, hi, stats0, N_CTX, GPROJ, STAGED)
+                           b * do_rb + start, do_rh, do_ch, b * qr_rb + start, qr_rh, qr_ch, h0, GROUP, lo, hi, stats0, N_CTX, GPROJ)
             # 240 registers for each consumer, 24 for the loader: the register file's even split (run 18's probe:
             # fewer spills than 232 / 248).
             gl.warp_specialize([(consumer, args0), (consumer, args1), (_loader, loader_args)], [4, 1], [240, 24])
@@ -756,7 +741,7 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
     descs += [_row_descriptor(x) for x in (m, log2l, delta)]
     grid = (triton.cdiv(max_seqlen if packed else n, BLOCK_N), (cu_seqlens.numel() - 1 if packed else b) * hk)
     _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0, window is not None, packed, edges)[grid](
-        *descs, dk, dv, ks, m, log2l, delta, cu_seqlens if packed else delta, float(c), float(softmax_scale), h, h // hk,
+        *descs, dk, dv, ks, cu_seqlens if packed else delta, float(c), float(softmax_scale), h, h // hk,
         n, int(bool(want_key_sums)), *where, *feature_args(softmax_scale, softcap, window), num_warps=4,
     )
     return dk, dv, (ks.sum(dim=2, dtype=torch.float64) if want_key_sums else None)
@@ -786,7 +771,7 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal
     rt = f"tensordesc<fp32[{TILE_ROWS}],{_row_layout()!r}>"
     sig = {"q_desc": t, "do_desc": t, "qr_desc": t, "k_desc": t, "v_desc": t, "m_desc": rt, "l_desc": rt, "d_desc": rt,
            "DK": pointer_type(dk_dtype or dtype),
-           "DV": pointer_type(dtype), "KS": "*fp32", "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32",
+           "DV": pointer_type(dtype), "KS": "*fp32",
            "CU": "*i32" if varlen else "*fp32", "c": "fp32",
            "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "key_sums": "i32",
            **{f"{x}_{w}": "i32" for x in ("q", "do", "qr", "k", "v") for w in ("rb", "rh", "ch")}, "sc": "fp32", "cap": "fp32",

@@ -27,7 +27,7 @@ multiple of 128: the edge variant, as packing's), GQA) at head dim 128 only — 
 faster than the tl.dot one (benchmarks/NOTES.md, run 19) —, dS rounded to the input dtype, logit softcap (X̃ = bf16(dZ∘g) as the dS operand,
 kernels/reference.py), sliding windows (each program visits only the tiles its rows' or keys' windows touch, a
 consumer releases a tile none of its rows or keys sees unread, edge tiles masked), packed sequences with one
-cu_seqlens for queries and keys (:func:`serves_varlen`; rows past a sequence's end read no statistics (P = 0), keys
+cu_seqlens for queries and keys (:func:`serves_varlen`; rows past a sequence's end get their statistics masked (P = 0), keys
 past it are masked in the dQ pass and not stored by the dK/dV pass; no key sums), no key padding or dropout; do and
 o in any strides (copied when not in a served order). Gradients in 16-bit or fp32;
 with an fp32 dk the per-64-key sums Σ_j dk_j of the stored values, for the C2 projection
@@ -753,8 +753,12 @@ def _row_layout():
 
 def _row_descriptor(x: torch.Tensor):
     """The TMA descriptor of a (batch, nheads, seqlen) fp32 row statistic (m, log2l or D), contiguous, as one flat
-    vector in TILE_ROWS-element tiles (the dK/dV pass's ring; rows past the end read as 0, never used)."""
+    vector in TILE_ROWS-element tiles (the dK/dV pass's ring; rows past the end read as 0, never used). A view whose
+    address TMA cannot take (not 16-byte aligned, e.g. a slice of a stacked buffer) is copied first."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    x = x.reshape(-1)
+    if x.data_ptr() % 16:
+        x = x.clone()
     return TensorDescriptor(x, [x.numel()], [1], [TILE_ROWS], _row_layout())
 
 

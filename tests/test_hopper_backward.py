@@ -266,6 +266,18 @@ def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj, soft
     assert key_sums.shape == (b, hk, d) and key_sums.dtype == torch.float64
 
 
+def test_row_statistics_descriptor_takes_a_misaligned_view_by_copy():
+    # The dK/dV pass TMA-loads m, log2l and D from one flat vector each; TMA needs a 16-byte aligned base address.
+    stacked = torch.arange(1 + 2 * 3 * 64, dtype=torch.float32)
+    view = stacked[1:].view(2, 3, 64)  # 4 bytes past an aligned start
+    assert view.data_ptr() % 16 != 0
+    desc = HB._row_descriptor(view)
+    assert desc.base.data_ptr() % 16 == 0 and desc.shape == [2 * 3 * 64] and desc.block_shape == [HB.TILE_ROWS]
+    assert torch.equal(desc.base, view.reshape(-1))
+    aligned = torch.zeros(2, 3, 64)
+    assert HB._row_descriptor(aligned).base.data_ptr() == aligned.data_ptr()  # no copy when TMA can read it
+
+
 def test_e0_tile_is_cached_except_under_graph_capture(monkeypatch):
     """The e0 tile is built once per (device, dtype); while a CUDA graph is captured a fresh one is built (a cached
     tile whose fill was only recorded would be read unfilled by eager calls before the first replay)."""

@@ -122,6 +122,15 @@ _DKDV_BY_HEAD_DIM = {
 
 
 @triton.jit
+def _tiny16(dtype: tl.constexpr):
+    """The smallest normal number of a 16-bit GEMM operand dtype (fp16 2⁻¹⁴; bf16 and fp32 inputs fp32's 2⁻¹²⁶)."""
+    if dtype == tl.float16:
+        return 6.103515625e-05
+    else:
+        return 1.1754943508222875e-38
+
+
+@triton.jit
 def _dq_inner(
     dq, pk, r, a, ps, q, do, m, l2, Di, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
     lo, hi, c, N_K, CAUSAL_OFF, WL, WR, sc, cap, drop_rows, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
@@ -159,9 +168,11 @@ def _dq_inner(
         if SOFTCAP:
             # The operand is X = dZ∘g, g = 1 − t² (kernels/reference.py); its invariant is Σ_j X_ij/g_ij = 0.
             ds16 = round_ds(ds * g, k.dtype, DS_BITS, INTERP)
-            live = g >= 1.1754943508222875e-38  # 1/g finite (fp32 tiny); below, X̃ ≈ 0: keep dZ
+            live = g >= 1.1754943508222875e-38  # 1/g finite (fp32 tiny)
             inv_g = tl.where(live, rcp_ftz(g, INTERP), 0.0)
-            dz = tl.where(live, ds16.to(tl.float32) * inv_g, ds)
+            # r takes X̃ / g only where X̃ is a normal number of the operand dtype, else the unrounded dZ
+            # (kernels/reference.py: fp16's subnormal X̃ where tanh saturates, divided by a tiny g).
+            dz = tl.where(live & (tl.abs(ds16.to(tl.float32)) >= _tiny16(k.dtype)), ds16.to(tl.float32) * inv_g, ds)
         else:
             # Rounding point (DESIGN.md §3): dS becomes a 16-bit GEMM operand; r must come from these values.
             ds16 = round_ds(ds, k.dtype, DS_BITS, INTERP)
@@ -182,6 +193,7 @@ def _dq_inner(
                     p16 = tl.where(valid, p16, 0.0).to(k.dtype)
             if SOFTCAP:
                 p16 = to16(p16.to(tl.float32) * g, k.dtype, INTERP)
+                p16 = tl.where(p16.to(tl.float32) >= _tiny16(k.dtype), p16, 0.0).to(k.dtype)  # as X̃ above
                 ps += tl.where(col0, tl.sum(p16.to(tl.float32) * inv_g, 1)[:, None], 0.0)
             else:
                 # Σ_j P̃_ij of the rounded P: ρ_i = r_i / Σ_j P̃_ij makes Σ_j (dS̃_ij − ρ_i P̃_ij) = 0.
@@ -318,7 +330,8 @@ def _dq_kernel(
     r = tl.sum(r, 1)  # column 0: adding the zero columns is exact
     if NEED_PK:
         # ρ_i = r_i / Σ_j P̃_ij (kernels/reference.py); rows with no visible key have r = 0 and get ρ = 0.
-        rho = r / tl.maximum(tl.sum(ps, 1), 1.1754943508222875e-38)
+        ps_row = tl.sum(ps, 1)
+        rho = tl.where(ps_row > 0, r / tl.maximum(ps_row, 1.1754943508222875e-38), 0.0)  # 0: no direction
     if GPROJ:
         # P-weighted projection (DESIGN.md §4): dQ_i = τ (Σ_j dS̃_ij k_j − ρ_i (P̃K)_i), all fp32.
         dq = dq - rho[:, None] * pk

@@ -380,6 +380,14 @@ if GLUON_ERROR is None:
             i += 1
 
     @gluon.jit
+    def _tiny16(dtype: gl.constexpr):
+        """The smallest normal number of the 16-bit operand dtype (fp16 2⁻¹⁴, bf16 fp32's 2⁻¹²⁶)."""
+        if dtype == gl.float16:
+            return 6.103515625e-05
+        else:
+            return 1.1754943508222875e-38
+
+    @gluon.jit
     def _dq_tile(q, do, k, v, e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n, c, sc, cap, wl, wr, seqlen,
                  GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
                  EDGES: gl.constexpr):
@@ -423,6 +431,8 @@ if GLUON_ERROR is None:
                 # The direction bf16(P̃∘g) and Σ_j of it over g (kernels/attention_bwd._dq_inner); 1/g only
                 # where it is finite (fp32 tiny), else X̃ ≈ 0 and r takes the unrounded dZ = P∘(dP − D) below.
                 pw = (p16.to(gl.float32) * g).to(dtype)
+                # entries below the operand dtype's normal range left out of the direction (kernels/reference.py)
+                pw = gl.where(pw.to(gl.float32) >= _tiny16(dtype), pw.to(gl.float32), 0.0).to(dtype)
                 pk = warpgroup_mma(gl.convert_layout(pw, a_layout), k, pk, is_async=True)
                 inv_g = gl.where(g >= 1.1754943508222875e-38, rcp_approx(g), 0.0)
                 ps += gl.sum(pw.to(gl.float32) * inv_g, axis=1)
@@ -453,8 +463,12 @@ if GLUON_ERROR is None:
         ds16 = x.to(dtype)  # rounding point: dS̃ (with softcap X̃ = bf16(dZ∘g)), the operand of dQ += dS̃ K
         dq = warpgroup_mma(gl.convert_layout(ds16, a_layout), k, dq, is_async=True)
         if GPROJ:
-            if SOFTCAP:  # r_i = Σ_j dZ̃_ij, dZ̃ = X̃ / g: the zero-sum quantity (docs/architecture.md)
-                r += gl.sum(gl.where(inv_g != 0.0, ds16.to(gl.float32) * inv_g, ds), axis=1)
+            if SOFTCAP:
+                # r_i = Σ_j dZ̃_ij, dZ̃ = X̃ / g: the zero-sum quantity (docs/architecture.md), where X̃ is a normal
+                # number of the operand dtype; elsewhere the unrounded dZ (X / g, or ds itself where 1/g is not
+                # finite): fp16's subnormal X̃ where tanh saturates, divided by a tiny g (kernels/reference.py).
+                rel = (inv_g != 0.0) & (gl.abs(ds16.to(gl.float32)) >= _tiny16(dtype))
+                r += gl.sum(gl.where(rel, ds16.to(gl.float32), ds) * gl.where(inv_g != 0.0, inv_g, 1.0), axis=1)
                 dq, pk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, pk))
             else:
                 r = warpgroup_mma(gl.convert_layout(ds16, sum_a_layout), e0_smem, r, is_async=True)
@@ -551,7 +565,8 @@ if GLUON_ERROR is None:
                 r = gl.sum(r, axis=1)
                 ps = gl.sum(ps, axis=1)
             r = gl.convert_layout(r, row_a)
-            rho = r / gl.maximum(gl.convert_layout(ps, row_a), 1.1754943508222875e-38)
+            ps = gl.convert_layout(ps, row_a)
+            rho = gl.where(ps > 0.0, r / gl.maximum(ps, 1.1754943508222875e-38), 0.0)  # 0: no direction
             dq = dq - rho[:, None] * pk
         gl.store(DQ + offs, (dq * tau).to(DQ.dtype.element_ty), mask=tile_ok)
         if GPROJ:

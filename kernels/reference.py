@@ -21,10 +21,11 @@ Sliding windows and logit softcapping (flash-attn's ``window_size=(left, right)`
   softmax(z). The zero row sum holds for dZ = P ∘ (dP − D), the gradient w.r.t. the *capped* logits;
   the GEMM operand is X = dZ ∘ g with g = 1 − t² (the tanh derivative; dQ = τ X K, dK = τ Xᵀ Q), and it
   is X that is rounded: X̃ = bf16(X). Its exact invariant is Σ_j X_ij / g_ij = 0, so r_i = Σ_j X̃_ij / g_ij
-  (fp32, from the rounded values; dZ itself where g underflows to 0, where X̃ = 0 carries no error) and
+  (fp32, from the rounded values; the unrounded dZ where X̃ is not a normal number of the operand dtype or
+  1/g is not finite: there 1/g would blow up X̃'s absolute rounding, docs/architecture.md) and
   the P-weighted projection acts in the capped domain: X̂_ij = X̃_ij − ρ_i W̃_ij with W̃ = bf16(P̃ ∘ g) the
-  correction's GEMM operand and ρ_i = r_i / Σ_j (W̃_ij / g_ij), so that Σ_j X̂_ij / g_ij = 0 to fp32
-  rounding. The D error (−δ_i P_ij in dZ) lies exactly along this direction, as without softcap. C2
+  correction's GEMM operand (entries below the normal range set to 0) and ρ_i = r_i / Σ_j (W̃_ij / g_ij) (0
+  where that sum is 0), so that Σ_j X̂_ij / g_ij = 0 to fp32 rounding. The D error (−δ_i P_ij in dZ) lies exactly along this direction, as without softcap. C2
   does not hold with softcap even in exact arithmetic (a shared key shift changes each row's capped
   logits by different amounts), so the fp32 C2 projection (:func:`project_key_sum_`) is skipped; the dK
   correction only applies the same projected X̂ to dK as to dQ.
@@ -580,14 +581,21 @@ def backward(
             # Softcap: the GEMM operand is X = dZ ∘ g (g = 1 − t², the tanh derivative), rounded; the
             # zero-sum law holds for X / g, so r and Σ_j W̃_ij / g_ij are taken in the capped domain.
             ds16 = rnd_ds(ds * g)
-            live = g >= torch.finfo(torch.float32).tiny  # 1/g finite; below, X̃ ≈ 0: no rounding error, keep dZ
+            # X̃ / g is the rounded dZ only where X̃ is a normal number of the operand dtype (a relative rounding) and
+            # 1/g is finite. Below the operand dtype's normal range (fp16: 2⁻¹⁴, reached where tanh saturates) X̃ is
+            # off by up to its spacing, negligible in dS but blown up by 1/g in dZ: there r takes the unrounded dZ
+            # (the entry adds no rounding error to the row sum), and the direction W̃ = rnd(W∘g) drops such entries
+            # (W̃ / g would be as wrong), so that Σ_j W̃_ij / g_ij is either 0 (no direction: ρ = 0) or ≥ 2⁻¹⁴.
+            tiny16 = torch.finfo(dtype).tiny  # bf16: fp32's; fp32 inputs: no rounding at all
+            live = g >= torch.finfo(torch.float32).tiny
             inv_g = torch.where(live, 1 / g, 0.0)
-            dz16 = torch.where(live, ds16 * inv_g, ds)
+            dz16 = torch.where(live & (ds16.abs() >= tiny16), ds16 * inv_g, ds)
             w16 = rnd(w16 * g)
+            w16 = torch.where(w16 >= tiny16, w16, 0.0)
             r_blk = dz16.sum(dim=-1)
             ws = (w16 * inv_g).sum(dim=-1)
             abs_blk = dz16.abs().sum(dim=-1)
-        rho_blk = r_blk / ws.clamp(min=torch.finfo(cdt).tiny)
+        rho_blk = torch.where(ws > 0, r_blk / ws.clamp(min=torch.finfo(cdt).tiny), 0.0)  # 0: no direction
         r[:, :, i0:i1] = r_blk
         abs_ds[:, :, i0:i1] = abs_blk
         dq[:, :, i0:i1] = ds16 @ kh

@@ -633,7 +633,9 @@ def _check_options(
     if stats_name is not None and not isinstance(stats_name, str):
         raise TypeError(f"stats_name must be a str or None, got {type(stats_name).__name__}")
     if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        kind = type(causal)
+        name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        raise TypeError(f"causal must be a Python bool (True or False), got {name}")  # numpy.bool, not "bool"
     return softmax_scale
 
 

@@ -213,6 +213,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as exc:
         print(f"error: cannot write {str(out)!r}: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # matplotlib missing: the install hint, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote {out} ({len(series)} metrics, {len(alert_steps(series))} alert(s))")
     return 0
 

@@ -194,15 +194,15 @@ def poisoned_keys(seed: int) -> dict:
     return out
 
 
-def run_window_case(nq, nk, h, hk, causal, window, softcap, seed):
+def run_window_case(nq, nk, h, hk, causal, window, softcap, seed, dtype=torch.bfloat16, key_shift=4.0, tau=None):
     """Sliding window / softcap: Triton and the reference vs float64,
-    every fix; C2 of the fp32 dk; rows with no visible key."""
+    every fix; C2 of the fp32 dk; rows with no visible key. ``tau``: the softmax scale (default d^-1/2)."""
     gen = torch.Generator().manual_seed(seed)
     d = 32
     q, k, v, do = (torch.randn(1, n, hh, d, generator=gen) for n, hh in ((nq, h), (nk, hk), (nk, hk), (nq, h)))
-    k = k + 4.0
-    q, k, v, do = (x.bfloat16() for x in (q, k, v, do))
-    tau = d ** -0.5
+    k = k + key_shift
+    q, k, v, do = (x.to(dtype) for x in (q, k, v, do))
+    tau = d ** -0.5 if tau is None else tau
     kw = dict(window_size=window, softcap=softcap)
     o, m, l2 = F.forward(q, k, v, tau, causal, **kw)
     o_r, m_r, l_r = R.forward(q, k, v, tau, causal, **kw)
@@ -272,6 +272,11 @@ def main() -> None:
         (40, 40, 2, 2, False, (-1, -1), 5.0, 16),
         (37, 53, 2, 1, True, (9, -1), 3.0, 17),
     ]]
+    # fp16 with a softcap that saturates tanh: X = dZ∘g falls below fp16's normal range. τ = 1 (|τ s| ~ 6 against
+    # cap 1), and with keys shifted by 4 (|τ s| ~ 23: whole rows saturated, their direction W̃ = rnd(P̃∘g) all 0).
+    res["fp16_softcap_cases"] = [run_window_case(32, 32, 2, 2, causal, (-1, -1), 1.0, 18 + causal, torch.float16,
+                                                 key_shift=shift, tau=1.0)
+                                 for causal in (False, True) for shift in (0.0, 4.0)]
     for cval in (133120.0, 1000.0):
         x = torch.full((1, 40, 2, 32), cval, dtype=torch.bfloat16)
         for kw in (dict(window_size=(3, 2)), dict(softcap=30.0), dict(window_size=(5, 0), softcap=10.0)):

@@ -463,6 +463,13 @@ def test_bad_options_name_the_argument(kwargs, words):
         gproj_attn_func(q, k, v, **kwargs)
 
 
+@pytest.mark.parametrize("causal, words", [(np.bool_(True), "got numpy.bool"), (1, "got int"), (None, "got NoneType")])
+def test_non_bool_causal_names_its_type(causal, words):
+    q, k, v = _qkv(1, 8, 2, 16)
+    with pytest.raises(TypeError, match=r"causal must be a Python bool \(True or False\), " + words):
+        gproj_attn_func(q, k, v, causal=causal)
+
+
 @pytest.mark.parametrize("scale", [np.float32(0.3), np.float64(0.3), torch.tensor(0.3, dtype=torch.float64)])
 def test_softmax_scale_takes_numpy_numbers_and_one_element_tensors(scale):
     """A NumPy scalar or a one-element float tensor holding τ means float(τ): the fp64 reference with

@@ -117,3 +117,10 @@ def test_clear_errors(tmp_path, monkeypatch, capsys):
     with pytest.raises(RuntimeError, match="needs the `tensorboard` package"):
         load_logs(tb)
     assert main([str(tb)]) == 2
+
+    capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the dashboard's plotting library not installed
+    assert main([str(tmp_path / "two" / "version_0")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the dashboard needs matplotlib: pip install") and "Traceback" not in err
+    assert not (tmp_path / "two" / "version_0" / "dashboard.png").exists()

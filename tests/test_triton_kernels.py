@@ -238,6 +238,23 @@ def test_supports_and_errors(measured):
     assert measured["bad_fix_raises"] is True
 
 
+def test_fp16_softcap_where_tanh_saturates(measured):
+    """fp16 with softcap 1 and τ = 1 (tests/_triton_interp_cases.py): where tanh saturates, X = dZ∘g is below fp16's
+    normal range and X̃ / g is far from dZ. GProj's r must take dZ there and its direction drop such entries
+    (kernels/reference.py): with X̃ / g dq and dk were 10–77% off, and rows saturated throughout (keys shifted by 4)
+    gave a NaN dk (no direction left, ρ = r / 0), while fix none stayed at fp16 level. Triton equals the reference;
+    every fix is at fp16 level against float64."""
+    cases = measured["fp16_softcap_cases"]
+    assert len(cases) == 4
+    for c in cases:
+        for fix, b in c["bwd"].items():
+            assert not b["nan"], (c["case"], fix)
+            for g in GRADS:
+                assert b[f"{g}_rel_vs_ref"] <= 2e-4, (c["case"], fix, g, b)
+                assert b[f"{g}_rel_vs_f64"] <= 2e-3 and b[f"ref_{g}_rel_vs_f64"] <= 2e-3, (c["case"], fix, g, b)
+        assert c["bwd"]["gproj"]["dq_rel_vs_f64"] <= 1.5 * c["bwd"]["none"]["dq_rel_vs_f64"], c
+
+
 def test_window_softcap_kernels(measured):
     """Sliding windows and softcap (tests/_triton_interp_cases.run_window_case): Triton equals the
     reference to fp32 rounding (softcap: its exp2-built tanh against torch.tanh) and both are at bf16

@@ -49,6 +49,22 @@ def test_op_matches_fp64_and_gproj_removes_the_leak(causal, window, softcap):
     assert errs["gproj"][0] <= 3e-3 and errs["gproj"][0] <= 0.4 * errs["none"][0], errs
 
 
+@pytest.mark.parametrize("key_shift", [0.0, 4.0], ids=["saturating", "rows-saturated-throughout"])
+def test_fp16_softcap_where_tanh_saturates_matches_fp64(key_shift):
+    """fp16, softcap 1, τ = 1: tanh saturates, X = dZ∘g leaves fp16's normal range and X̃ / g is far from dZ. Every
+    fix at fp16 level against float64; before r and the direction skipped those entries GProj's dq / dk were
+    10–77% off, and rows saturated throughout (keys shifted by 4) gave a NaN dk."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v, do = (torch.randn(1, 32, 2, 32, generator=g) for _ in range(4))
+    q, k, v, do = q.half(), (k + key_shift).half(), v.half(), do.half()
+    _, dq64, dk64, dv64, _ = attention_fp64(q, k, v, do, 1.0, False, softcap=1.0)
+    for fix in R.FIXES:
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        gproj_attn_func(qq, kk, vv, softmax_scale=1.0, softcap=1.0, fix=fix).backward(do)
+        errs = [_rel(x.grad, y) for x, y in ((qq, dq64), (kk, dk64), (vv, dv64))]
+        assert all(e <= 2e-3 for e in errs), (fix, errs)  # NaN fails this too
+
+
 def test_softcap_capped_domain_zero_sum_and_no_c2_projection():
     """C1 in the capped domain: the corrected operand X̂ = X̃ − ρ W̃ has Σ_j X̂_ij / g_ij = 0 (from the
     reference's own r and the row sums it reports); C2 is NOT imposed under softcap: the fp32 dk keeps

@@ -136,11 +136,12 @@ def attention_sites(module: torch.nn.Module) -> dict[str, Any]:
 
 
 def _matches(path: str, layer: str) -> bool:
-    if layer == path:
+    """Whether the swapped attention at module ``path`` concerns the alert's ``layer`` (a module path, a parameter
+    group, or the name its calls are recorded under: ``<root>`` for the root module): one inside the other. The
+    root module holds every layer."""
+    if not path or layer == path:
         return True
-    if path and layer.startswith(path + "."):
-        return True
-    return path.startswith(layer + ".") if layer else True
+    return layer.startswith(path + ".") or (path.startswith(layer + ".") if layer else True)
 
 
 def remediate(module: torch.nn.Module, layers: Sequence[str], remediation: str) -> list[str]:

@@ -380,14 +380,6 @@ if GLUON_ERROR is None:
             i += 1
 
     @gluon.jit
-    def _tiny16(dtype: gl.constexpr):
-        """The smallest normal number of the 16-bit operand dtype (fp16 2⁻¹⁴, bf16 fp32's 2⁻¹²⁶)."""
-        if dtype == gl.float16:
-            return 6.103515625e-05
-        else:
-            return 1.1754943508222875e-38
-
-    @gluon.jit
     def _dq_tile(q, do, k, v, e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n, c, sc, cap, wl, wr, seqlen,
                  GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
                  EDGES: gl.constexpr):
@@ -396,6 +388,8 @@ if GLUON_ERROR is None:
         HEAD_DIM: gl.constexpr = q.shape[1]
         KEYS: gl.constexpr = k.shape[0]
         dtype: gl.constexpr = q.dtype
+        # The smallest normal number of the operand dtype (fp16 2⁻¹⁴; bf16: fp32's), for softcap's r and direction.
+        TINY16: gl.constexpr = 6.103515625e-05 if dtype == gl.float16 else 1.1754943508222875e-38
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, KEYS, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -432,7 +426,7 @@ if GLUON_ERROR is None:
                 # where it is finite (fp32 tiny), else X̃ ≈ 0 and r takes the unrounded dZ = P∘(dP − D) below.
                 pw = (p16.to(gl.float32) * g).to(dtype)
                 # entries below the operand dtype's normal range left out of the direction (kernels/reference.py)
-                pw = gl.where(pw.to(gl.float32) >= _tiny16(dtype), pw.to(gl.float32), 0.0).to(dtype)
+                pw = gl.where(pw.to(gl.float32) >= TINY16, pw.to(gl.float32), 0.0).to(dtype)
                 pk = warpgroup_mma(gl.convert_layout(pw, a_layout), k, pk, is_async=True)
                 inv_g = gl.where(g >= 1.1754943508222875e-38, rcp_approx(g), 0.0)
                 ps += gl.sum(pw.to(gl.float32) * inv_g, axis=1)
@@ -467,7 +461,7 @@ if GLUON_ERROR is None:
                 # r_i = Σ_j dZ̃_ij, dZ̃ = X̃ / g: the zero-sum quantity (docs/architecture.md), where X̃ is a normal
                 # number of the operand dtype; elsewhere the unrounded dZ (X / g, or ds itself where 1/g is not
                 # finite): fp16's subnormal X̃ where tanh saturates, divided by a tiny g (kernels/reference.py).
-                rel = (inv_g != 0.0) & (gl.abs(ds16.to(gl.float32)) >= _tiny16(dtype))
+                rel = (inv_g != 0.0) & (gl.abs(ds16.to(gl.float32)) >= TINY16)
                 r += gl.sum(gl.where(rel, ds16.to(gl.float32), ds) * gl.where(inv_g != 0.0, inv_g, 1.0), axis=1)
                 dq, pk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, pk))
             else:

@@ -278,6 +278,21 @@ def test_remediate_switches_the_driving_layer_from_the_next_step(tmp_path):
     assert model.attn.forward.site.fix == "gproj" and model.attn.forward.site.compute_dtype is None
 
 
+def test_remediate_reaches_attention_swapped_at_the_root():
+    # The root module's calls are recorded as "<root>" (the swap report's name for it), and it holds every layer.
+    from lightning_gproj.callbacks.alerts import remediate
+
+    for layers in (["<root>"], ["qkv"], []):
+        attn = SDPAAttention()
+        swap_attention(attn, fix="none")
+        assert remediate(attn, layers, "gproj") == [""], layers
+        assert attn.forward.site.fix == "gproj"
+    nested = torch.nn.Sequential(SDPAAttention(), SDPAAttention())
+    swap_attention(nested, fix="none")
+    assert remediate(nested, ["1.qkv"], "gproj") == ["1"]  # a nested site: only the layer's own
+    assert nested[0].forward.site.fix == "none" and nested[1].forward.site.fix == "gproj"
+
+
 def test_fp32_site_runs_attention_in_fp32():
     torch.manual_seed(0)
     attn = SDPAAttention()

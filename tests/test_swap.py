@@ -443,7 +443,7 @@ def test_mha_served_matches_original(case, batch_first, inputs, dtype, tol, op_s
         warnings.simplefilter("error", GProjFallbackWarning)
         _assert_close(Call(model), Call(swapped), [query, memory], tol)
     assert len(op_spy.calls) == 1
-    assert op_spy.calls[0]["causal"] is causal and op_spy.calls[0]["stats_name"] == "attention"
+    assert op_spy.calls[0]["causal"] is causal and op_spy.calls[0]["stats_name"] == "<root>"  # the swapped root, as its fallbacks name it
     assert op_spy.calls[0]["q_shape"] == (1 if inputs == "unbatched" else 2, n, 4, 8)
 
 

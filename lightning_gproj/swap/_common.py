@@ -249,11 +249,11 @@ class Site:
             qs, ks, vs = (q, k, v) if dt is None else (t.to(dt) for t in (q, k, v))
             o = gproj_attn_func()(
                 qs, ks, vs, softmax_scale=softmax_scale, causal=causal, fix=self.fix,
-                stats_name=self.name or "attention", ds_format=self.ds_format, **extra,
+                stats_name=display_path(self.name), ds_format=self.ds_format, **extra,
             )
             return o if dt is None else o.to(q.dtype)  # without a cast, the op's output dtype is autocast's
         if RECORDER.enabled:  # the op's forward statistics, so a monitor sees this site's mean key too
-            ops.record_forward_stats(self.name or "attention", q, k, seqlens_k)
+            ops.record_forward_stats(display_path(self.name), q, k, seqlens_k)
         group = q.shape[2] // k.shape[2]
         qs, ks, vs = (t.transpose(1, 2).to(dt) for t in (q, k, v))
         if group > 1:
@@ -296,7 +296,7 @@ class Site:
             return gproj_attn_varlen_func()(
                 q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                 max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, fix=self.fix,
-                stats_name=self.name or "attention", ds_format=self.ds_format, window_size=tuple(window_size),
+                stats_name=display_path(self.name), ds_format=self.ds_format, window_size=tuple(window_size),
                 softcap=softcap, **extra,
             )
         out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)

@@ -301,9 +301,11 @@ def window_args(causal: bool, window_size, softcap: float, nq: int, nk: int) -> 
 @triton.jit
 def rcp_ftz(x, INTERP: tl.constexpr):
     """1/x in fp32 as one special-function op, ``rcp.approx.ftz.f32`` (relative error ~2⁻²³); exact
-    division under the interpreter. For x in normal range only (denormal x is flushed to 0 → inf)."""
+    division under the interpreter. For x in normal range only (denormal x is flushed to 0 → inf; the interpreter
+    returns +inf for 0 and denormal x without NumPy's divide-by-zero / overflow warnings)."""
     if INTERP:
-        return 1.0 / x
+        normal = tl.abs(x) >= 1.1754943508222875e-38
+        return tl.where(normal, 1.0 / tl.where(normal, x, 1.0), float("inf"))
     else:
         return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
                                          is_pure=True, pack=1)

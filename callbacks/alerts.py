@@ -139,9 +139,9 @@ def _matches(path: str, layer: str) -> bool:
     """Whether the swapped attention at module ``path`` concerns the alert's ``layer`` (a module path, a parameter
     group, or the name its calls are recorded under: ``<root>`` for the root module): one inside the other. The
     root module holds every layer."""
-    if not path or layer == path:
+    if not path or not layer or layer == path:
         return True
-    return layer.startswith(path + ".") or (path.startswith(layer + ".") if layer else True)
+    return layer.startswith(path + ".") or path.startswith(layer + ".")
 
 
 def remediate(module: torch.nn.Module, layers: Sequence[str], remediation: str) -> list[str]:

@@ -122,15 +122,6 @@ _DKDV_BY_HEAD_DIM = {
 
 
 @triton.jit
-def _tiny16(dtype: tl.constexpr):
-    """The smallest normal number of a 16-bit GEMM operand dtype (fp16 2⁻¹⁴; bf16 and fp32 inputs fp32's 2⁻¹²⁶)."""
-    if dtype == tl.float16:
-        return 6.103515625e-05
-    else:
-        return 1.1754943508222875e-38
-
-
-@triton.jit
 def _dq_inner(
     dq, pk, r, a, ps, q, do, m, l2, Di, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dk, offs_dv,
     lo, hi, c, N_K, CAUSAL_OFF, WL, WR, sc, cap, drop_rows, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
@@ -170,9 +161,11 @@ def _dq_inner(
             ds16 = round_ds(ds * g, k.dtype, DS_BITS, INTERP)
             live = g >= 1.1754943508222875e-38  # 1/g finite (fp32 tiny)
             inv_g = tl.where(live, rcp_ftz(g, INTERP), 0.0)
-            # r takes X̃ / g only where X̃ is a normal number of the operand dtype, else the unrounded dZ
-            # (kernels/reference.py: fp16's subnormal X̃ where tanh saturates, divided by a tiny g).
-            dz = tl.where(live & (tl.abs(ds16.to(tl.float32)) >= _tiny16(k.dtype)), ds16.to(tl.float32) * inv_g, ds)
+            # r takes X̃ / g only where X̃ is a normal number of the operand dtype (fp16 2⁻¹⁴; bf16: fp32's), else the
+            # unrounded dZ (kernels/reference.py: fp16's subnormal X̃ where tanh saturates, divided by a tiny g).
+            TINY16: tl.constexpr = 6.103515625e-05 if k.dtype == tl.float16 else 1.1754943508222875e-38
+            x16 = ds16.to(tl.float32)
+            dz = tl.where(live & (tl.abs(x16) >= TINY16), x16 * inv_g, ds)
         else:
             # Rounding point (DESIGN.md §3): dS becomes a 16-bit GEMM operand; r must come from these values.
             ds16 = round_ds(ds, k.dtype, DS_BITS, INTERP)
@@ -192,9 +185,10 @@ def _dq_inner(
                 if MASKED:
                     p16 = tl.where(valid, p16, 0.0).to(k.dtype)
             if SOFTCAP:
-                p16 = to16(p16.to(tl.float32) * g, k.dtype, INTERP)
-                p16 = tl.where(p16.to(tl.float32) >= _tiny16(k.dtype), p16, 0.0).to(k.dtype)  # as X̃ above
-                ps += tl.where(col0, tl.sum(p16.to(tl.float32) * inv_g, 1)[:, None], 0.0)
+                pw = to16(p16.to(tl.float32) * g, k.dtype, INTERP).to(tl.float32)
+                pw = tl.where(pw >= TINY16, pw, 0.0)  # entries below the normal range: out of the direction, as X̃
+                ps += tl.where(col0, tl.sum(pw * inv_g, 1)[:, None], 0.0)
+                p16 = pw.to(k.dtype)
             else:
                 # Σ_j P̃_ij of the rounded P: ρ_i = r_i / Σ_j P̃_ij makes Σ_j (dS̃_ij − ρ_i P̃_ij) = 0.
                 ps = mma(p16, e0, ps, INTERP)

@@ -424,12 +424,12 @@ if GLUON_ERROR is None:
             if SOFTCAP:
                 # The direction bf16(P̃∘g) and Σ_j of it over g (kernels/attention_bwd._dq_inner); 1/g only
                 # where it is finite (fp32 tiny), else X̃ ≈ 0 and r takes the unrounded dZ = P∘(dP − D) below.
-                pw = (p16.to(gl.float32) * g).to(dtype)
-                # entries below the operand dtype's normal range left out of the direction (kernels/reference.py)
-                pw = gl.where(pw.to(gl.float32) >= TINY16, pw.to(gl.float32), 0.0).to(dtype)
-                pk = warpgroup_mma(gl.convert_layout(pw, a_layout), k, pk, is_async=True)
+                # Entries below the operand dtype's normal range are left out of the direction (kernels/reference.py).
+                pw = (p16.to(gl.float32) * g).to(dtype).to(gl.float32)
+                pw = gl.where(pw >= TINY16, pw, 0.0)
+                pk = warpgroup_mma(gl.convert_layout(pw.to(dtype), a_layout), k, pk, is_async=True)
                 inv_g = gl.where(g >= 1.1754943508222875e-38, rcp_approx(g), 0.0)
-                ps += gl.sum(pw.to(gl.float32) * inv_g, axis=1)
+                ps += gl.sum(pw * inv_g, axis=1)
             else:
                 pk = warpgroup_mma(gl.convert_layout(p16, a_layout), k, pk, is_async=True)
                 ps = warpgroup_mma(gl.convert_layout(p16, sum_a_layout), e0_smem, ps, is_async=True)
@@ -461,8 +461,9 @@ if GLUON_ERROR is None:
                 # r_i = Σ_j dZ̃_ij, dZ̃ = X̃ / g: the zero-sum quantity (docs/architecture.md), where X̃ is a normal
                 # number of the operand dtype; elsewhere the unrounded dZ (X / g, or ds itself where 1/g is not
                 # finite): fp16's subnormal X̃ where tanh saturates, divided by a tiny g (kernels/reference.py).
-                rel = (inv_g != 0.0) & (gl.abs(ds16.to(gl.float32)) >= TINY16)
-                r += gl.sum(gl.where(rel, ds16.to(gl.float32), ds) * gl.where(inv_g != 0.0, inv_g, 1.0), axis=1)
+                live = inv_g != 0.0
+                x16 = ds16.to(gl.float32)
+                r += gl.sum(gl.where(live & (gl.abs(x16) >= TINY16), x16, ds) * gl.where(live, inv_g, 1.0), axis=1)
                 dq, pk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, pk))
             else:
                 r = warpgroup_mma(gl.convert_layout(ds16, sum_a_layout), e0_smem, r, is_async=True)

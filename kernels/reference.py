@@ -25,7 +25,8 @@ Sliding windows and logit softcapping (flash-attn's ``window_size=(left, right)`
   1/g is not finite: there 1/g would blow up X̃'s absolute rounding, docs/architecture.md) and
   the P-weighted projection acts in the capped domain: X̂_ij = X̃_ij − ρ_i W̃_ij with W̃ = bf16(P̃ ∘ g) the
   correction's GEMM operand (entries below the normal range set to 0) and ρ_i = r_i / Σ_j (W̃_ij / g_ij) (0
-  where that sum is 0), so that Σ_j X̂_ij / g_ij = 0 to fp32 rounding. The D error (−δ_i P_ij in dZ) lies exactly along this direction, as without softcap. C2
+  where that sum is 0), so that Σ_j X̂_ij / g_ij = 0 to fp32 rounding. The D error (−δ_i P_ij in dZ) lies exactly
+  along this direction, as without softcap. C2
   does not hold with softcap even in exact arithmetic (a shared key shift changes each row's capped
   logits by different amounts), so the fp32 C2 projection (:func:`project_key_sum_`) is skipped; the dK
   correction only applies the same projected X̂ to dK as to dQ.

@@ -50,7 +50,10 @@ from lightning_gproj.kernels.attention_fwd_hopper import (
 if GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+    cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     from lightning_gproj.kernels.attention_fwd_hopper import (
         aot_compile_sm90, rcp_approx, ring_barriers, ring_load_pair, sequence_span, softcap_and_grad, tensordesc_type, tma_load,
@@ -78,9 +81,9 @@ if GLUON_ERROR is None:
     _NUM_STAGES = gl.constexpr(2)
 
     @gluon.jit
-    def _loader(q_desc, do_desc, qr_desc, k_desc, v_desc, m_desc, l_desc, d_desc, q_smem, do_smem, qr_smem, k_smem, v_smem,
+    def _loader(q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem, k_smem, v_smem,
                 m_smem, l_smem, d_smem, kv_bar, ready, empty, k_row, k_col, v_row, v_col, q_b, q_rh, q_ch, do_b, do_rh,
-                do_ch, qr_b, qr_rh, qr_ch, h0, GROUP, lo, hi, stats0, N_CTX, GPROJ):
+                do_ch, qr_b, qr_rh, qr_ch, h0, GROUP, lo, hi, stats0, N_CTX, seqlen, GPROJ):
         # GPROJ arrives as a value through gl.warp_specialize, not a constexpr: both branches below compile (their
         # operands are shaped alike) and the constant folds them away (the PTX equals a constexpr variant's).
         # The program's K and V rows, once, as two halves of 64 keys (one per consumer).
@@ -88,25 +91,28 @@ if GLUON_ERROR is None:
         for half in gl.static_range(2):
             tma_load(k_desc, [k_row + half * _HALF_N, k_col], kv_bar, k_smem.index(half))
             tma_load(v_desc, [v_row + half * _HALF_N, v_col], kv_bar, v_smem.index(half))
+        tile_rows = gl.arange(0, _BLOCK_M, layout=gl.BlockedLayout([2], [32], [1], [0]))  # over the loader's warp
         i = 0
         for g in range(GROUP):
             h = h0 + g
             for start_m in range(lo, hi, _BLOCK_M):
                 s = i % _NUM_STAGES
                 mbarrier.wait(empty.index(s), ((i // _NUM_STAGES) & 1) ^ 1)  # both consumers released the slot
+                # The rows' m, log2l and D ((batch, nheads, seqlen) fp32; none past the sequence's end: the consumers
+                # mask those rows) by cp.async, 4 bytes each: a TMA box has to start on a 16-byte boundary, a row of
+                # a seqlen that is not a multiple of 4 or of a packed sequence need not (such boxes faulted, run 29).
+                # Tied to the slot's barrier before its expect, so that the phase completes only once they landed.
+                rows = start_m + tile_rows
+                at = stats0 + g * N_CTX + rows
+                cp_async_load(m_smem.index(s), M + at, mask=rows < seqlen)
+                cp_async_load(l_smem.index(s), LOG2L + at, mask=rows < seqlen)
+                cp_async_load(d_smem.index(s), DELTA + at, mask=rows < seqlen)
+                async_copy.mbarrier_arrive(ready.index(s))
                 qdo_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                qr_bytes: gl.constexpr = qr_desc.block_type.nbytes
-                st_bytes: gl.constexpr = 3 * m_desc.block_type.nbytes
                 if GPROJ:  # a value, as above (mbarrier.expect takes a constant byte count)
-                    mbarrier.expect(ready.index(s), qdo_bytes + qr_bytes + st_bytes)
+                    mbarrier.expect(ready.index(s), qdo_bytes + qr_desc.block_type.nbytes)
                 else:
-                    mbarrier.expect(ready.index(s), qdo_bytes + st_bytes)
-                # The rows' m, log2l and D ((batch, nheads, seqlen) fp32, flat; past a sequence's end the consumers mask
-                # them, past the tensor's TMA reads zeros).
-                row = (stats0 + g * N_CTX + start_m).to(gl.int32)
-                tma_load(m_desc, [row], ready.index(s), m_smem.index(s))
-                tma_load(l_desc, [row], ready.index(s), l_smem.index(s))
-                tma_load(d_desc, [row], ready.index(s), d_smem.index(s))
+                    mbarrier.expect(ready.index(s), qdo_bytes)
                 tma_load(q_desc, [q_b + h * q_rh + start_m, h * q_ch], ready.index(s), q_smem.index(s))
                 tma_load(do_desc, [do_b + h * do_rh + start_m, h * do_ch], ready.index(s), do_smem.index(s))
                 if GPROJ:
@@ -286,7 +292,7 @@ if GLUON_ERROR is None:
         consumer = _dkdv_partition(gproj, causal, softcap, window, edges or varlen)
 
         @gluon.jit
-        def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, m_desc, l_desc, d_desc, DK, DV, KS, CU, c, tau, H,
+        def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, DK, DV, KS, CU, c, tau, H,
                                 GROUP, N_CTX, key_sums, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb, qr_rh, qr_ch,
                                 k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr):
             # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch)
@@ -324,9 +330,10 @@ if GLUON_ERROR is None:
             k_smem = gl.allocate_shared_memory(dtype, [2, _HALF_N, HEAD_DIM], k_desc.layout)
             v_smem = gl.allocate_shared_memory(dtype, [2, _HALF_N, HEAD_DIM], v_desc.layout)
             # Each Q tile's m, log2l, D rows, loaded with it
-            m_smem = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], m_desc.layout)
-            l_smem = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], m_desc.layout)
-            d_smem = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], m_desc.layout)
+            stat_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            m_smem = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], stat_layout)
+            l_smem = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], stat_layout)
+            d_smem = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], stat_layout)
             kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             mbarrier.init(kv_bar, count=1)
             ready, empty = ring_barriers(_NUM_STAGES)
@@ -337,10 +344,11 @@ if GLUON_ERROR is None:
                      out_row, hk * HEAD_DIM, HK * HEAD_DIM, GROUP, lo, hi, seqlen, c, tau, key_sums, sc, cap, wl, wr, 0)
             args1 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, ks, start_n,
                      out_row, hk * HEAD_DIM, HK * HEAD_DIM, GROUP, lo, hi, seqlen, c, tau, key_sums, sc, cap, wl, wr, 1)
-            loader_args = (q_desc, do_desc, qr_desc, k_desc, v_desc, m_desc, l_desc, d_desc, q_smem, do_smem, qr_smem,
+            loader_args = (q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem,
                            k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, b * k_rb + hk * k_rh + start + start_n, hk * k_ch,
                            b * v_rb + hk * v_rh + start + start_n, hk * v_ch, b * q_rb + start, q_rh, q_ch,
-                           b * do_rb + start, do_rh, do_ch, b * qr_rb + start, qr_rh, qr_ch, h0, GROUP, lo, hi, stats0, N_CTX, GPROJ)
+                           b * do_rb + start, do_rh, do_ch, b * qr_rb + start, qr_rh, qr_ch, h0, GROUP, lo, hi, stats0, N_CTX, seqlen,
+                           GPROJ)
             # 240 registers for each consumer, 24 for the loader: the register file's even split (run 18's probe:
             # fewer spills than 232 / 248).
             gl.warp_specialize([(consumer, args0), (consumer, args1), (_loader, loader_args)], [4, 1], [240, 24])
@@ -748,28 +756,12 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
     slots = n // KEYS_PER_SUM
     ks = torch.empty((b, hk, slots, d), dtype=torch.float32, device=q.device) if want_key_sums else delta
     descs, where = _descriptors(q, do, q if qr is None else qr, k, v)  # q: a placeholder the kernel never reads
-    descs += [_row_descriptor(x) for x in (m, log2l, delta)]
     grid = (triton.cdiv(max_seqlen if packed else n, BLOCK_N), (cu_seqlens.numel() - 1 if packed else b) * hk)
     _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0, window is not None, packed, edges)[grid](
-        *descs, dk, dv, ks, cu_seqlens if packed else delta, float(c), float(softmax_scale), h, h // hk,
+        *descs, m, log2l, delta, dk, dv, ks, cu_seqlens if packed else delta, float(c), float(softmax_scale), h, h // hk,
         n, int(bool(want_key_sums)), *where, *feature_args(softmax_scale, softcap, window), num_warps=4,
     )
     return dk, dv, (ks.sum(dim=2, dtype=torch.float64) if want_key_sums else None)
-
-
-def _row_layout():
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-
-
-def _row_descriptor(x: torch.Tensor):
-    """The TMA descriptor of a (batch, nheads, seqlen) fp32 row statistic (m, log2l or D), contiguous, as one flat
-    vector in TILE_ROWS-element tiles (the dK/dV pass's ring; rows past the end read as 0, never used). A view whose
-    address TMA cannot take (not 16-byte aligned, e.g. a slice of a stacked buffer) is copied first."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    x = x.reshape(-1)
-    if x.data_ptr() % 16:
-        x = x.clone()
-    return TensorDescriptor(x, [x.numel()], [1], [TILE_ROWS], _row_layout())
 
 
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
@@ -782,8 +774,7 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal
     _require_gluon()
     d = HEAD_DIMS[0]
     t = tensordesc_type(dtype, TILE_ROWS, d, _layout(d, dtype))
-    rt = f"tensordesc<fp32[{TILE_ROWS}],{_row_layout()!r}>"
-    sig = {"q_desc": t, "do_desc": t, "qr_desc": t, "k_desc": t, "v_desc": t, "m_desc": rt, "l_desc": rt, "d_desc": rt,
+    sig = {"q_desc": t, "do_desc": t, "qr_desc": t, "k_desc": t, "v_desc": t, "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32",
            "DK": pointer_type(dk_dtype or dtype),
            "DV": pointer_type(dtype), "KS": "*fp32",
            "CU": "*i32" if varlen else "*fp32", "c": "fp32",

@@ -27,7 +27,7 @@ multiple of 128: the edge variant, as packing's), GQA) at head dim 128 only — 
 faster than the tl.dot one (benchmarks/NOTES.md, run 19) —, dS rounded to the input dtype, logit softcap (X̃ = bf16(dZ∘g) as the dS operand,
 kernels/reference.py), sliding windows (each program visits only the tiles its rows' or keys' windows touch, a
 consumer releases a tile none of its rows or keys sees unread, edge tiles masked), packed sequences with one
-cu_seqlens for queries and keys (:func:`serves_varlen`; rows past a sequence's end read no statistics (P = 0), keys
+cu_seqlens for queries and keys (:func:`serves_varlen`; rows past a sequence's end get their statistics masked (P = 0), keys
 past it are masked in the dQ pass and not stored by the dK/dV pass; no key sums), no key padding or dropout; do and
 o in any strides (copied when not in a served order). Gradients in 16-bit or fp32;
 with an fp32 dk the per-64-key sums Σ_j dk_j of the stored values, for the C2 projection
@@ -50,7 +50,10 @@ from lightning_gproj.kernels.attention_fwd_hopper import (
 if GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+    cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     from lightning_gproj.kernels.attention_fwd_hopper import (
         aot_compile_sm90, rcp_approx, ring_barriers, ring_load_pair, sequence_span, softcap_and_grad, tensordesc_type, tma_load,
@@ -78,9 +81,9 @@ if GLUON_ERROR is None:
     _NUM_STAGES = gl.constexpr(2)
 
     @gluon.jit
-    def _loader(q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready,
-                empty, k_row, k_col, v_row, v_col, q_b, q_rh, q_ch, do_b, do_rh, do_ch, qr_b, qr_rh, qr_ch, h0, GROUP,
-                lo, hi, GPROJ):
+    def _loader(q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem, k_smem, v_smem,
+                m_smem, l_smem, d_smem, kv_bar, ready, empty, k_row, k_col, v_row, v_col, q_b, q_rh, q_ch, do_b, do_rh,
+                do_ch, qr_b, qr_rh, qr_ch, h0, GROUP, lo, hi, stats0, N_CTX, seqlen, GPROJ):
         # GPROJ arrives as a value through gl.warp_specialize, not a constexpr: both branches below compile (their
         # operands are shaped alike) and the constant folds them away (the PTX equals a constexpr variant's).
         # The program's K and V rows, once, as two halves of 64 keys (one per consumer).
@@ -88,17 +91,28 @@ if GLUON_ERROR is None:
         for half in gl.static_range(2):
             tma_load(k_desc, [k_row + half * _HALF_N, k_col], kv_bar, k_smem.index(half))
             tma_load(v_desc, [v_row + half * _HALF_N, v_col], kv_bar, v_smem.index(half))
+        tile_rows = gl.arange(0, _BLOCK_M, layout=gl.BlockedLayout([2], [32], [1], [0]))  # over the loader's warp
         i = 0
         for g in range(GROUP):
             h = h0 + g
             for start_m in range(lo, hi, _BLOCK_M):
                 s = i % _NUM_STAGES
                 mbarrier.wait(empty.index(s), ((i // _NUM_STAGES) & 1) ^ 1)  # both consumers released the slot
-                if GPROJ:
-                    mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                                    + qr_desc.block_type.nbytes)
+                # The rows' m, log2l and D ((batch, nheads, seqlen) fp32; none past the sequence's end: the consumers
+                # mask those rows) by cp.async, 4 bytes each: a TMA box has to start on a 16-byte boundary, a row of
+                # a seqlen that is not a multiple of 4 or of a packed sequence need not (such boxes faulted, run 29).
+                # Tied to the slot's barrier before its expect, so that the phase completes only once they landed.
+                rows = start_m + tile_rows
+                at = stats0 + g * N_CTX + rows
+                cp_async_load(m_smem.index(s), M + at, mask=rows < seqlen)
+                cp_async_load(l_smem.index(s), LOG2L + at, mask=rows < seqlen)
+                cp_async_load(d_smem.index(s), DELTA + at, mask=rows < seqlen)
+                async_copy.mbarrier_arrive(ready.index(s))
+                qdo_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                if GPROJ:  # a value, as above (mbarrier.expect takes a constant byte count)
+                    mbarrier.expect(ready.index(s), qdo_bytes + qr_desc.block_type.nbytes)
                 else:
-                    mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                    mbarrier.expect(ready.index(s), qdo_bytes)
                 tma_load(q_desc, [q_b + h * q_rh + start_m, h * q_ch], ready.index(s), q_smem.index(s))
                 tma_load(do_desc, [do_b + h * do_rh + start_m, h * do_ch], ready.index(s), do_smem.index(s))
                 if GPROJ:
@@ -116,11 +130,11 @@ if GLUON_ERROR is None:
             return gl.load(M + stats + rows), gl.load(LOG2L + stats + rows)
 
     @gluon.jit
-    def _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, stats, M, LOG2L, DELTA, c, sc, cap, wl, wr, seqlen,
+    def _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, c, sc, cap, wl, wr, seqlen, m_s, l_s, d_s,
                    GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
                    EDGES: gl.constexpr):
-        """One (Q, dO[, −ρ∘Q]) tile (shared [rows, headdim]; query positions ``rows``, the first start_m) of the
-        dK/dV pass for 64 keys: Sᵀ, dPᵀ, P̃ᵀ, dS̃ᵀ and the asynchronous dV, dK [, GProj's dK term] GEMMs, waited for;
+        """One (Q, dO[, −ρ∘Q]) tile (shared [rows, headdim]; query positions ``rows``, the first start_m; m_s, l_s, d_s:
+        their m, log2l and D, shared [rows]) of the dK/dV pass for 64 keys: Sᵀ, dPᵀ, P̃ᵀ, dS̃ᵀ and the asynchronous dV, dK [, GProj's dK term] GEMMs, waited for;
         returns (dk, dv)."""
         HEAD_DIM: gl.constexpr = k.shape[1]
         ROWS: gl.constexpr = q.shape[0]
@@ -134,8 +148,14 @@ if GLUON_ERROR is None:
         sT = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
         dpT = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
-        # m, log2l loaded here, not before the GEMMs: live across them they spilled (Triton 3.6).
-        m, l2 = row_statistics(M, LOG2L, stats, rows, seqlen, EDGES)
+        # m, log2l read here, not before the GEMMs: live across them they spilled (Triton 3.6). From the tile's
+        # shared-memory slot, where the loader put them with Q and dO (from global memory, each tile's loads stalled
+        # the consumer and spilled: benchmarks/NOTES.md, run 28).
+        m = m_s.load(rows.type.layout)
+        l2 = l_s.load(rows.type.layout)
+        if EDGES:  # rows from seqlen on (the next sequence's, batch row's or head's) read none: P = exp2(… − inf) = 0
+            m = gl.where(rows < seqlen, m, 0.0)
+            l2 = gl.where(rows < seqlen, l2, float("inf"))
         if SOFTCAP:  # the capped logits z = cap·tanh(τ s/cap), bit for bit the forward's; g = 1 − tanh²
             sT, gT = softcap_and_grad(sT, sc, cap)
         # The forward's exponent: (s − m) is exactly 0 at the row max, then scale, then normalize.
@@ -163,20 +183,19 @@ if GLUON_ERROR is None:
             dpT = warpgroup_mma_wait(num_outstanding=2, deps=(dpT,))
         else:
             dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
-        if EDGES:  # loaded where dS needs it: shorter-lived, fewer spills
-            di = gl.load(DELTA + stats + rows, mask=rows < seqlen, other=0.0)
-        else:
-            di = gl.load(DELTA + stats + rows)
+        di = d_s.load(rows.type.layout)  # read where dS needs it: shorter-lived, fewer spills
+        if EDGES:
+            di = gl.where(rows < seqlen, di, 0.0)
         ds16 = gl.convert_layout((pT * (dpT - di[None, :])).to(dtype), a_layout)  # rounding point: dS̃ (X̃)
         dk = warpgroup_mma(ds16, q, dk, is_async=True)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
         return dk, dv
 
     @gluon.jit
-    def _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA,
+    def _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, KS,
                   half, GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
-                  EDGES: gl.constexpr, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, hi, N_CTX, seqlen, c, tau,
-                  key_sums, sc, cap, wl, wr):
+                  EDGES: gl.constexpr, start_n, out_row, out_col, out_stride, GROUP, lo, hi, seqlen, c, tau, key_sums, sc, cap,
+                  wl, wr):
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
         # The score tiles' layout ([keys, queries]): 64 query rows, with softcap 32 (each tile in two halves).
         if SOFTCAP:
@@ -199,7 +218,6 @@ if GLUON_ERROR is None:
             first_m = key0  # the rows before these keys see none of them
         i = 0
         for g in range(GROUP):
-            stats = stats0 + g * N_CTX  # row statistics of query head h0 + g: (batch, nheads, seqlen) fp32
             if CAUSAL:
                 if half == 1:  # the group's first tile (rows start_n … key0 − 1): released unread
                     st = i % _NUM_STAGES
@@ -213,6 +231,9 @@ if GLUON_ERROR is None:
                 q = q_smem.index(st)
                 do = do_smem.index(st)
                 qr = qr_smem.index(st)
+                m_s = m_smem.index(st)
+                l_s = l_smem.index(st)
+                d_s = d_smem.index(st)
                 visit = True
                 if WINDOW:  # a tile none of whose rows sees these keys is released unread
                     visit = window_sees(start_m, _BLOCK_M, key0, _HALF_N, wl, wr)
@@ -221,11 +242,12 @@ if GLUON_ERROR is None:
                         for sub in gl.static_range(2):
                             dk, dv = _dkdv_tile(k, v, q.slice(sub * _SUB_M, _SUB_M), do.slice(sub * _SUB_M, _SUB_M),
                                                 qr.slice(sub * _SUB_M, _SUB_M), dk, dv, keys, key0, rows + sub * _SUB_M,
-                                                start_m + sub * _SUB_M, stats, M, LOG2L, DELTA, c, sc, cap, wl, wr, seqlen,
-                                                GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES)
+                                                start_m + sub * _SUB_M, c, sc, cap, wl, wr, seqlen,
+                                                m_s.slice(sub * _SUB_M, _SUB_M), l_s.slice(sub * _SUB_M, _SUB_M),
+                                                d_s.slice(sub * _SUB_M, _SUB_M), GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES)
                     else:
-                        dk, dv = _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, stats, M, LOG2L, DELTA, c,
-                                            sc, cap, wl, wr, seqlen, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES)
+                        dk, dv = _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, c, sc, cap, wl, wr, seqlen,
+                                            m_s, l_s, d_s, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES)
                 mbarrier.arrive(empty.index(st), count=1)
                 i += 1
         dk = dk * tau
@@ -251,12 +273,11 @@ if GLUON_ERROR is None:
         SOFTCAP, WINDOW, EDGES = gl.constexpr(softcap), gl.constexpr(window), gl.constexpr(edges)
 
         @gluon.jit
-        def consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, start_n,
-                     out_row, out_col, out_stride, stats0, GROUP, lo, hi, N_CTX, seqlen, c, tau, key_sums, sc, cap, wl, wr,
-                     half):
-            _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, KS, M, LOG2L, DELTA, half,
-                      GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, start_n, out_row, out_col, out_stride, stats0, GROUP, lo, hi,
-                      N_CTX, seqlen, c, tau, key_sums, sc, cap, wl, wr)
+        def consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, KS,
+                     start_n, out_row, out_col, out_stride, GROUP, lo, hi, seqlen, c, tau, key_sums, sc, cap, wl, wr, half):
+            _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, KS,
+                      half, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, start_n, out_row, out_col, out_stride, GROUP, lo, hi,
+                      seqlen, c, tau, key_sums, sc, cap, wl, wr)
 
         return consumer
 
@@ -271,7 +292,7 @@ if GLUON_ERROR is None:
         consumer = _dkdv_partition(gproj, causal, softcap, window, edges or varlen)
 
         @gluon.jit
-        def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, DK, DV, KS, M, LOG2L, DELTA, CU, c, tau, H,
+        def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, DK, DV, KS, CU, c, tau, H,
                                 GROUP, N_CTX, key_sums, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb, qr_rh, qr_ch,
                                 k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr):
             # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch)
@@ -308,22 +329,26 @@ if GLUON_ERROR is None:
                 qr_smem = q_smem  # not read
             k_smem = gl.allocate_shared_memory(dtype, [2, _HALF_N, HEAD_DIM], k_desc.layout)
             v_smem = gl.allocate_shared_memory(dtype, [2, _HALF_N, HEAD_DIM], v_desc.layout)
+            # Each Q tile's m, log2l, D rows, loaded with it
+            stat_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            m_smem = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], stat_layout)
+            l_smem = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], stat_layout)
+            d_smem = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], stat_layout)
             kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             mbarrier.init(kv_bar, count=1)
             ready, empty = ring_barriers(_NUM_STAGES)
 
             # The two consumers' arguments differ in the last one, their half of the keys (Gluon has no *tuple).
             out_row = b * N_CTX + start + start_n
-            args0 = (q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, ks, M, LOG2L, DELTA, start_n,
-                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, stats0, GROUP, lo, hi, N_CTX, seqlen, c, tau, key_sums, sc,
-                     cap, wl, wr, 0)
-            args1 = (q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar, ready, empty, DK, DV, ks, M, LOG2L, DELTA, start_n,
-                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, stats0, GROUP, lo, hi, N_CTX, seqlen, c, tau, key_sums, sc,
-                     cap, wl, wr, 1)
-            loader_args = (q_desc, do_desc, qr_desc, k_desc, v_desc, q_smem, do_smem, qr_smem, k_smem, v_smem, kv_bar,
-                           ready, empty, b * k_rb + hk * k_rh + start + start_n, hk * k_ch,
+            args0 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, ks, start_n,
+                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, GROUP, lo, hi, seqlen, c, tau, key_sums, sc, cap, wl, wr, 0)
+            args1 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, ks, start_n,
+                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, GROUP, lo, hi, seqlen, c, tau, key_sums, sc, cap, wl, wr, 1)
+            loader_args = (q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem,
+                           k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, b * k_rb + hk * k_rh + start + start_n, hk * k_ch,
                            b * v_rb + hk * v_rh + start + start_n, hk * v_ch, b * q_rb + start, q_rh, q_ch,
-                           b * do_rb + start, do_rh, do_ch, b * qr_rb + start, qr_rh, qr_ch, h0, GROUP, lo, hi, GPROJ)
+                           b * do_rb + start, do_rh, do_ch, b * qr_rb + start, qr_rh, qr_ch, h0, GROUP, lo, hi, stats0, N_CTX, seqlen,
+                           GPROJ)
             # 240 registers for each consumer, 24 for the loader: the register file's even split (run 18's probe:
             # fewer spills than 232 / 248).
             gl.warp_specialize([(consumer, args0), (consumer, args1), (_loader, loader_args)], [4, 1], [240, 24])
@@ -733,7 +758,7 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
     descs, where = _descriptors(q, do, q if qr is None else qr, k, v)  # q: a placeholder the kernel never reads
     grid = (triton.cdiv(max_seqlen if packed else n, BLOCK_N), (cu_seqlens.numel() - 1 if packed else b) * hk)
     _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0, window is not None, packed, edges)[grid](
-        *descs, dk, dv, ks, m, log2l, delta, cu_seqlens if packed else delta, float(c), float(softmax_scale), h, h // hk,
+        *descs, m, log2l, delta, dk, dv, ks, cu_seqlens if packed else delta, float(c), float(softmax_scale), h, h // hk,
         n, int(bool(want_key_sums)), *where, *feature_args(softmax_scale, softcap, window), num_warps=4,
     )
     return dk, dv, (ks.sum(dim=2, dtype=torch.float64) if want_key_sums else None)
@@ -749,8 +774,9 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal
     _require_gluon()
     d = HEAD_DIMS[0]
     t = tensordesc_type(dtype, TILE_ROWS, d, _layout(d, dtype))
-    sig = {"q_desc": t, "do_desc": t, "qr_desc": t, "k_desc": t, "v_desc": t, "DK": pointer_type(dk_dtype or dtype),
-           "DV": pointer_type(dtype), "KS": "*fp32", "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32",
+    sig = {"q_desc": t, "do_desc": t, "qr_desc": t, "k_desc": t, "v_desc": t, "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32",
+           "DK": pointer_type(dk_dtype or dtype),
+           "DV": pointer_type(dtype), "KS": "*fp32",
            "CU": "*i32" if varlen else "*fp32", "c": "fp32",
            "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "key_sums": "i32",
            **{f"{x}_{w}": "i32" for x in ("q", "do", "qr", "k", "v") for w in ("rb", "rh", "ch")}, "sc": "fp32", "cap": "fp32",

@@ -34,6 +34,11 @@ def test_compiles_for_sm90_with_wgmma_tma_and_register_split(gproj, softcap, cau
     # Two consumers × (Sᵀ, dPᵀ, dV, dK [, GProj's dK term]) per (Q, dO) tile.
     assert_hopper_kernel(kernel, 2 * (5 if gproj else 4))
     assert_softcap_code(kernel.asm["ptx"], softcap)
+    # m, log2l, D of each tile by 4-byte cp.async (a row need not start on TMA's 16-byte boundary), tied to the ring
+    # slot's barrier; Q, dO[, −ρ∘Q] by 2-D TMA boxes, no 1-D box.
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("cp.async.ca.shared.global [") >= 3 and "cp.async.mbarrier.arrive.shared" in ptx
+    assert "cp.async.bulk.tensor.1d" not in ptx
 
 
 @pytest.mark.parametrize("gproj, softcap", _VARIANTS, ids=_VARIANT_IDS)

@@ -227,6 +227,35 @@ def test_sdpa_fallback_warns_once_and_matches_original(case, op_spy):
     assert op_spy.calls == []
 
 
+def _prefix_lm(n, m, d):  # bidirectional over the first 3 positions, causal after them (True above the diagonal)
+    i, j = torch.arange(n, device=d)[:, None], torch.arange(m, device=d)[None, :]
+    return (j <= i) | (j < 3)
+
+
+@pytest.mark.parametrize("mask", [_prefix_lm, lambda n, m, d: _prefix_lm(n, m, d) & _key_padding(n, m, d)],
+                         ids=["prefix_lm", "prefix_lm_and_key_padding"])
+def test_sdpa_mask_true_above_the_diagonal_is_not_served_as_causal(mask, op_spy):
+    """A mask that equals causal (& right padding) on and below the diagonal but lets rows see later keys (a prefix-LM
+    block), without is_causal, is not causal attention: it falls back with one warning and the output is SDPA's,
+    which differs from causal attention's here (issue found by a new-user pass, 2026-12-02)."""
+    torch.manual_seed(0)
+    model = SDPAAttention(32, 4, attn_mask=mask)
+    causal = SDPAAttention(32, 4, is_causal=True)
+    causal.load_state_dict(model.state_dict())
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    x = torch.randn(2, 8, 32)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = swapped(x)
+        out2 = swapped(x)
+    messages = _fallback_warnings(record)
+    assert len(messages) == 1 and "not the causal mask" in messages[0], messages
+    assert op_spy.calls == []
+    assert torch.equal(out, model(x)) and torch.equal(out2, out)
+    assert (out - causal(x)).abs().max() > 1e-2  # the two attentions really differ on these inputs
+
+
 def test_sdpa_dropout_is_served(op_spy):
     """SDPA with dropout_p > 0 runs the op with that dropout_p (no fallback): the output equals the
     written-out attention with the mask the op draws after the same torch.manual_seed; dropout_p = 1

@@ -86,11 +86,14 @@ def _autocast_unifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
     return all(t.dtype in allowed for t in (q, k, v))
 
 
-def key_padding_lengths(mask: torch.Tensor, n_q: int, n_k: int, causal: bool) -> Optional[torch.Tensor]:
+def key_padding_lengths(mask: torch.Tensor, n_q: int, n_k: int, causal: bool,
+                        sdpa_causal: bool = False) -> Optional[torch.Tensor]:
     """Per-batch key lengths L (int64, (mask batch,)) if the boolean SDPA mask (True = attend),
     broadcast over heads and queries, equals ``j < L[b]`` (right key padding; with ``causal``
-    (Nq == Nk): on and below the diagonal, where the causal mask lets the row see), with every
-    L[b] >= 1; else None.
+    (Nq == Nk): causal & ``j < L[b]``), with every L[b] >= 1; else None. ``sdpa_causal``: the call
+    has ``is_causal=True``, so SDPA masks the keys above the diagonal itself and the mask's entries
+    there are not compared; without it they must be False (a mask True there — e.g. a prefix-LM
+    block — is not causal attention).
 
     ``mask`` is 4-D (batch or 1, heads or 1, Nq or 1, Nk). The last query row sees every key under
     either rule, so L is read there and the whole mask is then compared with the one L implies.
@@ -102,7 +105,8 @@ def key_padding_lengths(mask: torch.Tensor, n_q: int, n_k: int, causal: bool) ->
     expected = (torch.arange(n_k, device=mask.device)[None, :] < lengths[:, None])[:, None, None, :]
     if causal:
         visible = causal_bool(n_q, n_k, mask.device)
-        ok = bool(((mask == expected) | ~visible).all())
+        same = mask == (expected & visible)
+        ok = bool((same | ~visible).all() if sdpa_causal else same.all())
     else:
         ok = bool((mask == expected).all())
     return lengths if ok else None
@@ -179,7 +183,7 @@ def plan(args: tuple, kwargs: dict) -> tuple[Optional[str], bool, Optional[torch
     for causal in ((True,) if is_causal else (False, True)):
         if causal and n_q != n_k:
             continue
-        lengths = key_padding_lengths(mask4, n_q, n_k, causal)
+        lengths = key_padding_lengths(mask4, n_q, n_k, causal, sdpa_causal=bool(is_causal))
         if lengths is not None:
             lengths = lengths.expand(b) if lengths.shape[0] != b else lengths
             return None, causal, (None if bool((lengths == n_k).all()) else lengths)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -307,7 +308,9 @@ def test_bad_input_names_the_argument(change, exc, words):
 
 
 def test_max_seqlen_may_be_a_tensor_or_larger_than_needed():
-    """HF's position_ids path passes max_seqlen as a 0-d tensor; a larger value only launches idle blocks."""
+    """HF's position_ids path passes max_seqlen as a 0-d tensor; a larger value only launches idle blocks; a NumPy
+    integer (e.g. from np.diff(cu_seqlens).max()) is an int."""
     q, k, v, do, cu_q, cu_k, max_q, max_k = _packed(10)
     o = gproj_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
     assert torch.equal(o, gproj_attn_varlen_func(q, k, v, cu_q, cu_k, torch.tensor(max_q), max_k + 50, causal=True))
+    assert torch.equal(o, gproj_attn_varlen_func(q, k, v, cu_q, cu_k, np.int64(max_q), np.int32(max_k), causal=True))

@@ -223,6 +223,30 @@ def test_hf_sliding_window_with_padding_is_served(build, eager, side, op_spy, mo
     assert len(sites) == 2 and all(s.served == 1 and not s.fallbacks for s in sites)
 
 
+def test_hf_sliding_window_single_query_without_mask_is_served(op_spy):
+    """Mistral (sliding_window=4) on a 1-token prompt and generating from a 2-token one: the calls with one query
+    and no mask (SDPA then attends every key; within the window) run the op without a window, no fallback (they fell
+    back with "sliding_window without a causal mask" before; new-user pass, 2026-12-02); logits and tokens equal the
+    original model's."""
+    from lightning_gproj.swap import GProjFallbackWarning, swap_attention
+
+    torch.manual_seed(0)
+    model = _mistral().eval()
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    one = torch.tensor([[7]])
+    two = torch.tensor([[7, 3]])
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        out = swapped(input_ids=one).logits
+        got = swapped.generate(two, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert _rel(out, model(input_ids=one).logits) <= 2e-5
+        assert torch.equal(got, model.generate(two, max_new_tokens=2, do_sample=False, pad_token_id=0))
+    single = [c for c in op_spy.calls if c["q_shape"][1] == 1]
+    assert single and all(c.get("window_size", (-1, -1)) == (-1, -1) and not c["causal"] for c in single)
+
+
 @pytest.mark.parametrize("use_cache", [False, True])
 @pytest.mark.parametrize("source", ["position_ids", "cu_seq_lens"])
 @pytest.mark.parametrize("build,eager", [(_mistral, False), (_gemma2, True)])

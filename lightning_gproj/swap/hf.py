@@ -275,6 +275,8 @@ def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling,
             key, value = key[:, :, :n_q], value[:, :, :n_q]
     elif not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
         return f"attention_mask of dtype {getattr(attention_mask, 'dtype', type(attention_mask).__name__)} (only boolean causal / right-padding masks are served)", None
+    if window is not None and attention_mask is None and n_q == 1:
+        window = None  # one query and no mask (a 1-token prompt, a decode step inside the window): SDPA sees every key
     if window is not None:
         # causal with keys j > i − W (bottom-right aligned as sdpa_mask builds it for Nq <= Nk)
         n_k = key.shape[2]

@@ -1,0 +1,81 @@
+"""SASS instruction counts of the Gluon kernels compiled for sm_90 on a machine without a GPU (benchmarks/NOTES.md).
+
+Compiles the forward (kernels/attention_fwd_hopper.py) and the backward's dQ and dK/dV passes
+(kernels/attention_bwd_hopper.py) through their ``compile_sm90`` / ``compile_dq_sm90`` helpers (Triton's
+ahead-of-time path, as the CPU tests do), disassembles each cubin with the cuobjdump that ships with Triton and
+prints, per variant, how often each SASS opcode occurs (with any suffix, e.g. STL.64): special-function ops (MUFU.EX2, MUFU.RCP), FMAs,
+spill stores and loads (STL, LDL), global loads (LDG). Counts are static (instructions in the binary, not
+executed ones); compare variants or commits, e.g. before and after a change to the softcap's tanh:
+
+    python benchmarks/sass_counts.py --softcap                     # bf16, d 128, gproj and none, full and causal
+    python benchmarks/sass_counts.py --kernels dkdv --head-dim 64 --ops STL,LDL
+
+Raises SystemExit with the reason if Gluon or cuobjdump is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from lightning_gproj.kernels import attention_bwd_hopper as HB  # noqa: E402
+from lightning_gproj.kernels import attention_fwd_hopper as HF  # noqa: E402
+
+DEFAULT_OPS = "MUFU.EX2,MUFU.RCP,FFMA,STL,LDL,LDG"
+
+
+def sass(kernel) -> str:
+    """The disassembly of a compiled kernel's cubin (cuobjdump -sass)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        raise SystemExit(f"cuobjdump not found at {tool}")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def compile_variant(which: str, head_dim: int, gproj: bool, causal: bool, softcap: bool, dtype: torch.dtype):
+    """One kernel: the forward (gproj does not apply), the dQ pass or the dK/dV pass."""
+    if which == "fwd":
+        return HF.compile_sm90(head_dim, dtype, ("causal",) if causal else (), softcap=softcap)
+    HB.HEAD_DIMS = (head_dim,)  # the backward helpers compile HEAD_DIMS[0]
+    compile_ = HB.compile_dq_sm90 if which == "dq" else HB.compile_sm90
+    return compile_(dtype, gproj, causal, None, (), softcap)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernels", default="fwd,dq,dkdv", help="comma list of fwd, dq, dkdv")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--softcap", action="store_true", help="the softcap variants")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    ap.add_argument("--ops", default=DEFAULT_OPS, help="comma list of SASS opcodes to count")
+    args = ap.parse_args(argv)
+    if HF.GLUON_ERROR is not None:
+        raise SystemExit(f"Gluon is not importable: {HF.GLUON_ERROR}")
+    ops = args.ops.split(",")
+    dtype = getattr(torch, args.dtype)
+    print(f"triton {triton.__version__}, d {args.head_dim}, {args.dtype}, softcap {args.softcap}")
+    print("| kernel | gproj | causal | " + " | ".join(ops) + " |")
+    print("|---|---|---|" + "---|" * len(ops))
+    for which in args.kernels.split(","):
+        for gproj in ((True,) if which == "fwd" else (True, False)):
+            for causal in (False, True):
+                text = sass(compile_variant(which, args.head_dim, gproj, causal, args.softcap, dtype))
+                counts = [str(len(re.findall(r"(?<![\w.])" + re.escape(op) + r"(?![\w])", text))) for op in ops]
+                print(f"| {which} | {'—' if which == 'fwd' else gproj} | {causal} | " + " | ".join(counts) + " |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -185,10 +185,9 @@ def _dq_inner(
                 if MASKED:
                     p16 = tl.where(valid, p16, 0.0).to(k.dtype)
             if SOFTCAP:
-                pw = to16(p16.to(tl.float32) * g, k.dtype, INTERP).to(tl.float32)
-                pw = tl.where(pw >= TINY16, pw, 0.0)  # entries below the normal range: out of the direction, as X̃
-                ps += tl.where(col0, tl.sum(pw * inv_g, 1)[:, None], 0.0)
-                p16 = pw.to(k.dtype)
+                pw = to16(p16.to(tl.float32) * g, k.dtype, INTERP)
+                p16 = tl.where(pw >= TINY16, pw, 0.0).to(k.dtype)  # entries below the normal range: out of it, as X̃
+                ps += tl.where(col0, tl.sum(p16.to(tl.float32) * inv_g, 1)[:, None], 0.0)
             else:
                 # Σ_j P̃_ij of the rounded P: ρ_i = r_i / Σ_j P̃_ij makes Σ_j (dS̃_ij − ρ_i P̃_ij) = 0.
                 ps = mma(p16, e0, ps, INTERP)

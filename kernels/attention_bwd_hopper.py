@@ -433,11 +433,11 @@ if GLUON_ERROR is None:
                 # The direction bf16(P̃∘g) and Σ_j of it over g (kernels/attention_bwd._dq_inner); 1/g only
                 # where it is finite (fp32 tiny), else X̃ ≈ 0 and r takes the unrounded dZ = P∘(dP − D) below.
                 # Entries below the operand dtype's normal range are left out of the direction (kernels/reference.py).
-                pw = (p16.to(gl.float32) * g).to(dtype).to(gl.float32)
-                pw = gl.where(pw >= TINY16, pw, 0.0)
-                pk = warpgroup_mma(gl.convert_layout(pw.to(dtype), a_layout), k, pk, is_async=True)
+                pw = (p16.to(gl.float32) * g).to(dtype)
+                pw = gl.where(pw >= TINY16, pw, 0.0).to(dtype)
+                pk = warpgroup_mma(gl.convert_layout(pw, a_layout), k, pk, is_async=True)
                 inv_g = gl.where(g >= 1.1754943508222875e-38, rcp_approx(g), 0.0)
-                ps += gl.sum(pw * inv_g, axis=1)
+                ps += gl.sum(pw.to(gl.float32) * inv_g, axis=1)
             else:
                 pk = warpgroup_mma(gl.convert_layout(p16, a_layout), k, pk, is_async=True)
                 ps = warpgroup_mma(gl.convert_layout(p16, sum_a_layout), e0_smem, ps, is_async=True)

@@ -48,9 +48,8 @@ def compile_variant(which: str, head_dim: int, gproj: bool, causal: bool, softca
     """One kernel: the forward (gproj does not apply), the dQ pass or the dK/dV pass."""
     if which == "fwd":
         return HF.compile_sm90(head_dim, dtype, ("causal",) if causal else (), softcap=softcap)
-    HB.HEAD_DIMS = (head_dim,)  # the backward helpers compile HEAD_DIMS[0]
     compile_ = HB.compile_dq_sm90 if which == "dq" else HB.compile_sm90
-    return compile_(dtype, gproj, causal, None, (), softcap)
+    return compile_(dtype, gproj, causal, None, (), softcap, head_dim=head_dim)
 
 
 def main(argv=None) -> None:

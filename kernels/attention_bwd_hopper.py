@@ -104,9 +104,10 @@ if GLUON_ERROR is None:
                 # Tied to the slot's barrier before its expect, so that the phase completes only once they landed.
                 rows = start_m + tile_rows
                 at = stats0 + g * N_CTX + rows
-                cp_async_load(m_smem.index(s), M + at, mask=rows < seqlen)
-                cp_async_load(l_smem.index(s), LOG2L + at, mask=rows < seqlen)
-                cp_async_load(d_smem.index(s), DELTA + at, mask=rows < seqlen)
+                inside = rows < seqlen
+                cp_async_load(m_smem.index(s), M + at, mask=inside)
+                cp_async_load(l_smem.index(s), LOG2L + at, mask=inside)
+                cp_async_load(d_smem.index(s), DELTA + at, mask=inside)
                 async_copy.mbarrier_arrive(ready.index(s))
                 qdo_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
                 if GPROJ:  # a value, as above (mbarrier.expect takes a constant byte count)
@@ -292,7 +293,7 @@ if GLUON_ERROR is None:
         consumer = _dkdv_partition(gproj, causal, softcap, window, edges or varlen)
 
         @gluon.jit
-        def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, DK, DV, KS, CU, c, tau, H,
+        def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, DK, DV, KS, M, LOG2L, DELTA, CU, c, tau, H,
                                 GROUP, N_CTX, key_sums, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb, qr_rh, qr_ch,
                                 k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr):
             # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch)
@@ -758,7 +759,7 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
     descs, where = _descriptors(q, do, q if qr is None else qr, k, v)  # q: a placeholder the kernel never reads
     grid = (triton.cdiv(max_seqlen if packed else n, BLOCK_N), (cu_seqlens.numel() - 1 if packed else b) * hk)
     _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0, window is not None, packed, edges)[grid](
-        *descs, m, log2l, delta, dk, dv, ks, cu_seqlens if packed else delta, float(c), float(softmax_scale), h, h // hk,
+        *descs, dk, dv, ks, m, log2l, delta, cu_seqlens if packed else delta, float(c), float(softmax_scale), h, h // hk,
         n, int(bool(want_key_sums)), *where, *feature_args(softmax_scale, softcap, window), num_warps=4,
     )
     return dk, dv, (ks.sum(dim=2, dtype=torch.float64) if want_key_sums else None)
@@ -766,17 +767,16 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
 
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
                  dk_dtype: torch.dtype | None = None, ones: tuple[str, ...] = (), softcap: bool = False,
-                 window: bool = False, varlen: bool = False, edges: bool = False):
-    """Compile the kernel for sm_90 without a GPU (Triton's ahead-of-time path), as CI does: head dim 128, dk
+                 window: bool = False, varlen: bool = False, edges: bool = False, head_dim: int = HEAD_DIMS[0]):
+    """Compile the kernel for sm_90 without a GPU (Triton's ahead-of-time path), as CI does: head dim ``head_dim``, dk
     in ``dk_dtype`` (default: ``dtype``; torch.float32 for the fp32-dk path), dv in ``dtype``. ``ones`` names
     integer arguments compiled as the constant 1, as Triton specializes them at launch (``key_sums``,
     ``GROUP``). Returns the compiled kernel. Raises RuntimeError if Gluon is not importable."""
     _require_gluon()
-    d = HEAD_DIMS[0]
+    d = head_dim
     t = tensordesc_type(dtype, TILE_ROWS, d, _layout(d, dtype))
-    sig = {"q_desc": t, "do_desc": t, "qr_desc": t, "k_desc": t, "v_desc": t, "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32",
-           "DK": pointer_type(dk_dtype or dtype),
-           "DV": pointer_type(dtype), "KS": "*fp32",
+    sig = {"q_desc": t, "do_desc": t, "qr_desc": t, "k_desc": t, "v_desc": t, "DK": pointer_type(dk_dtype or dtype),
+           "DV": pointer_type(dtype), "KS": "*fp32", "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32",
            "CU": "*i32" if varlen else "*fp32", "c": "fp32",
            "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "key_sums": "i32",
            **{f"{x}_{w}": "i32" for x in ("q", "do", "qr", "k", "v") for w in ("rb", "rh", "ch")}, "sc": "fp32", "cap": "fp32",
@@ -847,11 +847,11 @@ def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float,
 
 def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
                     dq_dtype: torch.dtype | None = None, ones: tuple[str, ...] = (), softcap: bool = False,
-                    window: bool = False, varlen: bool = False, edges: bool = False):
+                    window: bool = False, varlen: bool = False, edges: bool = False, head_dim: int = HEAD_DIMS[0]):
     """Compile the dQ kernel for sm_90 without a GPU, as :func:`compile_sm90` does the dK/dV one (``ones``:
     ``store_qr``, ``GROUP``)."""
     _require_gluon()
-    d = HEAD_DIMS[0]
+    d = head_dim
     t = tensordesc_type(dtype, TILE_ROWS, d, _layout(d, dtype))
     e0 = tensordesc_type(dtype, TILE_ROWS, ROWSUM_N, _e0_layout(dtype)) if gproj else t
     sig = {"q_desc": t, "do_desc": t, "o_desc": t, "k_desc": t, "v_desc": t, "e0_desc": e0,

@@ -818,9 +818,9 @@ def _check_cu_seqlens(cu_seqlens_q: object, cu_seqlens_k: object, device: torch.
 
 def _check_max_seqlen(name: str, value: object) -> int:
     """``value`` as a non-negative int (an integer 0-d tensor is read: a device sync; a NumPy integer converted)."""
-    if isinstance(value, Tensor) and value.dim() == 0 and not value.dtype.is_floating_point and value.dtype != torch.bool:
-        value = int(value)
-    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    integer_tensor = (isinstance(value, Tensor) and value.dim() == 0 and not value.dtype.is_floating_point
+                      and value.dtype != torch.bool)
+    if integer_tensor or (isinstance(value, numbers.Integral) and not isinstance(value, bool)):
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative int (the longest sequence's length), got {value!r}")

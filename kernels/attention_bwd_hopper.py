@@ -23,8 +23,8 @@ run; the slot is released).
 
 Served (:func:`serves`): the inputs of the Gluon forward (kernels/attention_fwd_hopper.accepts: bf16 / fp16,
 (batch, seqlen, nheads, headdim) or (batch, nheads, seqlen, headdim) memory per tensor, seqlen_q = seqlen_k (not a
-multiple of 128: the edge variant, as packing's), GQA) at head dim 128 only — at 64 the Gluon dK/dV pass was not
-faster than the tl.dot one (benchmarks/NOTES.md, run 19) —, dS rounded to the input dtype, logit softcap (X̃ = bf16(dZ∘g) as the dS operand,
+multiple of 128: the edge variant, as packing's), GQA) at head dim 128 and 64 (at 64 the Gluon dK/dV pass was not faster than the tl.dot one before the row
+statistics were staged by the loader warp: benchmarks/NOTES.md, runs 19 and 30), dS rounded to the input dtype, logit softcap (X̃ = bf16(dZ∘g) as the dS operand,
 kernels/reference.py), sliding windows (each program visits only the tiles its rows' or keys' windows touch, a
 consumer releases a tile none of its rows or keys sees unread, edge tiles masked), packed sequences with one
 cu_seqlens for queries and keys (:func:`serves_varlen`; rows past a sequence's end get their statistics masked (P = 0), keys
@@ -68,7 +68,7 @@ __all__ = ["dq_pass", "dkdv", "serves", "serves_varlen", "accepts", "tma_ready",
 BLOCK_N = 128
 TILE_ROWS = 64
 KEYS_PER_SUM = TILE_ROWS  # one slot per dK/dV consumer
-HEAD_DIMS = (128,)
+HEAD_DIMS = (128, 64)
 #: Columns of the e0 tile whose GEMM with P̃ or dS̃ sums a row (wgmma's N).
 ROWSUM_N = 8
 
@@ -679,7 +679,7 @@ def tma_ready(x: torch.Tensor):
 
 def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
     """The shape, dtype and layout half of :func:`serves` (any device): the Gluon forward's inputs
-    (kernels/attention_fwd_hopper.accepts) at head dim 128, do shaped like q in its dtype (any strides: a do
+    (kernels/attention_fwd_hopper.accepts) at a head dim in HEAD_DIMS (128, 64), do shaped like q in its dtype (any strides: a do
     that is not in a served memory order is copied). Never raises."""
     return (_fwd_accepts(q, k, v) and q.shape[3] in HEAD_DIMS and do.shape == q.shape and do.dtype == q.dtype)
 
@@ -696,7 +696,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, 
 def serves_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, varlen,
                   key_sums: bool = False) -> bool:
     """Whether both passes serve packed sequences: GPROJ_HOPPER_BWD not 0, kernels/attention_fwd_hopper.packed_ok (q, k,
-    v, do their (1, total, heads, headdim) views, one cu_seqlens tensor for queries and keys), head dim 128, no
+    v, do their (1, total, heads, headdim) views, one cu_seqlens tensor for queries and keys), a head dim in HEAD_DIMS, no
     ``key_sums`` (not kept per sequence). The caller checks the rest, as for :func:`serves`. Never raises."""
     return (enabled() and not key_sums and packed_ok(q, k, v, varlen) and q.shape[3] in HEAD_DIMS
             and do.shape == q.shape and do.dtype == q.dtype)

@@ -140,7 +140,8 @@ def hopper_varlen_check(dev, softcap=0.0, window=(-1, -1)):
 RAGGED_FWD = [(2, 1000, 8, 2, 128, True, torch.bfloat16), (1, 333, 4, 4, 64, False, torch.float16),
               (2, 200, 4, 1, 128, False, torch.bfloat16), (2, 1000, 8, 2, 128, False, "bhsd")]
 RAGGED_BWD = [(2, 1000, 8, 2, 128, False, torch.bfloat16), (2, 1000, 8, 2, 128, True, torch.bfloat16),
-              (1, 333, 4, 4, 128, True, torch.float16), (2, 777, 8, 8, 128, True, "bhsd")]
+              (1, 333, 4, 4, 128, True, torch.float16), (2, 777, 8, 8, 128, True, "bhsd"),
+              (1, 333, 4, 4, 64, True, torch.float16), (2, 1000, 8, 1, 64, False, torch.bfloat16)]  # d 64: run 30
 
 
 def hopper_check(dev, softcap=0.0, window=(-1, -1), shapes=None):

@@ -94,7 +94,8 @@ def test_classes_bases_and_pickling():
     with pytest.raises(TypeError, match="is a Trainer precision plugin; use lightning_gproj.GProjPlugin with the Trainer"):
         GProjFabricPlugin(base=type(GProjPlugin("32-true")))
     with pytest.raises(ValueError, match="`precision` must be one of"):
-        GProjFabricPlugin("bf16")
+        GProjFabricPlugin("bf8")
+    assert GProjFabricPlugin("bf16").precision == "bf16-mixed"  # Lightning's legacy alias, as Fabric(precision=) takes it
 
 
 def test_device_is_validated():

@@ -208,8 +208,9 @@ def test_plugin_pickles_and_names_its_base():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(precision="bf16"), ValueError, r"`precision` must be one of \('bf16-mixed', '16-mixed', '32-true'"),
-        (dict(precision=32), ValueError, "`precision` must be one of"),
+        (dict(precision="bf8"), ValueError, r"`precision` must be one of \('bf16-mixed', '16-mixed', '32-true'"),
+        (dict(precision=8), ValueError, "`precision` must be one of"),
+        (dict(precision=True), ValueError, "`precision` must be one of"),
         (dict(fix="uniform"), ValueError, r"`fix` must be one of \('none', 'gproj', 'gproj_uniform'\)"),
         (dict(include=5), TypeError, "`include` must be None, a glob string or a sequence of glob strings"),
         (dict(exclude=[None]), TypeError, "`exclude` must be None"),
@@ -224,6 +225,16 @@ def test_plugin_pickles_and_names_its_base():
 def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         GProjPlugin(**kwargs)
+
+
+@pytest.mark.parametrize("alias, unified", [("bf16", "bf16-mixed"), (16, "16-mixed"), ("16", "16-mixed"), (32, "32-true"),
+                                            ("32", "32-true"), (64, "64-true"), ("64", "64-true")])
+def test_lightning_legacy_precision_aliases_are_accepted(alias, unified):
+    """The values Trainer(precision=...) still takes for historical reasons (a new-user pass found them refused,
+    breaking configs whose precision moves into the plugin as the README says): converted as Lightning does."""
+    plugin = GProjPlugin(alias)
+    assert plugin.precision == unified
+    assert isinstance(plugin, GProjPlugin(unified).__class__.__mro__[1])
 
 
 def test_attention_dtype_fp32_runs_swapped_attention_in_fp32_under_bf16_mixed(op_spy, monkeypatch, tmp_path):
@@ -244,6 +255,18 @@ def test_attention_dtype_fp32_runs_swapped_attention_in_fp32_under_bf16_mixed(op
     assert swapped.losses[-1] < swapped.losses[0]
     with pytest.raises(ValueError, match=r"`attention_dtype` must be one of \(None, 'fp32', 'bf16'\)"):
         GProjPlugin(attention_dtype="fp16")
+
+
+@pytest.mark.parametrize("ds_format", ["bf16", "e5m2"])
+def test_attention_dtype_fp32_in_an_fp32_model_is_plain_fp32_attention(ds_format, op_spy, tmp_path):
+    """The "fp32" arm under 32-true, where q is already fp32: plain SDPA, fix and ds_format unused (a new-user
+    pass found fix and an FP8 ds_format applied there, the losses 1e-4 off). Losses equal the unswapped run's."""
+    _, plain = _fit(precision="32-true", tmp_path=tmp_path)
+    plugin = GProjPlugin("32-true", fix="gproj", ds_format=ds_format, attention_dtype="fp32")
+    _, swapped = _fit(plugin, tmp_path=tmp_path)
+    assert not op_spy.calls
+    for a, b in zip(swapped.losses, plain.losses):
+        assert abs(a - b) <= 1e-6 * abs(b)
 
 
 def test_attention_dtype_bf16_runs_the_op_on_bf16_inputs_in_an_fp32_model(op_spy, tmp_path):

@@ -235,8 +235,8 @@ class Site:
         off, bottom-right causal mask and the key padding ``j < seqlens_k[b]`` as one boolean mask, GQA
         heads repeated) cast back to q's dtype. ``seqlens_k``: None or an integer (batch,) tensor of
         key lengths (right padding), passed to the op only when given; ``window_size``, ``softcap`` as the
-        op takes them (with an fp32/fp64 ``compute_dtype`` such calls run the op in that dtype: SDPA has
-        no softcap); ``dropout_p`` (attention dropout, passed to the op only when > 0; SDPA's own dropout
+        op takes them (with an fp32/fp64 ``compute_dtype`` such calls run the op in that dtype with fix "none" and
+        dS unrounded: SDPA has no softcap); ``dropout_p`` (attention dropout, passed to the op only when > 0; SDPA's own dropout
         in the fp32/fp64 path)."""
         dt = self.compute_dtype
         extra = {} if seqlens_k is None else {"seqlens_k": seqlens_k}
@@ -245,11 +245,12 @@ class Site:
         featured = tuple(window_size) != (-1, -1) or bool(softcap)
         if featured:
             extra.update(window_size=tuple(window_size), softcap=softcap)
-        if dt is None or q.dtype == dt or dt in (torch.bfloat16, torch.float16) or featured:
+        wide = dt in (torch.float32, torch.float64)  # the "fp32" arm: fix and ds_format unused, whatever q's dtype
+        if not wide or featured:
             qs, ks, vs = (q, k, v) if dt is None else (t.to(dt) for t in (q, k, v))
             o = gproj_attn_func()(
-                qs, ks, vs, softmax_scale=softmax_scale, causal=causal, fix=self.fix,
-                stats_name=display_path(self.name), ds_format=self.ds_format, **extra,
+                qs, ks, vs, softmax_scale=softmax_scale, causal=causal, fix="none" if wide else self.fix,
+                stats_name=display_path(self.name), ds_format="bf16" if wide else self.ds_format, **extra,
             )
             return o if dt is None else o.to(q.dtype)  # without a cast, the op's output dtype is autocast's
         if RECORDER.enabled:  # the op's forward statistics, so a monitor sees this site's mean key too
@@ -291,7 +292,7 @@ class Site:
         headdim): :func:`gproj_attn_varlen_func` with this site's ``fix`` and name, or, with
         ``compute_dtype`` set, :meth:`attention` one sequence at a time (bottom-right causal and window
         within each), cast back to q's dtype. ``window_size``, ``softcap``, ``dropout_p``: as the op takes them."""
-        if self.compute_dtype is None or q.dtype == self.compute_dtype:
+        if self.compute_dtype is None or (q.dtype == self.compute_dtype and q.dtype in (torch.bfloat16, torch.float16)):
             extra = {"dropout_p": dropout_p} if dropout_p else {}
             return gproj_attn_varlen_func()(
                 q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from . import keys
 from .alerts import Alert, AlertDispatcher
@@ -281,6 +281,7 @@ class GradNormMonitor(Monitor):
         self._loss_stats = _SeriesStats()
         self._loss: torch.Tensor | None = None  # sum of this step's backward losses, on the device
         self._loss_nonpositive_warned = False
+        self._loss_nonfinite_warned = False
         self._layer_names: dict[int, str] = {}  # id(param) -> layer
         self._fsdp1: Optional[dict[int, Layout]] = None  # id(param) -> Layout of FSDP1-sharded parameters
 
@@ -478,6 +479,13 @@ class GradNormMonitor(Monitor):
             detection = Detection(step, loss, window, median, base.mad)
             self._loss_stats.add(step, loss, detection, False)
             return detection, []
+        if not math.isfinite(loss) and not self._loss_nonfinite_warned:
+            # Never an alert (a non-finite value has no log to compare), but never silent either: a NaN or inf
+            # loss is where a divergence ends (a new-user pass found the run going NaN without a word).
+            self._loss_nonfinite_warned = True
+            rank_zero_warn(f"GradNormMonitor: the training loss is {loss} at step {step}: the run has diverged or "
+                           "overflowed. Non-finite values never alert (docs/monitoring.md); later ones are counted in "
+                           "the summary's non-finite column")
         detection = self._loss_detector.update(step, loss)
         alerts = []
         if detection.new:

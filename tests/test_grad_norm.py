@@ -183,6 +183,22 @@ def test_grad_norm_leaves_non_positive_losses_out_of_the_loss_detector(tmp_path)
     assert len(monitor._loss_detector.baseline) == 0
 
 
+def test_grad_norm_warns_once_when_the_loss_turns_non_finite(tmp_path):
+    """A NaN loss is where a divergence ends: no alert (no log to compare) but one warning, at the first such step;
+    the run goes on and the later non-finite steps are counted (a new-user pass found it silent)."""
+    class GoesNaN(LossModel):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("nan") if self.global_step >= 3 else loss
+
+    monitor = GradNormMonitor(loss_detector=DetectorConfig(window=4, warmup=2), print_summary=False)
+    with pytest.warns(UserWarning, match="the training loss is nan at step 3") as record:
+        trainer, logged = fit(GoesNaN(), [monitor], tmp_path, max_steps=6)
+    assert sum("the training loss is" in str(w.message) for w in record) == 1
+    assert trainer.global_step == 6 and monitor.alerts == []
+    assert monitor._loss_stats.nonfinite_steps == 3
+
+
 def test_default_layer_of():
     assert default_layer_of("transformer.h.3.attn.c_attn.weight") == "transformer.h.3"
     assert default_layer_of("model.layers.12.mlp.up_proj.weight") == "model.layers.12"

@@ -500,8 +500,11 @@ class GPTCLI(LightningCLI):
         hist = getattr(self.model, "val_history", [])
         if self.trainer.is_global_zero and hist:
             (s0, v0), (s1, v1) = hist[0], hist[-1]
-            print(f"val_loss: {v0:.4f} nats at step {s0} -> {v1:.4f} nats at step {s1} "
-                  f"(change {v1 - v0:+.4f})")
+            if len(hist) == 1:  # no validation after the first (e.g. max_steps below val_check_interval)
+                print(f"val_loss: {v0:.4f} nats at step {s0} (no later validation ran)")
+            else:
+                print(f"val_loss: {v0:.4f} nats at step {s0} -> {v1:.4f} nats at step {s1} "
+                      f"(change {v1 - v0:+.4f})")
 
 
 def main(args=None, run: bool = True) -> GPTCLI:

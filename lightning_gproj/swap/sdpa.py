@@ -191,7 +191,8 @@ def plan(args: tuple, kwargs: dict) -> tuple[Optional[str], bool, Optional[torch
         return "key-padding attn_mask that is not right padding (each batch row True on a non-empty prefix of the keys)", False, None
     if is_causal:
         return "attn_mask together with is_causal (the mask is not key padding)", False, None
-    return "boolean attn_mask is not the causal mask (nor causal & right key padding)", False, None
+    return ("boolean attn_mask is not the causal mask, nor right key padding alone or with causal (key padding: "
+            "each batch row True on a non-empty prefix of the keys)"), False, None
 
 
 def attend(site: Site, args: tuple, kwargs: dict) -> torch.Tensor:

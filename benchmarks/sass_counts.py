@@ -10,7 +10,7 @@ executed ones); compare variants or commits, e.g. before and after a change to t
     python benchmarks/sass_counts.py --softcap                     # bf16, d 128, gproj and none, full and causal
     python benchmarks/sass_counts.py --kernels dkdv --head-dim 64 --ops STL,LDL
 
-Raises SystemExit with the reason if Gluon or cuobjdump is missing.
+Raises SystemExit if Gluon is missing, RuntimeError if cuobjdump is (attention_fwd_hopper.sass).
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -31,17 +29,6 @@ from lightning_gproj.kernels import attention_bwd_hopper as HB  # noqa: E402
 from lightning_gproj.kernels import attention_fwd_hopper as HF  # noqa: E402
 
 DEFAULT_OPS = "MUFU.EX2,MUFU.RCP,FFMA,STL,LDL,LDG"
-
-
-def sass(kernel) -> str:
-    """The disassembly of a compiled kernel's cubin (cuobjdump -sass)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        raise SystemExit(f"cuobjdump not found at {tool}")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
 def compile_variant(which: str, head_dim: int, gproj: bool, causal: bool, softcap: bool, dtype: torch.dtype):
@@ -70,7 +57,7 @@ def main(argv=None) -> None:
     for which in args.kernels.split(","):
         for gproj in ((True,) if which == "fwd" else (True, False)):
             for causal in (False, True):
-                text = sass(compile_variant(which, args.head_dim, gproj, causal, args.softcap, dtype))
+                text = HF.sass(compile_variant(which, args.head_dim, gproj, causal, args.softcap, dtype))
                 counts = [str(len(re.findall(r"(?<![\w.])" + re.escape(op) + r"(?![\w])", text))) for op in ops]
                 print(f"| {which} | {'—' if which == 'fwd' else gproj} | {causal} | " + " | ".join(counts) + " |",
                       flush=True)

@@ -55,7 +55,7 @@ except Exception as exc:  # pragma: no cover - depends on the Triton build
     GLUON_ERROR = f"{exc.__class__.__name__}: {exc}"
 
 __all__ = ["forward", "serves", "serves_varlen", "packed_ok", "accepts", "on_sm90", "tma_descriptor", "feature_args", "compile_sm90", "aot_compile_sm90",
-           "tensordesc_type", "pointer_type", "BLOCK_M"]
+           "sass", "tensordesc_type", "pointer_type", "BLOCK_M"]
 
 #: Query rows per program (two consumers of 64) and keys per K/V tile; the served seqlen's multiple.
 BLOCK_M = 128
@@ -579,3 +579,18 @@ def aot_compile_sm90(kernel, signature: dict, constants: dict | None = None):
     signature = {**signature, **{arg: "constexpr" for arg in constants}}
     return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4})
+
+
+def sass(kernel) -> str:
+    """The SASS of a compiled kernel (e.g. :func:`aot_compile_sm90`'s), disassembled from its cubin by the cuobjdump
+    that ships with Triton. Raises RuntimeError if that tool is missing, CalledProcessError if it fails."""
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        raise RuntimeError(f"cuobjdump not found at {tool}")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import tempfile
+from lightning_gproj.kernels.attention_fwd_hopper import sass
 
 #: Shared memory one block may use on sm_90 (227 KB, the CUDA opt-in maximum on H100 / H200).
 SM90_SHARED_MAX = 232448
@@ -21,17 +19,6 @@ def assert_hopper_kernel(kernel, min_wgmma: int) -> None:
     assert "setmaxnreg" in ptx
     assert 0 < kernel.metadata.shared <= SM90_SHARED_MAX
     assert_wgmma_chained(kernel)
-
-
-def sass(kernel) -> str:
-    """The kernel's SASS, disassembled from its cubin by the cuobjdump that ships with Triton."""
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
 def assert_wgmma_chained(kernel) -> None:

@@ -190,6 +190,11 @@ class Site:
         self.warned = False
 
     @property
+    def sdpa_arm(self) -> bool:
+        """``compute_dtype`` fp32 or fp64: served calls run SDPA in that dtype, ``fix`` and ``ds_format`` unused."""
+        return self.compute_dtype in (torch.float32, torch.float64)
+
+    @property
     def fallback_count(self) -> int:
         """Calls that ran the original code, all reasons together."""
         return sum(self.fallbacks.values())
@@ -245,7 +250,7 @@ class Site:
         featured = tuple(window_size) != (-1, -1) or bool(softcap)
         if featured:
             extra.update(window_size=tuple(window_size), softcap=softcap)
-        wide = dt in (torch.float32, torch.float64)  # the "fp32" arm: fix and ds_format unused, whatever q's dtype
+        wide = self.sdpa_arm  # whatever q's dtype (under 32-true q is already fp32)
         if not wide or featured:
             qs, ks, vs = (q, k, v) if dt is None else (t.to(dt) for t in (q, k, v))
             o = gproj_attn_func()(
@@ -292,7 +297,7 @@ class Site:
         headdim): :func:`gproj_attn_varlen_func` with this site's ``fix`` and name, or, with
         ``compute_dtype`` set, :meth:`attention` one sequence at a time (bottom-right causal and window
         within each), cast back to q's dtype. ``window_size``, ``softcap``, ``dropout_p``: as the op takes them."""
-        if self.compute_dtype is None or (q.dtype == self.compute_dtype and q.dtype in (torch.bfloat16, torch.float16)):
+        if self.compute_dtype is None or (q.dtype == self.compute_dtype and not self.sdpa_arm):
             extra = {"dropout_p": dropout_p} if dropout_p else {}
             return gproj_attn_varlen_func()(
                 q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,

@@ -587,7 +587,7 @@ class GradNormMonitor(Monitor):
         rows = [row(f"grad norm, optimizer {i}", s.stats, s.detector.baseline) for i, s in sorted(self._states.items())]
         if self._loss_detector is not None and self._loss_stats.steps:
             rows.append(row("loss", self._loss_stats, self._loss_detector.baseline))
-        head = ["series", "steps", "median", "MAD", "last", "peak", "warnings", "steps above", "non-finite"]
+        head = ["series", "steps", "median", "MAD", "last", "peak", "alerts (warn + critical)", "steps above", "non-finite"]
         actions = self.dispatcher
         extra = f", {actions.skipped_steps} step(s) skipped" if "skip" in actions.actions else ""
         extra += f", {actions.rollbacks} rollback(s)" if "rollback" in actions.actions else ""

@@ -76,7 +76,10 @@ def test_grad_norm_warns_exactly_at_the_spike_and_names_the_layer(tmp_path, capl
     assert [logged["grad_norm/warnings"][s] for s in (14, 15, 16, 18, 19, 21)] == [0, 1, 1, 1, 2, 2]
     assert logged["alert/grad_norm/global"] == {15: 1.0, 19: 1.0}
     assert monitor._states[0].stats.steps_above == 3
-    assert "warnings" in monitor.summary()
+    summary = monitor.summary()
+    row = next(line for line in summary.splitlines() if line.startswith("grad norm, optimizer 0"))
+    # series, steps, median, MAD, last, peak "(step N)", alerts, steps above, non-finite (peak spans 3 tokens)
+    assert "alerts (warn + critical)" in summary and row.split()[-3:] == ["2", "3", "0"]
 
 
 def test_grad_norm_keeps_non_finite_norms_out_of_the_baseline(tmp_path, caplog):

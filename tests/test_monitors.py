@@ -189,7 +189,7 @@ def test_summaries_are_printed_at_the_end_of_fit(tmp_path):
     zero_sum = [r for r in records if r.startswith("ZeroSumMonitor")]
     grad_norm = [r for r in records if r.startswith("GradNormMonitor")]
     assert len(zero_sum) == 1 and "layer0" in zero_sum[0] and "leak_ratio" in zero_sum[0]
-    assert len(grad_norm) == 1 and "peak" in grad_norm[0] and "warnings" in grad_norm[0]
+    assert len(grad_norm) == 1 and "peak" in grad_norm[0] and "alerts (warn + critical)" in grad_norm[0]
 
 
 def test_monitors_pickle_and_drive_the_recorder_of_their_process():

@@ -172,7 +172,8 @@ class GradNormMonitor(Monitor):
         Growth factor of ‖g‖ per ``slope_horizon`` steps, from a least-squares fit of log ‖g‖ over
         the last ``slope_window`` measured steps. Alerts above ``slope_warn`` / ``slope_critical``.
     ``{p}/warnings``
-        Alerts raised so far (cumulative count, both levels).
+        Alerts of this optimizer's gradient-norm detector so far (cumulative count, both levels; the loss
+        detector's alerts are not counted here, see :attr:`alerts` and the summary's loss row).
     ``{p}/loss``, ``{p}/loss/ratio``, ``{p}/loss/cusum``
         The training loss of the step (see the module docstring: the sum over its micro-batches of the
         loss each backward started from, mean over ranks), its ratio to the median of the last

@@ -114,10 +114,13 @@ def alert_steps(series: Series) -> list[tuple[int, int, str]]:
 
 
 def loss_keys(series: Series) -> list[str]:
-    """Training-loss metrics: names containing "loss", not validation ones (step-level preferred)."""
-    keys = [k for k in series if "loss" in k.lower() and not k.lower().startswith(("val", "test"))]
-    step_level = [k for k in keys if not k.endswith("_epoch")]
-    return sorted(step_level or keys)
+    """Training-loss metrics: names whose last ``/`` component contains "loss" (``train_loss``,
+    ``grad_norm/loss``; not the loss detector's ``grad_norm/loss/ratio`` or ``/cusum``, not ``alert/...``
+    keys), not validation or test ones (step-level preferred)."""
+    names = [k for k in series if "loss" in k.lower().rsplit("/", 1)[-1] and keys.parse_alert_key(k) is None
+             and not k.lower().startswith(("val", "test"))]
+    step_level = [k for k in names if not k.endswith("_epoch")]
+    return sorted(step_level or names)
 
 
 def layer_series(series: Series, prefix: str, stat: str) -> dict[str, dict[int, float]]:

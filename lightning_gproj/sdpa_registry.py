@@ -31,8 +31,9 @@ Which calls run GProj (docs/sdpa_registry.md has the full list):
 
 While active, FLASH_ATTENTION is first in SDPA's backend priority order (``torch._C._set_sdp_priority_order``,
 what ``sdpa_kernel(..., set_priority=True)`` sets), so that SDPA does not prefer cuDNN for shapes both
-take; the previous order comes back on restore. The enable flags (``torch.backends.cuda.enable_flash_sdp``)
-are left as they are: with flash disabled, nothing reaches GProj.
+take; the previous order comes back on restore. cuDNN's SDPA is switched off while active
+(``torch.backends.cuda.enable_cudnn_sdp(False)``) and its previous setting restored; the flash flag
+(``torch.backends.cuda.enable_flash_sdp``) is left as it is: with flash disabled, nothing reaches GProj.
 
 The log-sum-exp returned to autograd is the true ``lse = τ·m + ln2·log2l`` (natural log of Σ_j exp(τ s_ij),
 fp32, (batch, nheads, seqlen_q), as FA2 returns it, so code that reads it — context-parallel merging —

@@ -75,7 +75,11 @@ def test_dashboard_from_a_real_run(tmp_path, capsys):
     fig = render(series, out)
     image = matplotlib.image.imread(out)
     assert image.ndim == 3 and image.shape[0] > 500 and image.shape[1] > 500
-    grad_ax, leak_ax = fig.axes[1], fig.axes[3]
+    loss_ax, grad_ax, leak_ax = fig.axes[0], fig.axes[1], fig.axes[3]
+    # the loss panel: the model's loss and the monitor's, not the loss detector's ratio / CUSUM or alert levels
+    assert {"grad_norm/loss/ratio", "train_loss", "grad_norm/loss"} <= set(series)
+    assert sorted(ln.get_label() for ln in loss_ax.get_lines() if not ln.get_label().startswith("_")) == [
+        "grad_norm/loss", "train_loss"]
     line = grad_ax.get_lines()[0]
     assert list(line.get_xdata()) == sorted(series["grad_norm/global"])
     np.testing.assert_allclose(line.get_ydata(), [series["grad_norm/global"][s] for s in sorted(series["grad_norm/global"])])

@@ -391,17 +391,18 @@ def enabled() -> bool:
 
 
 def _tma_view(x: torch.Tensor):
-    """x (batch, seqlen, heads, headdim) as a 2-D TMA tensor and the (rb, rh, ch) that locate its tiles, or
-    None. Served memory orders: (batch, seqlen, heads, headdim) contiguous (view (batch·seqlen,
-    heads·headdim)) and (batch, heads, seqlen, headdim) contiguous (view (batch·heads·seqlen, headdim)), the
-    layout Hugging Face models hand over q, k, v in; 16-byte aligned."""
+    """The 2-D TMA view of x (batch, seqlen, heads, headdim) — its (shape, strides) — and the (rb, rh, ch) that
+    locate its tiles, or None. Served memory orders: (batch, seqlen, heads, headdim) contiguous (view
+    (batch·seqlen, heads·headdim)) and (batch, heads, seqlen, headdim) contiguous (view (batch·heads·seqlen,
+    headdim)), the layout Hugging Face models hand over q, k, v in; 16-byte aligned. Plain integers, no view
+    tensor: this runs several times per call on the host path (benchmarks/NOTES.md, run 31)."""
     b, n, h, d = x.shape
     if x.data_ptr() % 16 != 0 or x.stride(3) != 1:
         return None
     if x.stride(2) == d and x.stride(1) == h * d and x.stride(0) == n * h * d:
-        return torch.as_strided(x, (b * n, h * d), (h * d, 1)), n, 0, d
+        return [b * n, h * d], [h * d, 1], n, 0, d
     if x.stride(1) == d and x.stride(2) == n * d and x.stride(0) == h * n * d:
-        return torch.as_strided(x, (b * h * n, d), (d, 1)), h * n, n, 0
+        return [b * h * n, d], [d, 1], h * n, n, 0
     return None
 
 
@@ -462,8 +463,9 @@ def tma_descriptor(x: torch.Tensor, rows: int, layout):
     [rows, headdim] tiles in ``layout``, and x's tile locators [rb, rh, ch]. Also builds on CPU (no driver)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    x2, rb, rh, ch = _tma_view(x)
-    return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, x.shape[3]], layout), [rb, rh, ch]
+    shape, strides, rb, rh, ch = _tma_view(x)
+    # x itself is the base (its data pointer and dtype are what the descriptor takes from it)
+    return TensorDescriptor(x, shape, strides, [rows, x.shape[3]], layout), [rb, rh, ch]
 
 
 def _descriptors(q, k, v, o):

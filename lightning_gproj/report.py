@@ -18,6 +18,7 @@ import argparse
 import csv
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -113,12 +114,15 @@ def alert_steps(series: Series) -> list[tuple[int, int, str]]:
     return sorted(out)
 
 
-def loss_keys(series: Series) -> list[str]:
-    """Training-loss metrics: names whose last ``/`` component contains "loss" (``train_loss``,
-    ``grad_norm/loss``; not the loss detector's ``grad_norm/loss/ratio`` or ``/cusum``, not ``alert/...``
-    keys), not validation or test ones (step-level preferred)."""
-    names = [k for k in series if "loss" in k.lower().rsplit("/", 1)[-1] and keys.parse_alert_key(k) is None
-             and not k.lower().startswith(("val", "test"))]
+def loss_keys(series: Series, grad_prefix: str = "grad_norm") -> list[str]:
+    """Training-loss metrics: names containing "loss" (``train_loss``, ``loss/train``, ``grad_norm/loss``), except
+    detector statistics (``grad_norm/loss/ratio``, ``/cusum``), alert levels (``alert/...``), per-layer gradient norms
+    (``{grad_prefix}/layer/...``) and validation or test ones (a ``val``, ``valid``, ``validation`` or ``test``
+    part between ``/``, ``_`` or ``.``); step-level names preferred over ``*_epoch``."""
+    held_out = {"val", "valid", "validation", "test"}
+    names = [k for k in series if "loss" in k.lower() and not keys.is_detector_key(k) and keys.parse_alert_key(k) is None
+             and not k.startswith(keys.metric(grad_prefix, "layer", ""))
+             and not held_out.intersection(re.split(r"[/_.]", k.lower()))]
     step_level = [k for k in names if not k.endswith("_epoch")]
     return sorted(step_level or names)
 
@@ -157,7 +161,7 @@ def render(series: Series, out: str | os.PathLike, *, grad_prefix: str = "grad_n
             ax.plot(steps, [values[s] for s in steps], style, label=label, linewidth=1.0, marker="." if len(steps) < 60 else None)
 
     ax = axes[0]
-    for key in loss_keys(series):
+    for key in loss_keys(series, grad_prefix):
         plot(ax, series[key], key)
     ax.set_title("Training loss")
     ax = axes[1]

@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_gproj import GProjPlugin
 from lightning_gproj.callbacks import DetectorConfig, GradNormMonitor, ZeroSumMonitor
-from lightning_gproj.report import alert_steps, layer_series, load_logs, main, render
+from lightning_gproj.report import alert_steps, layer_series, load_logs, loss_keys, main, render
 
 
 class Attention(nn.Module):
@@ -128,3 +128,14 @@ def test_clear_errors(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: the dashboard needs matplotlib: pip install") and "Traceback" not in err
     assert not (tmp_path / "two" / "version_0" / "dashboard.png").exists()
+
+
+def test_loss_panel_takes_training_losses_only():
+    """The loss panel's series: every training loss however it is grouped, not the loss detector's statistics,
+    alert levels, a layer named "loss", validation / test losses or the epoch aggregate of a step-level loss."""
+    losses = ["train_loss", "loss/train", "losses/total", "train_loss/ce", "grad_norm/loss", "value_loss"]
+    others = ["grad_norm/loss/ratio", "grad_norm/loss/cusum", "alert/grad_norm/loss", "grad_norm/layer/loss", "val_loss",
+              "val/loss", "loss/val", "validation_loss", "test_loss", "train_loss_epoch", "grad_norm/global"]
+    assert loss_keys({k: {0: 1.0} for k in losses + others}) == sorted(losses)
+    assert loss_keys({"mine/layer/loss": {}, "grad_norm/layer/loss": {}}, grad_prefix="mine") == ["grad_norm/layer/loss"]
+    assert loss_keys({"train_loss_epoch": {}}) == ["train_loss_epoch"]  # no step-level name: the epoch one

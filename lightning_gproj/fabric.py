@@ -33,7 +33,7 @@ import weakref
 from typing import Any, Optional, Sequence, Union
 
 import torch
-from lightning.fabric.connector import _PRECISION_INPUT_STR_ALIAS_CONVERSION, _convert_precision_to_unified_args
+from lightning.fabric.connector import _convert_precision_to_unified_args
 from lightning.fabric.plugins import precision as fabric_precision
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
@@ -76,9 +76,11 @@ def check_precision(precision: object) -> str:
     """Return ``precision`` as a key of :data:`PRECISIONS`, else raise ValueError. Lightning's legacy aliases
     (16, 32, 64, "16", "32", "64", "bf16"), which ``Trainer(precision=...)`` also takes, are converted by Lightning's
     own rule (lightning.fabric.connector, with its warning for 16 and "bf16")."""
-    if (isinstance(precision, (int, str)) and not isinstance(precision, bool)
-            and str(precision) in _PRECISION_INPUT_STR_ALIAS_CONVERSION):
-        precision = _convert_precision_to_unified_args(precision)
+    if not (isinstance(precision, str) and precision in PRECISIONS):
+        try:
+            precision = _convert_precision_to_unified_args(precision)
+        except (TypeError, ValueError):  # not a precision Lightning knows: the error below names ours
+            pass
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"`precision` must be one of {tuple(PRECISIONS)} (or Lightning's aliases 16, 32, 64, 'bf16'), "
                          f"got {precision!r}")

@@ -88,10 +88,10 @@ class Ours:
     """Forward/backward closures over our kernels (stats optional)."""
 
     def __init__(self, name, q, k, v, do, causal, want_stats=False, grad_dtype=None, window_size=(-1, -1),
-                 softcap=0.0, dropout_p=0.0, dropout_seed=0, dropout_offset=0):
+                 softcap=0.0, dropout_p=0.0, dropout_seed=0, dropout_offset=0, seqlens_k=None):
         from lightning_gproj.kernels import attention_bwd, attention_fwd
         self.feat = dict(window_size=window_size, softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                         dropout_offset=dropout_offset)
+                         dropout_offset=dropout_offset, seqlens_k=seqlens_k)
         self.F, self.B = attention_fwd, attention_bwd
         self.kw = OURS[name]
         self.q, self.k, self.v, self.do, self.causal = q, k, v, do, causal
@@ -183,7 +183,7 @@ class Anchor:
 
 def make(name, q, k, v, do, causal, window_size=(-1, -1), softcap=0.0, **kw):
     """Method ``name`` on these inputs; ``kw`` (want_stats, grad_dtype, dropout_p / dropout_seed /
-    dropout_offset) for ours only. Raises ValueError for an anchor that cannot express ``window_size`` /
+    dropout_offset, seqlens_k) for ours only. Raises ValueError for an anchor that cannot express ``window_size`` /
     ``softcap`` (:func:`unsupported`)."""
     if name in OURS:
         return Ours(name, q, k, v, do, causal, window_size=window_size, softcap=softcap, **kw)

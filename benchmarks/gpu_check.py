@@ -1,7 +1,7 @@
 """GPU smoke check of the Triton kernels against kernels/reference.py (run on the device machine).
 
 Usage: python benchmarks/gpu_check.py [--quick-speed] [--skip-cases] [--ds-formats bf16,e4m3,e5m2]
-       [--cases base,features,dropout,varlen,hopper,hopper_bwd,hopper_varlen,hopper_ragged]
+       [--cases base,features,dropout,varlen,hopper,hopper_bwd,hopper_varlen,hopper_ragged,hopper_keypad]
 (the cases include sliding windows and softcap, every fix, and their constant checks)
 
 Prints relative Frobenius differences Triton vs reference (same rounding points: expect <~1e-3,
@@ -245,6 +245,76 @@ def hopper_bwd_check(dev, softcap=0.0, window=(-1, -1), shapes=None):
     print("hopper_bwd worst rel diff vs reference (grads):", worst, flush=True)
 
 
+#: hopper_keypad: right key padding, (B, N, H, Hk, d, causal, dtype, seqlens_k).
+KEYPAD = [(3, 1024, 8, 2, 128, True, torch.bfloat16, [1024, 700, 1]), (2, 1024, 8, 2, 128, False, torch.bfloat16, [129, 1024]),
+          (2, 1000, 4, 4, 64, True, torch.float16, [1000, 77]), (2, 1024, 8, 8, 128, True, "bhsd", [300, 1024]),
+          (2, 640, 4, 1, 64, False, torch.bfloat16, [640, 128])]
+
+
+def hopper_keypad_check(dev, softcap=0.0):
+    """Right key padding (seqlens_k) through the sm_90 Gluon kernels: o, m, log2l and dq, dk, dv (fix none, gproj,
+    gproj with an fp32 dk and its C2) against reference.py and the tl.dot kernels (GPROJ_HOPPER_FWD=0 /
+    GPROJ_HOPPER_BWD=0); padded keys' dk = dv = 0 exactly; and the rule of tests/test_masks.py: NaN, +inf or 1e10 in
+    the padded keys and values leave every result bit-identical (the Gluon loads of them come from descriptors made
+    on the device that end at seqlens_k[b])."""
+    import os
+    from unittest import mock
+    worst = 0.0
+    for (b, n, h, hk, d, causal, dt, lens) in KEYPAD:
+        heads_major = dt == "bhsd"
+        dt = torch.bfloat16 if heads_major else dt
+        q = torch.randn(b, n, h, d, device=dev, dtype=dt)
+        k = (torch.randn(b, n, hk, d, device=dev) + 2.0).to(dt)
+        v = torch.randn(b, n, hk, d, device=dev, dtype=dt)
+        if heads_major:
+            k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+        do = torch.randn(b, n, h, d, device=dev, dtype=dt)
+        sk = torch.tensor(lens, dtype=torch.int32, device=dev)
+        hidden = torch.arange(n, device=dev)[None, :] >= sk[:, None]
+        tau = d ** -0.5
+        kw = dict(softcap=softcap, seqlens_k=sk)
+        t0 = time.time()
+        served = (HF.serves(q, k, v), HB.serves(q, k, v, do))
+        o, m, l2 = F.forward(q, k, v, tau, causal, **kw)
+        with mock.patch.dict(os.environ, {"GPROJ_HOPPER_FWD": "0"}):
+            o_t, m_t, l_t = F.forward(q, k, v, tau, causal, **kw)
+        o_r, m_r, l_r = R.forward(q, k, v, tau, causal, **kw)
+        worst = max(worst, rel(o, o_r))
+        row = [f"served fwd/bwd={served} o vs reference {rel(o, o_r):.1e} vs tl.dot {rel(o, o_t):.1e} m vs tl.dot "
+               f"{(m - m_t).abs().max().item():.1e} log2l {(l2 - l_t).abs().max().item():.1e}"]
+        grads = {}
+        for fix, gdt in (("none", None), ("gproj", None), ("gproj", torch.float32)):
+            g = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, grad_dtype=gdt, **kw)
+            with mock.patch.dict(os.environ, {"GPROJ_HOPPER_BWD": "0"}):
+                g_t = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, grad_dtype=gdt, **kw)
+            g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, grad_dtype=gdt, **kw)
+            errs = [rel(x, y) for x, y in zip(g[:3], g_r[:3])]
+            worst = max(worst, *errs)
+            pad0 = bool((g[1][hidden] == 0).all() and (g[2][hidden] == 0).all())
+            nan = any(torch.isnan(x).any().item() for x in g[:3])
+            text = (f"{fix}{'/fp32' if gdt else ''}: vs reference " + "/".join(f"{e:.1e}" for e in errs) + " vs tl.dot "
+                    + "/".join(f"{rel(x, y):.1e}" for x, y in zip(g[:3], g_t[:3])) + f" padded dk,dv=0 {pad0}"
+                    + (" NAN" if nan else ""))
+            if gdt is not None:
+                c2 = (g[1].double().sum(1).abs() / g[1].double().abs().sum(1).clamp(min=1e-300)).max().item()
+                text += f" C2 {c2:.1e}"
+            row.append(text)
+            grads[(fix, gdt)] = g[:3]
+        same = True
+        for poison in (float("nan"), float("inf"), 1e10):
+            kp, vp = k.clone(), v.clone()
+            kp[hidden], vp[hidden] = poison, -poison
+            fp = F.forward(q, kp, vp, tau, causal, **kw)
+            same &= all(torch.equal(x, y) for x, y in zip(fp, (o, m, l2)))
+            for fix, gdt in grads:
+                gp = B.backward(do, q, kp, vp, o_r, m_r, l_r, tau, causal, fix, grad_dtype=gdt, **kw)
+                same &= all(torch.equal(x, y) for x, y in zip(gp[:3], grads[(fix, gdt)]))
+        torch.cuda.synchronize()
+        print(f"hopper_keypad {(b, n, h, hk, d, causal, str(dt)[6:], 'k,v (B,H,N,d) memory' if heads_major else '')} "
+              f"lens={lens} softcap={softcap} {time.time() - t0:.1f}s", "; ".join(row), f"poison-proof={same}", flush=True)
+    print("hopper_keypad worst rel diff vs reference (o, grads):", worst, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick-speed", action="store_true")
@@ -259,11 +329,14 @@ def main():
                          "softcap), dropout (attention dropout, the reference drawing the kernels' mask), varlen "
                          "(packed sequences), hopper (the sm_90 Gluon forward), hopper_bwd (the sm_90 Gluon backward passes), "
                          "hopper_varlen (packed sequences through the Gluon kernels), hopper_ragged (the hopper and "
-                         "hopper_bwd checks at seqlens that are not a multiple of 128)")
+                         "hopper_bwd checks at seqlens that are not a multiple of 128), hopper_keypad (right key "
+                         "padding through the Gluon kernels, with --hopper-softcap)")
     args = ap.parse_args()
     groups = set(args.cases.split(","))
-    if not groups <= {"base", "features", "dropout", "varlen", "hopper", "hopper_bwd", "hopper_varlen", "hopper_ragged"}:
-        ap.error(f"--cases takes base, features, dropout, varlen, hopper, hopper_bwd, hopper_varlen, hopper_ragged; got "
+    if not groups <= {"base", "features", "dropout", "varlen", "hopper", "hopper_bwd", "hopper_varlen", "hopper_ragged",
+                      "hopper_keypad"}:
+        ap.error(f"--cases takes base, features, dropout, varlen, hopper, hopper_bwd, hopper_varlen, hopper_ragged, "
+                 f"hopper_keypad; got "
                  f"{args.cases!r}")
     if args.skip_cases:
         groups = set()
@@ -350,6 +423,8 @@ def main():
     if "hopper_ragged" in groups:
         hopper_check(dev, args.hopper_softcap, window, RAGGED_FWD)
         hopper_bwd_check(dev, args.hopper_softcap, window, RAGGED_BWD)
+    if "hopper_keypad" in groups:
+        hopper_keypad_check(dev, args.hopper_softcap)
     for cval in (133120.0, 1000.0):
         for causal in (False, True):
             x = torch.full((1, 1000, 2, 128), cval, device=dev, dtype=torch.bfloat16)

@@ -26,8 +26,9 @@ Two launches, rounding at the points of kernels/reference.py (DESIGN.md §3, §4
      (``dk_fold=True``; DESIGN.md §4.1 table: slightly less accurate dK).
    The choice of default is recorded in benchmarks/NOTES.md with the measurements behind it.
 
-On an sm_90 GPU, for the inputs of kernels/attention_bwd_hopper.py (head dim 128, seqlen_q = seqlen_k, no key padding
-or dropout; windows, softcap and packed sequences with one cu_seqlens for queries and keys served), both passes
+On an sm_90 GPU, for the inputs of kernels/attention_bwd_hopper.py (head dim 64 / 128, seqlen_q = seqlen_k, no
+dropout; windows, softcap, key padding without a window and packed sequences with one cu_seqlens for queries and keys
+served), both passes
 run as that module's warp-specialized Gluon kernels, with the
 same rounding points: the dQ pass for fix "none" and "gproj" without want_stats, the dK/dV pass for "none",
 "gproj" with the "gemm" schedule and the PyTorch "gproj_uniform" (not the in-kernel uniform one of windows and
@@ -812,12 +813,12 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     # softcap and packed sequences (one cu_seqlens for queries and keys, no key sums) included: the dQ one for fix
     # "none" and "gproj" without statistics, the dK/dV one for "none", "gproj" with its own-GEMM dK term and the PyTorch
     # gproj_uniform (not the in-kernel uniform one).
-    hopper = not has_seqlens and ds_bits == 0 and not (uniform or drop["DROPOUT"])
+    hopper = ds_bits == 0 and not (uniform or drop["DROPOUT"] or (has_seqlens and win["WINDOW"]))
     if packed:
         hopper = hopper and attention_bwd_hopper.serves_varlen(q, k, v, do, varlen, key_sums=want_key_sums)
     else:
         hopper = hopper and attention_bwd_hopper.serves(q, k, v, do, key_sums=want_key_sums)
-    seq_args = dict(cu_seqlens=varlen[0], max_seqlen=varlen[2]) if packed else {}
+    gluon_args = dict(cu_seqlens=varlen[0], max_seqlen=varlen[2]) if packed else {}
     window = (win["WL"], win["WR"]) if win["WINDOW"] else None
     do_tma = attention_bwd_hopper.tma_ready(do) if hopper else None
     if do_tma is None:
@@ -830,7 +831,8 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
              and o.dtype == q.dtype and o.shape == q.shape else None)
     if o_tma is not None:
         attention_bwd_hopper.dq_pass(q, k, v, do, o_tma, m, log2l, delta, dq, c, tau, causal,
-                                     r if gproj else None, qr if dk_mode == _DK_GEMM else None, softcap, window, **seq_args)
+                                     r if gproj else None, qr if dk_mode == _DK_GEMM else None, softcap, window,
+                                     seqlens_k=seqlens_k, **gluon_args)
     else:
         _dq_kernel[lambda meta: (triton.cdiv(grid_q, meta["BLOCK_M"]), nb * h)](
             q, k, v, do, o, m, log2l, delta, dq, r, qr, abs_ds, leak, seqlens_arg, *cu_args,
@@ -846,7 +848,7 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     if hopper and dk_mode != _DK_FOLD:
         dk, dv, key_sums = attention_bwd_hopper.dkdv(
             q, k, v, do, m, log2l, delta, qr if dk_mode == _DK_GEMM else None, c, tau, causal, dk_dtype, gdv,
-            want_key_sums, softcap, window, **seq_args)
+            want_key_sums, softcap, window, seqlens_k=seqlens_k, **gluon_args)
     else:
         dk = torch.empty((b, nk, hk, d), dtype=dk_dtype, device=dev)
         dv = torch.empty((b, nk, hk, d), dtype=gdv, device=dev)

@@ -28,7 +28,10 @@ statistics were staged by the loader warp: benchmarks/NOTES.md, runs 19 and 30),
 kernels/reference.py), sliding windows (each program visits only the tiles its rows' or keys' windows touch, a
 consumer releases a tile none of its rows or keys sees unread, edge tiles masked), packed sequences with one
 cu_seqlens for queries and keys (:func:`serves_varlen`; rows past a sequence's end get their statistics masked (P = 0), keys
-past it are masked in the dQ pass and not stored by the dK/dV pass; no key sums), no key padding or dropout; do and
+past it are masked in the dQ pass and not stored by the dK/dV pass; no key sums), right key padding without a window
+(``seqlens_k``: the dQ pass reads K/V through TMA descriptors made on the device that end at the batch row's last key
+and masks past it; the dK/dV pass masks P there, zeroes the padded keys' dk rows and stores dk = dv = 0 for a block of
+padding without running its partitions), no dropout; do and
 o in any strides (copied when not in a served order). Gradients in 16-bit or fp32;
 with an fp32 dk the per-64-key sums Σ_j dk_j of the stored values, for the C2 projection
 (kernels/reference.project_key_sum_). ``GPROJ_HOPPER_BWD=0`` keeps every call on the tl.dot kernels.
@@ -43,8 +46,8 @@ import torch
 import triton
 
 from lightning_gproj.kernels.attention_fwd_hopper import (
-    GLUON_ERROR, _gl_dtype, _layouts, _require_gluon, _tma_view, accepts as _fwd_accepts, feature_args, on_sm90, pointer_type,
-    packed_ok, tma_descriptor,
+    GLUON_ERROR, _gl_dtype, _layouts, _require_gluon, _tma_view, accepts as _fwd_accepts, feature_args, launch, on_sm90,
+    pointer_type, packed_ok, tma_descriptor,
 )
 
 if GLUON_ERROR is None:
@@ -56,7 +59,7 @@ if GLUON_ERROR is None:
     cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     from lightning_gproj.kernels.attention_fwd_hopper import (
-        aot_compile_sm90, rcp_approx, ring_barriers, ring_load_pair, sequence_span, softcap_and_grad, tensordesc_type, tma_load,
+        aot_compile_sm90, keys_descriptor, rcp_approx, ring_barriers, ring_load_pair, sequence_span, softcap_and_grad, tensordesc_type, tma_load,
         window_crosses,
         window_mask, window_sees, window_tiles,
     )
@@ -131,12 +134,29 @@ if GLUON_ERROR is None:
             return gl.load(M + stats + rows), gl.load(LOG2L + stats + rows)
 
     @gluon.jit
-    def _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, c, sc, cap, wl, wr, seqlen, m_s, l_s, d_s,
+    def zero_keys(DK, DV, KS, out_row, out_col, out_stride, nkeys, key_sums, HEAD_DIM: gl.constexpr):
+        """dk = dv = 0 for a dK/dV program's keys (rows out_row … of dk, dv, the first min(nkeys, BLOCK_N) of them:
+        the others are the next batch row's) and, with key_sums, its two key-sum slots 0."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows = gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+        offs = (out_row + rows).to(gl.int64)[:, None] * out_stride + out_col + cols[None, :]
+        inside = (rows < nkeys)[:, None]
+        gl.store(DK + offs, gl.zeros([_BLOCK_N, HEAD_DIM], DK.dtype.element_ty, layout), mask=inside)
+        gl.store(DV + offs, gl.zeros([_BLOCK_N, HEAD_DIM], DV.dtype.element_ty, layout), mask=inside)
+        if key_sums != 0:
+            sums_layout: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
+            slots = gl.arange(0, 2 * HEAD_DIM, layout=sums_layout)
+            gl.store(KS + slots, gl.zeros([2 * HEAD_DIM], gl.float32, sums_layout))
+
+    @gluon.jit
+    def _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, c, sc, cap, wl, wr, seqlen, kend, m_s, l_s, d_s,
                    GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
-                   EDGES: gl.constexpr):
+                   EDGES: gl.constexpr, KEYPAD: gl.constexpr):
         """One (Q, dO[, −ρ∘Q]) tile (shared [rows, headdim]; query positions ``rows``, the first start_m; m_s, l_s, d_s:
         their m, log2l and D, shared [rows]) of the dK/dV pass for 64 keys: Sᵀ, dPᵀ, P̃ᵀ, dS̃ᵀ and the asynchronous dV, dK [, GProj's dK term] GEMMs, waited for;
-        returns (dk, dv)."""
+        returns (dk, dv). KEYPAD: keys from ``kend`` on get P = 0 (their dv rows are exactly 0; their dk rows, whose dPᵀ
+        read the padded values, are zeroed by the caller)."""
         HEAD_DIM: gl.constexpr = k.shape[1]
         ROWS: gl.constexpr = q.shape[0]
         dtype: gl.constexpr = k.dtype
@@ -167,6 +187,9 @@ if GLUON_ERROR is None:
         if WINDOW:  # masked where the tile crosses an edge of some row's window row − wl <= key <= row + wr
             if window_crosses(start_m, ROWS, key0, _HALF_N, wl, wr):
                 pT = gl.where(window_mask(rows[None, :], keys[:, None], wl, wr), pT, 0.0)
+        if KEYPAD:
+            if key0 + _HALF_N > kend:
+                pT = gl.where(keys[:, None] < kend, pT, 0.0)
         pr = pT.to(dtype)  # rounding point: P̃
         p16 = gl.convert_layout(pr, a_layout)
         dv = warpgroup_mma(p16, do, dv, is_async=True)
@@ -195,8 +218,8 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, KS,
                   half, GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
-                  EDGES: gl.constexpr, start_n, out_row, out_col, out_stride, GROUP, lo, hi, seqlen, c, tau, key_sums, sc, cap,
-                  wl, wr):
+                  EDGES: gl.constexpr, KEYPAD: gl.constexpr, start_n, out_row, out_col, out_stride, GROUP, lo, hi, seqlen,
+                  kend, c, tau, key_sums, sc, cap, wl, wr):
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
         # The score tiles' layout ([keys, queries]): 64 query rows, with softcap 32 (each tile in two halves).
         if SOFTCAP:
@@ -238,19 +261,25 @@ if GLUON_ERROR is None:
                 visit = True
                 if WINDOW:  # a tile none of whose rows sees these keys is released unread
                     visit = window_sees(start_m, _BLOCK_M, key0, _HALF_N, wl, wr)
+                if KEYPAD:  # (not with WINDOW) keys that are all padding: every tile released unread, dk = dv = 0
+                    visit = key0 < kend
                 if visit:
                     if SOFTCAP:  # two halves of 32 rows: the tanh's tiles fit the registers only at half width
                         for sub in gl.static_range(2):
                             dk, dv = _dkdv_tile(k, v, q.slice(sub * _SUB_M, _SUB_M), do.slice(sub * _SUB_M, _SUB_M),
                                                 qr.slice(sub * _SUB_M, _SUB_M), dk, dv, keys, key0, rows + sub * _SUB_M,
-                                                start_m + sub * _SUB_M, c, sc, cap, wl, wr, seqlen,
+                                                start_m + sub * _SUB_M, c, sc, cap, wl, wr, seqlen, kend,
                                                 m_s.slice(sub * _SUB_M, _SUB_M), l_s.slice(sub * _SUB_M, _SUB_M),
-                                                d_s.slice(sub * _SUB_M, _SUB_M), GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES)
+                                                d_s.slice(sub * _SUB_M, _SUB_M), GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES,
+                                                KEYPAD)
                     else:
                         dk, dv = _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, c, sc, cap, wl, wr, seqlen,
-                                            m_s, l_s, d_s, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES)
+                                            kend, m_s, l_s, d_s, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, KEYPAD)
                 mbarrier.arrive(empty.index(st), count=1)
                 i += 1
+        if KEYPAD:  # a padded key's dS̃ row took 0·(dP − D) with dP from its padded value: NaN for a NaN there
+            if key0 + _HALF_N > kend:
+                dk = gl.where((key0 + gl.arange(0, _HALF_N, layout=gl.SliceLayout(1, acc_layout)) < kend)[:, None], dk, 0.0)
         dk = dk * tau
         out_rows = (out_row + half * _HALF_N + gl.arange(0, _HALF_N, layout=gl.SliceLayout(1, acc_layout))).to(gl.int64)
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
@@ -265,42 +294,48 @@ if GLUON_ERROR is None:
         if key_sums != 0:  # dk is fp32 here: Σ over these 64 keys of the values just stored
             gl.store(KS + half * HEAD_DIM + cols, gl.sum(dk, axis=0))
 
-    def _dkdv_partition(gproj: bool, causal: bool, softcap: bool, window: bool, edges: bool):
+    def _dkdv_partition(gproj: bool, causal: bool, softcap: bool, window: bool, edges: bool, keypad: bool = False):
         """A dK/dV consumer partition with (GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES) compiled in: constexpr arguments do
         not survive gl.warp_specialize (the loader takes GPROJ as a value), closure constants do; with the mask's,
         GProj's or the softcap's code compiled in where it is not used the consumers spilled ~4× more (Triton 3.6's
         ptxas)."""
         GPROJ, CAUSAL = gl.constexpr(gproj), gl.constexpr(causal)
         SOFTCAP, WINDOW, EDGES = gl.constexpr(softcap), gl.constexpr(window), gl.constexpr(edges)
+        KEYPAD = gl.constexpr(keypad)
 
         @gluon.jit
         def consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, KS,
-                     start_n, out_row, out_col, out_stride, GROUP, lo, hi, seqlen, c, tau, key_sums, sc, cap, wl, wr, half):
+                     start_n, out_row, out_col, out_stride, GROUP, lo, hi, seqlen, kend, c, tau, key_sums, sc, cap, wl, wr,
+                     half):
             _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, KS,
-                      half, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, start_n, out_row, out_col, out_stride, GROUP, lo, hi,
-                      seqlen, c, tau, key_sums, sc, cap, wl, wr)
+                      half, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, KEYPAD, start_n, out_row, out_col, out_stride, GROUP,
+                      lo, hi, seqlen, kend, c, tau, key_sums, sc, cap, wl, wr)
 
         return consumer
 
     @functools.lru_cache(maxsize=None)
     def _dkdv_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool, varlen: bool = False,
-                         edges: bool = False):
+                         edges: bool = False, keypad: bool = False):
         """The dK/dV kernel with GProj's dK term (gproj), the causal mask, the softcap, the sliding window, packed
-        sequences (varlen) and sequence ends inside tiles (edges: a seqlen not a multiple of 128; implied by varlen)
-        compiled in or out."""
+        sequences (varlen), sequence ends inside tiles (edges: a seqlen not a multiple of 128; implied by varlen) and
+        right key padding (keypad: batch row b's keys from SEQLENS[b] on masked, their dk = dv = 0; not with window
+        or varlen) compiled in or out."""
+        if keypad and (window or varlen):
+            raise ValueError("keypad: not with window or varlen")
         GPROJ, CAUSAL, WINDOW = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(window)
-        VARLEN = gl.constexpr(varlen)
-        consumer = _dkdv_partition(gproj, causal, softcap, window, edges or varlen)
+        VARLEN, KEYPAD = gl.constexpr(varlen), gl.constexpr(keypad)
+        consumer = _dkdv_partition(gproj, causal, softcap, window, edges or varlen, keypad)
 
         @gluon.jit
-        def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, DK, DV, KS, M, LOG2L, DELTA, CU, c, tau, H,
-                                GROUP, N_CTX, key_sums, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb, qr_rh, qr_ch,
+        def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, DK, DV, KS, M, LOG2L, DELTA, CU, SEQLENS, c, tau,
+                                H, GROUP, N_CTX, key_sums, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb, qr_rh, qr_ch,
                                 k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr):
             # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch)
             # (kernels/attention_fwd_hopper._tma_view). dk, dv: (batch, seqlen, nheads_k, headdim) contiguous.
             # VARLEN: b is the sequence, the tensors are packed (1, total, heads, headdim) views (N_CTX = total), the
             # sequence's rows start at CU[b]; m, log2l, D are (nheads, total); rows and keys past its end are the next
-            # sequence's (P = 0 there, not stored). No key sums (key_sums = 0).
+            # sequence's (P = 0 there, not stored). No key sums (key_sums = 0). KEYPAD: keys [0, SEQLENS[b]) of batch
+            # row b are valid, the others get dk = dv = 0 (a block of padding only: stored here, no partitions).
             HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
             dtype: gl.constexpr = q_desc.dtype
             pid_n = gl.program_id(0)
@@ -313,6 +348,14 @@ if GLUON_ERROR is None:
             b, start, seqlen = sequence_span(CU, b, N_CTX, VARLEN)
             if start_n >= seqlen:  # VARLEN: the grid spans the longest sequence
                 return
+            out_row = b * N_CTX + start + start_n
+            ks = KS + pid_bh.to(gl.int64) * (N_CTX // _HALF_N) * HEAD_DIM + pid_n * 2 * HEAD_DIM
+            kend = seqlen
+            if KEYPAD:
+                kend = gl.load(SEQLENS + b)
+                if start_n >= kend:
+                    zero_keys(DK, DV, ks, out_row, hk * HEAD_DIM, HK * HEAD_DIM, seqlen - start_n, key_sums, HEAD_DIM)
+                    return
             lo = 0
             hi = seqlen
             if CAUSAL:
@@ -320,7 +363,6 @@ if GLUON_ERROR is None:
             if WINDOW:  # the query tiles some row of which sees one of these keys: key − wr <= row <= key + wl
                 lo, hi = window_tiles(start_n, _BLOCK_N, wr, wl, seqlen, _BLOCK_M)
             stats0 = (b * H + h0).to(gl.int64) * N_CTX + start
-            ks = KS + pid_bh.to(gl.int64) * (N_CTX // _HALF_N) * HEAD_DIM + pid_n * 2 * HEAD_DIM
 
             q_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_M, HEAD_DIM], q_desc.layout)
             do_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -340,11 +382,12 @@ if GLUON_ERROR is None:
             ready, empty = ring_barriers(_NUM_STAGES)
 
             # The two consumers' arguments differ in the last one, their half of the keys (Gluon has no *tuple).
-            out_row = b * N_CTX + start + start_n
             args0 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, ks, start_n,
-                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, GROUP, lo, hi, seqlen, c, tau, key_sums, sc, cap, wl, wr, 0)
+                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, GROUP, lo, hi, seqlen, kend, c, tau, key_sums, sc, cap, wl, wr,
+                     0)
             args1 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, ks, start_n,
-                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, GROUP, lo, hi, seqlen, c, tau, key_sums, sc, cap, wl, wr, 1)
+                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, GROUP, lo, hi, seqlen, kend, c, tau, key_sums, sc, cap, wl, wr,
+                     1)
             loader_args = (q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem,
                            k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, b * k_rb + hk * k_rh + start + start_n, hk * k_ch,
                            b * v_rb + hk * v_rh + start + start_n, hk * v_ch, b * q_rb + start, q_rh, q_ch,
@@ -367,8 +410,29 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _dq_loader(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem,
-                   q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col, v_row, v_col, lo, hi,
-                   GPROJ):
+                   q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, K, V, kend, k_cols, v_cols, k_row,
+                   k_col, v_row, v_col, lo, hi, GPROJ):
+        """The dQ pass's loader partition: :func:`_dq_load_tiles` through the host's descriptors (K, V, kend, k_cols,
+        v_cols: the arguments of :func:`_dq_keypad_loader`, unused here)."""
+        _dq_load_tiles(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem,
+                       q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col, v_row, v_col, lo, hi,
+                       GPROJ)
+
+    @gluon.jit
+    def _dq_keypad_loader(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem,
+                          e0_smem, q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, K, V, kend, k_cols,
+                          v_cols, k_row, k_col, v_row, v_col, lo, hi, GPROJ):
+        """The dQ pass's loader partition with right key padding: the K/V tiles through descriptors of the batch row's
+        valid keys [0, kend) (kernels/attention_fwd_hopper.keys_descriptor, as its _keypad_loader), zero past them."""
+        k_keys = keys_descriptor(K + k_row.to(gl.int64) * k_cols, kend, k_cols, k_desc)
+        v_keys = keys_descriptor(V + v_row.to(gl.int64) * v_cols, kend, v_cols, v_desc)
+        _dq_load_tiles(q_desc, do_desc, o_desc, k_keys, v_keys, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem,
+                       q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, 0, k_col, 0, v_col, lo, hi, GPROJ)
+
+    @gluon.jit
+    def _dq_load_tiles(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem,
+                       q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col, v_row, v_col, lo, hi,
+                       GPROJ):
         # The program's q, dO and o rows, once (two halves of 64 rows, one per consumer), with gproj the e0 tile;
         # then the K/V tiles. GPROJ: a value, as in _loader (fix "none" passes an e0 stand-in of a q tile's shape).
         rows_bytes: gl.constexpr = 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes)
@@ -389,11 +453,12 @@ if GLUON_ERROR is None:
             i += 1
 
     @gluon.jit
-    def _dq_tile(q, do, k, v, e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n, c, sc, cap, wl, wr, seqlen,
+    def _dq_tile(q, do, k, v, e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n, c, sc, cap, wl, wr, kend,
                  GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
-                 EDGES: gl.constexpr):
+                 KEYMASK: gl.constexpr):
         """One key tile (k, v: shared [keys, headdim]) of the dQ pass for 64 query rows: S, dP, P̃, dS̃ and the
-        asynchronous dQ [, P̃K, row sums] GEMMs, waited for; returns (dq, pk, r, ps)."""
+        asynchronous dQ [, P̃K, row sums] GEMMs, waited for; returns (dq, pk, r, ps). KEYMASK: keys from ``kend`` on
+        get P = 0 (the next sequence's, or key padding)."""
         HEAD_DIM: gl.constexpr = q.shape[1]
         KEYS: gl.constexpr = k.shape[0]
         dtype: gl.constexpr = q.dtype
@@ -423,11 +488,10 @@ if GLUON_ERROR is None:
             if window_crosses(first, _DQ_HALF_M, start_n, KEYS, wl, wr):
                 cols = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
                 p = gl.where(window_mask(rows[:, None], cols[None, :], wl, wr), p, 0.0)
-        if EDGES:  # keys from seqlen on are the next sequence's (causal rows never reach them)
-            if not CAUSAL:
-                if start_n + KEYS > seqlen:
-                    cols = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
-                    p = gl.where(cols[None, :] < seqlen, p, 0.0)
+        if KEYMASK:
+            if start_n + KEYS > kend:
+                cols = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+                p = gl.where(cols[None, :] < kend, p, 0.0)
         if GPROJ:
             p16 = p.to(dtype)  # rounding point: P̃ (GProj's direction)
             if SOFTCAP:
@@ -484,8 +548,8 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
                      GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
-                     EDGES: gl.constexpr, row0, stats, out_row, out_col, out_stride, lo, hi, seqlen, c, tau, store_qr, sc,
-                     cap, wl, wr, half):
+                     EDGES: gl.constexpr, KEYMASK: gl.constexpr, row0, stats, out_row, out_col, out_stride, lo, hi, seqlen,
+                     kend, c, tau, store_qr, sc, cap, wl, wr, half):
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         # The score tiles' layout: 64 keys, with softcap 32 (each K/V tile in two halves, see the loop).
         if SOFTCAP:
@@ -549,11 +613,11 @@ if GLUON_ERROR is None:
                     for sub in gl.static_range(2):
                         dq, pk, r, ps = _dq_tile(q, do, k.slice(sub * _DQ_HALF_N, _DQ_HALF_N),
                                                  v.slice(sub * _DQ_HALF_N, _DQ_HALF_N), e0_smem, dq, pk, r, ps, m, l2, di, rows,
-                                                 first, start_n + sub * _DQ_HALF_N, c, sc, cap, wl, wr, seqlen, GPROJ, CAUSAL,
-                                                 SOFTCAP, WINDOW, EDGES)
+                                                 first, start_n + sub * _DQ_HALF_N, c, sc, cap, wl, wr, kend, GPROJ, CAUSAL,
+                                                 SOFTCAP, WINDOW, KEYMASK)
                 else:
                     dq, pk, r, ps = _dq_tile(q, do, k, v, e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n, c, sc, cap,
-                                             wl, wr, seqlen, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES)
+                                             wl, wr, kend, GPROJ, CAUSAL, SOFTCAP, WINDOW, KEYMASK)
             mbarrier.arrive(empty.index(st), count=1)
             i += 1
         tile_ok = None
@@ -579,36 +643,45 @@ if GLUON_ERROR is None:
                 gl.store(QR + offs, (q.load(acc_layout).to(gl.float32) * (-rho)[:, None]).to(QR.dtype.element_ty),
                          mask=tile_ok)
 
-    def _dq_partition(gproj: bool, causal: bool, softcap: bool, window: bool, edges: bool):
+    def _dq_partition(gproj: bool, causal: bool, softcap: bool, window: bool, edges: bool, keypad: bool = False):
         """A dQ consumer partition with (GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES) compiled in, as
-        :func:`_dkdv_partition`."""
+        :func:`_dkdv_partition`; KEYMASK: keys from ``kend`` on masked (a sequence's end inside a tile, which causal
+        rows never reach, or key padding)."""
         GPROJ, CAUSAL = gl.constexpr(gproj), gl.constexpr(causal)
         SOFTCAP, WINDOW, EDGES = gl.constexpr(softcap), gl.constexpr(window), gl.constexpr(edges)
+        KEYMASK = gl.constexpr((edges and not causal) or keypad)
 
         @gluon.jit
         def consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
-                     row0, stats, out_row, out_col, out_stride, lo, hi, seqlen, c, tau, store_qr, sc, cap, wl, wr, half):
+                     row0, stats, out_row, out_col, out_stride, lo, hi, seqlen, kend, c, tau, store_qr, sc, cap, wl, wr,
+                     half):
             _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L,
-                         DELTA, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, row0, stats, out_row, out_col, out_stride, lo, hi,
-                         seqlen, c, tau, store_qr, sc, cap, wl, wr, half)
+                         DELTA, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, KEYMASK, row0, stats, out_row, out_col, out_stride,
+                         lo, hi, seqlen, kend, c, tau, store_qr, sc, cap, wl, wr, half)
 
         return consumer
 
     @functools.lru_cache(maxsize=None)
     def _dq_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool, varlen: bool = False,
-                       edges: bool = False):
+                       edges: bool = False, keypad: bool = False):
         """The dQ kernel with GProj's projection (gproj), the causal mask, the softcap, the sliding window, packed
-        sequences (varlen) and sequence ends inside tiles (edges, as :func:`_dkdv_kernel_for`) compiled in or out."""
+        sequences (varlen), sequence ends inside tiles (edges, as :func:`_dkdv_kernel_for`) and right key padding
+        (keypad, as :func:`_dkdv_kernel_for`) compiled in or out."""
+        if keypad and (window or varlen):
+            raise ValueError("keypad: not with window or varlen")
         GPROJ, CAUSAL, WINDOW = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(window)
-        VARLEN = gl.constexpr(varlen)
-        consumer = _dq_partition(gproj, causal, softcap, window, edges or varlen)
+        VARLEN, KEYPAD = gl.constexpr(varlen), gl.constexpr(keypad)
+        consumer = _dq_partition(gproj, causal, softcap, window, edges or varlen, keypad)
+        loader = _dq_keypad_loader if keypad else _dq_loader
 
         @gluon.jit
-        def _hopper_dq_kernel(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, DQ, R, QR, M, LOG2L, DELTA, CU, c, tau, H,
-                              GROUP, N_CTX, store_qr, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, o_rb, o_rh, o_ch, k_rb, k_rh,
-                              k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr):
+        def _hopper_dq_kernel(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, DQ, R, QR, M, LOG2L, DELTA, CU, SEQLENS, K,
+                              V, c, tau, H, GROUP, N_CTX, store_qr, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, o_rb, o_rh, o_ch,
+                              k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, k_cols, v_cols, sc, cap, wl, wr):
             # Tiles located as in _hopper_dkdv_kernel; dq and −ρ∘Q: (batch, seqlen, nheads, headdim) contiguous.
-            # VARLEN as in _hopper_dkdv_kernel: b is the sequence, its rows start at CU[b].
+            # VARLEN as in _hopper_dkdv_kernel: b is the sequence, its rows start at CU[b]. KEYPAD: keys [0,
+            # SEQLENS[b]) of batch row b are valid; its K/V tiles come through descriptors made on the device
+            # (kernels/attention_fwd_hopper.keys_descriptor: zeros past them), of K, V with k_cols, v_cols columns.
             HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
             dtype: gl.constexpr = q_desc.dtype
             pid_m = gl.program_id(0)
@@ -629,6 +702,10 @@ if GLUON_ERROR is None:
                 hi = gl.minimum(seqlen, row0 + _DQ_BLOCK_M)
             if WINDOW:  # the key tiles some row of the block sees
                 lo, hi = window_tiles(row0, _DQ_BLOCK_M, wl, wr, seqlen, _DQ_BLOCK_N)
+            kend = seqlen
+            if KEYPAD:  # no tile past the last valid key (seqlens_k >= 1: every block keeps one)
+                kend = gl.load(SEQLENS + b)
+                hi = gl.minimum(hi, kend)
             stats = (b * H + h).to(gl.int64) * N_CTX + start
 
             q_smem = gl.allocate_shared_memory(dtype, [2, _DQ_HALF_M, HEAD_DIM], q_desc.layout)
@@ -646,17 +723,19 @@ if GLUON_ERROR is None:
 
             out_row = b * N_CTX + start + row0
             args0 = (q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA, row0,
-                     stats, out_row, h * HEAD_DIM, H * HEAD_DIM, lo, hi, seqlen, c, tau, store_qr, sc, cap, wl, wr,
+                     stats, out_row, h * HEAD_DIM, H * HEAD_DIM, lo, hi, seqlen, kend, c, tau, store_qr, sc, cap, wl, wr,
                      0)
             args1 = (q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA, row0,
-                     stats, out_row, h * HEAD_DIM, H * HEAD_DIM, lo, hi, seqlen, c, tau, store_qr, sc, cap, wl, wr,
+                     stats, out_row, h * HEAD_DIM, H * HEAD_DIM, lo, hi, seqlen, kend, c, tau, store_qr, sc, cap, wl, wr,
                      1)
             first = start + row0
+            k_row = b * k_rb + hk * k_rh + start
+            v_row = b * v_rb + hk * v_rh + start
             loader_args = (q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem,
                            e0_smem, q_bar, ready, empty, b * q_rb + h * q_rh + first, h * q_ch,
-                           b * do_rb + h * do_rh + first, h * do_ch, b * o_rb + h * o_rh + first, h * o_ch,
-                           b * k_rb + hk * k_rh + start, hk * k_ch, b * v_rb + hk * v_rh + start, hk * v_ch, lo, hi, GPROJ)
-            gl.warp_specialize([(consumer, args0), (consumer, args1), (_dq_loader, loader_args)], [4, 1], [240, 24])
+                           b * do_rb + h * do_rh + first, h * do_ch, b * o_rb + h * o_rh + first, h * o_ch, K, V, kend,
+                           k_cols, v_cols, k_row, hk * k_ch, v_row, hk * v_ch, lo, hi, GPROJ)
+            gl.warp_specialize([(consumer, args0), (consumer, args1), (loader, loader_args)], [4, 1], [240, 24])
 
         return _hopper_dq_kernel
 
@@ -688,8 +767,8 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, 
     """Whether :func:`dkdv` serves these (already validated) inputs: an sm_90 GPU (not the interpreter, Gluon
     importable, GPROJ_HOPPER_BWD not 0) and :func:`accepts`; with ``key_sums`` (an fp32 dk's Σ_j dk_j for the C2
     projection) only a seqlen that is a multiple of BLOCK_N (the per-64-key sums would take the rows past the end).
-    The caller checks the rest (fix "none" or "gproj" with its own-GEMM dK term, ds_format "bf16", no key padding,
-    dropout or packing). Never raises."""
+    The caller checks the rest (fix "none" or "gproj" with its own-GEMM dK term, ds_format "bf16", no dropout, no
+    packing (:func:`serves_varlen`), key padding only without a window). Never raises."""
     return enabled() and on_sm90(q) and accepts(q, k, v, do) and not (key_sums and q.shape[1] % BLOCK_N)
 
 
@@ -721,7 +800,7 @@ def _descriptors(*tensors):
 
 def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causal: bool, dk_dtype: torch.dtype,
          dv_dtype: torch.dtype, want_key_sums: bool, softcap: float = 0.0, window: tuple[int, int] | None = None,
-         cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0):
+         cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0, seqlens_k: torch.Tensor | None = None):
     """The dK/dV pass on Hopper; call only where :func:`serves` is True, after the dQ pass.
 
     Args:
@@ -740,6 +819,9 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
         cu_seqlens, max_seqlen: packed sequences (:func:`serves_varlen`): the tensors are (1, total, heads,
             headdim) views, m, log2l, delta (1, nheads, total), cu_seqlens int32 (nseq + 1,) for queries and keys
             alike; not with ``want_key_sums``.
+        seqlens_k: None, or int32 (batch,) contiguous, each in [1, seqlen] (not checked): right key padding as the
+            forward ran with it (kernels/attention_fwd_hopper.forward); not with ``window`` or packed sequences.
+            Padded keys get dk = dv = 0 exactly, and their values reach no other result.
 
     Returns:
         dk, dv (batch, seqlen, nheads_k, headdim) contiguous in dk_dtype / dv_dtype (GQA: summed over each kv
@@ -758,16 +840,19 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
     ks = torch.empty((b, hk, slots, d), dtype=torch.float32, device=q.device) if want_key_sums else delta
     descs, where = _descriptors(q, do, q if qr is None else qr, k, v)  # q: a placeholder the kernel never reads
     grid = (triton.cdiv(max_seqlen if packed else n, BLOCK_N), (cu_seqlens.numel() - 1 if packed else b) * hk)
-    _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0, window is not None, packed, edges)[grid](
-        *descs, dk, dv, ks, m, log2l, delta, cu_seqlens if packed else delta, float(c), float(softmax_scale), h, h // hk,
-        n, int(bool(want_key_sums)), *where, *feature_args(softmax_scale, softcap, window), num_warps=4,
-    )
+    keypad = seqlens_k is not None
+    kernel = _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0, window is not None, packed, edges, keypad)
+    # No descriptor is made on the device here (the padded keys' dk rows are zeroed instead): no scratch.
+    launch(kernel, grid, q.device, False, *descs, dk, dv, ks, m, log2l, delta, cu_seqlens if packed else delta,
+           seqlens_k if keypad else delta, float(c), float(softmax_scale), h, h // hk, n, int(bool(want_key_sums)), *where,
+           *feature_args(softmax_scale, softcap, window))
     return dk, dv, (ks.sum(dim=2, dtype=torch.float64) if want_key_sums else None)
 
 
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
                  dk_dtype: torch.dtype | None = None, ones: tuple[str, ...] = (), softcap: bool = False,
-                 window: bool = False, varlen: bool = False, edges: bool = False, head_dim: int = HEAD_DIMS[0]):
+                 window: bool = False, varlen: bool = False, edges: bool = False, head_dim: int = HEAD_DIMS[0],
+                 keypad: bool = False):
     """Compile the kernel for sm_90 without a GPU (Triton's ahead-of-time path), as CI does: head dim ``head_dim``, dk
     in ``dk_dtype`` (default: ``dtype``; torch.float32 for the fp32-dk path), dv in ``dtype``. ``ones`` names
     integer arguments compiled as the constant 1, as Triton specializes them at launch (``key_sums``,
@@ -777,12 +862,12 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal
     t = tensordesc_type(dtype, TILE_ROWS, d, _layout(d, dtype))
     sig = {"q_desc": t, "do_desc": t, "qr_desc": t, "k_desc": t, "v_desc": t, "DK": pointer_type(dk_dtype or dtype),
            "DV": pointer_type(dtype), "KS": "*fp32", "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32",
-           "CU": "*i32" if varlen else "*fp32", "c": "fp32",
+           "CU": "*i32" if varlen else "*fp32", "SEQLENS": "*i32" if keypad else "*fp32", "c": "fp32",
            "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "key_sums": "i32",
            **{f"{x}_{w}": "i32" for x in ("q", "do", "qr", "k", "v") for w in ("rb", "rh", "ch")}, "sc": "fp32", "cap": "fp32",
            "wl": "i32", "wr": "i32"}
     return aot_compile_sm90(_dkdv_kernel_for(bool(gproj), bool(causal), bool(softcap), bool(window), bool(varlen),
-                                             bool(edges)), sig,
+                                             bool(edges), bool(keypad)), sig,
                             {arg: 1 for arg in ones})
 
 
@@ -811,7 +896,7 @@ _e0_cached = functools.lru_cache(maxsize=None)(_e0_tile)
 
 def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float, causal: bool, r=None, qr=None,
             softcap: float = 0.0, window: tuple[int, int] | None = None, cu_seqlens: torch.Tensor | None = None,
-            max_seqlen: int = 0):
+            max_seqlen: int = 0, seqlens_k: torch.Tensor | None = None):
     """The dQ pass on Hopper, fix "none" or "gproj"; call only where :func:`serves` is True, with do and o as
     :func:`tma_ready` returns them (o shaped like q, in its dtype).
 
@@ -829,6 +914,8 @@ def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float,
         window: None, or (wl, wr) >= 0, as :func:`dkdv`.
         cu_seqlens, max_seqlen: packed sequences, as :func:`dkdv` (dq, qr (1, total, nheads, headdim), r (1, nheads,
             total)).
+        seqlens_k: None, or right key padding as :func:`dkdv` takes it; the K/V tiles are loaded through TMA
+            descriptors made on the device that end at seqlens_k[b] (kernels/attention_fwd_hopper.launch).
     """
     b, n, h, d = q.shape
     hk = k.shape[2]
@@ -837,17 +924,18 @@ def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float,
     e0 = _e0(q.device, q.dtype) if gproj else descs[0]  # fix="none": a placeholder the kernel never reads
     packed = cu_seqlens is not None
     grid = (triton.cdiv(max_seqlen if packed else n, _DQ_BLOCK_M.value), (cu_seqlens.numel() - 1 if packed else b) * h)
-    _dq_kernel_for(gproj, bool(causal), softcap > 0, window is not None, packed, n % _DQ_BLOCK_M.value != 0)[grid](
-        *descs, e0, dq, delta if r is None else r, q if qr is None else qr, m, log2l, delta,
-        cu_seqlens if packed else delta, float(c),
-        float(softmax_scale), h, h // hk, n, int(qr is not None), *where, *feature_args(softmax_scale, softcap, window),
-        num_warps=4,
-    )
+    keypad = seqlens_k is not None
+    kernel = _dq_kernel_for(gproj, bool(causal), softcap > 0, window is not None, packed, n % _DQ_BLOCK_M.value != 0, keypad)
+    launch(kernel, grid, q.device, keypad, *descs, e0, dq, delta if r is None else r, q if qr is None else qr, m, log2l,
+           delta, cu_seqlens if packed else delta, seqlens_k if keypad else delta, k, v, float(c), float(softmax_scale), h,
+           h // hk, n, int(qr is not None), *where, _tma_view(k)[0][1], _tma_view(v)[0][1],
+           *feature_args(softmax_scale, softcap, window))
 
 
 def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
                     dq_dtype: torch.dtype | None = None, ones: tuple[str, ...] = (), softcap: bool = False,
-                    window: bool = False, varlen: bool = False, edges: bool = False, head_dim: int = HEAD_DIMS[0]):
+                    window: bool = False, varlen: bool = False, edges: bool = False, head_dim: int = HEAD_DIMS[0],
+                    keypad: bool = False):
     """Compile the dQ kernel for sm_90 without a GPU, as :func:`compile_sm90` does the dK/dV one (``ones``:
     ``store_qr``, ``GROUP``)."""
     _require_gluon()
@@ -856,10 +944,11 @@ def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, cau
     e0 = tensordesc_type(dtype, TILE_ROWS, ROWSUM_N, _e0_layout(dtype)) if gproj else t
     sig = {"q_desc": t, "do_desc": t, "o_desc": t, "k_desc": t, "v_desc": t, "e0_desc": e0,
            "DQ": pointer_type(dq_dtype or dtype), "R": "*fp32", "QR": pointer_type(dtype), "M": "*fp32",
-           "LOG2L": "*fp32", "DELTA": "*fp32", "CU": "*i32" if varlen else "*fp32", "c": "fp32", "tau": "fp32", "H": "i32",
-           "GROUP": "i32", "N_CTX": "i32",
+           "LOG2L": "*fp32", "DELTA": "*fp32", "CU": "*i32" if varlen else "*fp32",
+           "SEQLENS": "*i32" if keypad else "*fp32", "K": pointer_type(dtype), "V": pointer_type(dtype), "c": "fp32",
+           "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32",
            "store_qr": "i32", **{f"{x}_{w}": "i32" for x in ("q", "do", "o", "k", "v") for w in ("rb", "rh", "ch")},
-           "sc": "fp32", "cap": "fp32", "wl": "i32", "wr": "i32"}
+           "k_cols": "i32", "v_cols": "i32", "sc": "fp32", "cap": "fp32", "wl": "i32", "wr": "i32"}
     return aot_compile_sm90(_dq_kernel_for(bool(gproj), bool(causal), bool(softcap), bool(window), bool(varlen),
-                                           bool(edges)), sig,
+                                           bool(edges), bool(keypad)), sig,
                             {arg: 1 for arg in ones})

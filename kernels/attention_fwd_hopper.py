@@ -25,12 +25,15 @@ visits only the key tiles its rows' windows touch; a half that sees none of a ti
 softcap (its tanh as the tl.dot kernels form it), packed sequences that share one cu_seqlens between queries and
 keys (:func:`serves_varlen`: one program row per (sequence, head), a tile's rows and keys past its sequence's end
 masked, o stored row by row there; the next sequence's values in such a tile are multiplied by an exact 0, so they
-change nothing unless they are inf or NaN, as in any FlashAttention kernel); no key padding or dropout. Speed on the
-H200: benchmarks/NOTES.md (runs 18, 21, 24, 26).
+change nothing unless they are inf or NaN, as in any FlashAttention kernel), right key padding (``seqlens_k``, not
+with a window: tiles past a batch row's last key are skipped, the last one masked, and its K/V tiles come through
+TMA descriptors made on the device that end at that key, so the padded values, NaN or inf included, are never read
+into a product); no dropout. Speed on the H200: benchmarks/NOTES.md (runs 18, 21, 24, 26).
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 
@@ -101,8 +104,8 @@ if GLUON_ERROR is None:
         return ready, empty
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, q_row, q_col,
-                k_row, k_col, v_row, v_col, lo, hi):
+    def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, q_row,
+                    q_col, k_row, k_col, v_row, v_col, lo, hi):
         """Q once, then the K and V tiles of [lo, hi) on rings of their own: a consumer releases K_j once S_j is
         computed and V_j once P̃_j·V_j is, so K_{j+1} can load while P̃_{j-1}·V_{j-1} still reads its slot."""
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
@@ -113,6 +116,32 @@ if GLUON_ERROR is None:
             ring_load(k_desc, k_smem, k_ready, k_empty, i, k_row + start_n, k_col, _NUM_STAGES)
             ring_load(v_desc, v_smem, v_ready, v_empty, i, v_row + start_n, v_col, _NUM_STAGES)
             i += 1
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, q_row, q_col,
+                K, V, klen, k_cols, v_cols, k_row, k_col, v_row, v_col, lo, hi):
+        """The loader partition: :func:`_load_tiles` through the host's descriptors (K, V, klen, k_cols, v_cols: the
+        arguments of :func:`_keypad_loader`, unused here)."""
+        _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, q_row,
+                    q_col, k_row, k_col, v_row, v_col, lo, hi)
+
+    @gluon.jit
+    def _keypad_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, q_row,
+                       q_col, K, V, klen, k_cols, v_cols, k_row, k_col, v_row, v_col, lo, hi):
+        """The loader partition with right key padding: the K and V tiles through descriptors of the batch row's
+        valid keys [0, klen) (:func:`keys_descriptor`; K, V point at k, v, whose 2-D TMA views have k_cols, v_cols
+        columns and the batch row's key 0 at row k_row, v_row), zero past them."""
+        k_keys = keys_descriptor(K + k_row.to(gl.int64) * k_cols, klen, k_cols, k_desc)
+        v_keys = keys_descriptor(V + v_row.to(gl.int64) * v_cols, klen, v_cols, v_desc)
+        _load_tiles(q_desc, k_keys, v_keys, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, q_row,
+                    q_col, 0, k_col, 0, v_col, lo, hi)
+
+    @gluon.jit
+    def keys_descriptor(X, klen, cols, desc):
+        """A TMA descriptor, made on the device, of one (batch row, kv head)'s keys: X points at its key 0 in desc's
+        2-D view (``cols`` columns), rows [0, klen) are the valid keys (right key padding); a tile reaching past klen
+        gets zeros there from the TMA unit, so the padded keys' values (NaN, inf) are never read into a product."""
+        return tma.make_tensor_descriptor(X, [klen, cols], [cols, 1], desc.block_type.shape, desc.layout)
 
     @gluon.jit
     def softcap_and_grad(s, sc, cap):
@@ -155,11 +184,12 @@ if GLUON_ERROR is None:
         return (keys >= rows - wl) & (keys <= rows + wr)
 
     @gluon.jit
-    def _softmax(s, m_i, l_i, offs_m, start_n, diag_from, c, causal, sc, cap, wl, wr, seqlen, HEAD_DIM: gl.constexpr,
-                 dtype: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, EDGES: gl.constexpr):
+    def _softmax(s, m_i, l_i, offs_m, start_n, diag_from, c, causal, sc, cap, wl, wr, kend, HEAD_DIM: gl.constexpr,
+                 dtype: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, KEYMASK: gl.constexpr):
         """One key block of the online softmax: with SOFTCAP the capped logits z = cap·tanh(τ s/cap) replace the
         scores; mask them on and past the diagonal (rows from ``diag_from``), or with WINDOW outside the sliding
-        window row − wl <= key <= row + wr, and with EDGES the keys from ``seqlen`` on (the next sequence's or head's);
+        window row − wl <= key <= row + wr, and with KEYMASK the keys from ``kend`` on (the next sequence's or head's,
+        or key padding);
         update the row max m and sum l. Returns (P̃ as the A operand of P̃·V, the factor α that rescales the
         accumulator (in its row layout), m, l)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -178,10 +208,10 @@ if GLUON_ERROR is None:
             if window_crosses(diag_from, _HALF_M, start_n, _BLOCK_N, wl, wr):
                 offs_n = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
                 s = gl.where(window_mask(offs_m[:, None], offs_n[None, :], wl, wr), s, float("-inf"))
-        if EDGES:  # the tile reaches past the sequence's last key
-            if start_n + _BLOCK_N > seqlen:
+        if KEYMASK:  # the tile reaches past the last key
+            if start_n + _BLOCK_N > kend:
                 offs_n = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                s = gl.where(offs_n[None, :] < seqlen, s, float("-inf"))
+                s = gl.where(offs_n[None, :] < kend, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_use = m_new
         if WINDOW:  # a row that has seen no key yet keeps m = −inf and shifts by 0 (its weights are all 0)
@@ -214,8 +244,8 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, O, M, LOG2L,
-                  half: gl.constexpr, o_row, row0, o_col, o_stride, lo, hi, seqlen, c, causal, sc, cap, wl, wr,
-                  SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, EDGES: gl.constexpr):
+                  half: gl.constexpr, o_row, row0, o_col, o_stride, lo, hi, seqlen, kend, c, causal, sc, cap, wl, wr,
+                  SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, EDGES: gl.constexpr, KEYMASK: gl.constexpr):
         HEAD_DIM: gl.constexpr = o_desc.block_type.shape[1]
         dtype: gl.constexpr = o_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -251,8 +281,8 @@ if GLUON_ERROR is None:
         s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_empty.index(st), count=1)
-        p16, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, lo_h, first, c, causal, sc, cap, wl, wr, seqlen, HEAD_DIM,
-                                        dtype, SOFTCAP, WINDOW, EDGES)
+        p16, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, lo_h, first, c, causal, sc, cap, wl, wr, kend, HEAD_DIM,
+                                        dtype, SOFTCAP, WINDOW, KEYMASK)
         for start_n in range(lo_h + _BLOCK_N, last + _BLOCK_N, _BLOCK_N):  # tile j = i + 1 at start_n
             st = i % _NUM_STAGES
             nx = (i + 1) % _NUM_STAGES
@@ -262,8 +292,8 @@ if GLUON_ERROR is None:
             acc = warpgroup_mma(p16, v_smem.index(st), acc * alpha[:, None], is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j (P̃_{j-1}·V_{j-1} may still run)
             mbarrier.arrive(k_empty.index(nx), count=1)
-            p16, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n, first, c, causal, sc, cap, wl, wr, seqlen,
-                                            HEAD_DIM, dtype, SOFTCAP, WINDOW, EDGES)
+            p16, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n, first, c, causal, sc, cap, wl, wr, kend,
+                                            HEAD_DIM, dtype, SOFTCAP, WINDOW, KEYMASK)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(st), count=1)
             i += 1
@@ -293,37 +323,44 @@ if GLUON_ERROR is None:
             gl.store(LOG2L + offs_m, gl.log2(l_i))
             tma.store_wait(pendings=0)
 
-    def _partition(half: int, softcap: bool, window: bool, edges: bool):
-        """A consumer partition of gl.warp_specialize for one half of the rows, with SOFTCAP, WINDOW and EDGES (sequence
-        ends inside tiles) compiled in: constexpr arguments do not survive gl.warp_specialize, closure constants do."""
+    def _partition(half: int, softcap: bool, window: bool, edges: bool, keypad: bool = False):
+        """A consumer partition of gl.warp_specialize for one half of the rows, with SOFTCAP, WINDOW, EDGES (sequence
+        ends inside tiles) and key padding (keys from ``kend`` on masked) compiled in: constexpr arguments do not
+        survive gl.warp_specialize, closure constants do."""
         HALF, SOFTCAP, WINDOW = gl.constexpr(half), gl.constexpr(softcap), gl.constexpr(window)
-        EDGES = gl.constexpr(edges)
+        EDGES, KEYMASK = gl.constexpr(edges), gl.constexpr(edges or keypad)
 
         @gluon.jit
         def consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, O, M, LOG2L, o_row, row0,
-                     o_col, o_stride, lo, hi, seqlen, c, causal, sc, cap, wl, wr):
+                     o_col, o_stride, lo, hi, seqlen, kend, c, causal, sc, cap, wl, wr):
             _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, O, M, LOG2L, HALF, o_row,
-                      row0, o_col, o_stride, lo, hi, seqlen, c, causal, sc, cap, wl, wr, SOFTCAP, WINDOW, EDGES)
+                      row0, o_col, o_stride, lo, hi, seqlen, kend, c, causal, sc, cap, wl, wr, SOFTCAP, WINDOW, EDGES,
+                      KEYMASK)
 
         return consumer
 
     @functools.lru_cache(maxsize=None)
-    def _kernel_for(softcap: bool, window: bool, varlen: bool = False, edges: bool = False):
-        """The forward kernel, with or without the logit softcap, the sliding window, packed sequences (varlen) and
-        sequence ends inside tiles (edges: a seqlen that is not a multiple of 128; implied by varlen)."""
+    def _kernel_for(softcap: bool, window: bool, varlen: bool = False, edges: bool = False, keypad: bool = False):
+        """The forward kernel, with or without the logit softcap, the sliding window, packed sequences (varlen),
+        sequence ends inside tiles (edges: a seqlen that is not a multiple of 128; implied by varlen) and right key
+        padding (keypad: batch row b's keys from SEQLENS[b] on masked, not with window or varlen)."""
+        if keypad and (window or varlen):
+            raise ValueError("keypad: not with window or varlen")
         edges = edges or varlen
-        consumer0, consumer1 = _partition(0, softcap, window, edges), _partition(1, softcap, window, edges)
-        WINDOW, VARLEN = gl.constexpr(window), gl.constexpr(varlen)
+        consumer0, consumer1 = _partition(0, softcap, window, edges, keypad), _partition(1, softcap, window, edges, keypad)
+        loader = _keypad_loader if keypad else _loader
+        WINDOW, VARLEN, KEYPAD = gl.constexpr(window), gl.constexpr(varlen), gl.constexpr(keypad)
 
         @gluon.jit
-        def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, M, LOG2L, CU, c, H, GROUP, N_CTX, causal,
-                               q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr):
+        def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, M, LOG2L, CU, SEQLENS, K, V, c, H, GROUP, N_CTX, causal,
+                               q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, k_cols, v_cols, sc, cap, wl, wr):
             # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch);
             # (batch, seqlen, heads, headdim) memory has rb = seqlen, rh = 0, ch = headdim; (batch, heads,
             # seqlen, headdim) memory rb = heads·seqlen, rh = seqlen, ch = 0 (see _tma_view); the last tile of a seqlen
             # that is not a multiple of 128 reads the next batch row's or head's rows (masked). VARLEN: b is the
             # sequence, the tensors are packed (1, total, heads, headdim) views (N_CTX = total), its rows start at
-            # CU[b], and m, log2l are (nheads, total).
+            # CU[b], and m, log2l are (nheads, total). KEYPAD: keys [0, SEQLENS[b]) of batch row b are valid; K, V
+            # point at k, v, whose 2-D views have k_cols, v_cols columns (for the loader's descriptors of them).
             HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
             dtype: gl.constexpr = q_desc.dtype
             pid_bh = gl.program_id(1)
@@ -349,6 +386,10 @@ if GLUON_ERROR is None:
                 hi = gl.minimum(seqlen, row0 + _BLOCK_M)
             if WINDOW:  # the key tiles some row of the block sees
                 lo, hi = window_tiles(row0, _BLOCK_M, wl, wr, seqlen, _BLOCK_N)
+            kend = seqlen
+            if KEYPAD:  # no tile past the last valid key (seqlens_k >= 1: every block keeps one)
+                kend = gl.load(SEQLENS + b)
+                hi = gl.minimum(hi, kend)
             stats = M + (b * H + h).to(gl.int64) * N_CTX + start
             stats2 = LOG2L + (b * H + h).to(gl.int64) * N_CTX + start
 
@@ -361,12 +402,12 @@ if GLUON_ERROR is None:
             v_ready, v_empty = ring_barriers(_NUM_STAGES)
 
             consumer_args = (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, O, stats, stats2,
-                             o_row, row0, o_col, H * HEAD_DIM, lo, hi, seqlen, c, causal, sc, cap, wl, wr)
+                             o_row, row0, o_col, H * HEAD_DIM, lo, hi, seqlen, kend, c, causal, sc, cap, wl, wr)
             gl.warp_specialize([
                 (consumer0, consumer_args),
                 (consumer1, consumer_args),
-                (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                           q_row, q_col, k_row, hk * k_ch, v_row, hk * v_ch, lo, hi)),
+                (loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                          q_row, q_col, K, V, kend, k_cols, v_cols, k_row, hk * k_ch, v_row, hk * v_ch, lo, hi)),
             ], [4, 1], [232, 24])
 
         return _hopper_fwd_kernel
@@ -407,7 +448,8 @@ def _tma_view(x: torch.Tensor):
 
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether this forward serves the (already validated, dense, unmasked beyond ``causal``) inputs.
+    """Whether this forward serves the (already validated, dense) inputs; the caller checks the rest (no dropout,
+    key padding only without a window).
 
     Args:
         q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), as
@@ -485,7 +527,8 @@ def _descriptors(q, k, v, o):
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, softcap: float = 0.0,
-            window: tuple[int, int] | None = None, cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0):
+            window: tuple[int, int] | None = None, cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0,
+            seqlens_k: torch.Tensor | None = None):
     """FMA-safe attention forward on Hopper; call only where :func:`serves` is True.
 
     Args:
@@ -500,6 +543,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
         cu_seqlens, max_seqlen: packed sequences (:func:`serves_varlen`): q, k, v (1, total, nheads[_k], headdim)
             views, cu_seqlens int32 (nseq + 1,) (0, …, total; the queries' and the keys'), max_seqlen >= every
             sequence's length. Each sequence attends within itself (causal, window per sequence).
+        seqlens_k: None, or int32 (batch,) contiguous on q's device, each in [1, seqlen] (not checked): right key
+            padding, keys j >= seqlens_k[b] of batch row b masked (and with ``causal``); not with ``window`` or packed
+            sequences. The padded keys' values are never read into o (the loads come from device-made TMA
+            descriptors that end at seqlens_k[b]: :func:`launch`).
 
     Returns:
         o (batch, seqlen, nheads, headdim) in q's dtype; m, log2l (batch, nheads, seqlen) fp32: the row max
@@ -515,18 +562,35 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     descs, where = _descriptors(q, k, v, o)
     c = exponent_factor(softmax_scale, softcap)
     packed = cu_seqlens is not None
+    keypad = seqlens_k is not None
     grid = (triton.cdiv(max_seqlen if packed else n, BLOCK_M), (cu_seqlens.numel() - 1 if packed else b) * h)
-    _kernel_for(softcap > 0, window is not None, packed, n % BLOCK_M != 0)[grid](
-        *descs, o, m, log2l, cu_seqlens if packed else m, c, h, h // hk, n, int(bool(causal)), *where,
-        *feature_args(softmax_scale, softcap, window), num_warps=4,
-    )
+    kernel = _kernel_for(softcap > 0, window is not None, packed, n % BLOCK_M != 0, keypad)
+    launch(kernel, grid, q.device, keypad, *descs, o, m, log2l, cu_seqlens if packed else m,
+           seqlens_k if keypad else m, k, v, c, h, h // hk, n, int(bool(causal)), *where, _tma_view(k)[0][1],
+           _tma_view(v)[0][1], *feature_args(softmax_scale, softcap, window))
     return o, m, log2l
 
 
+def launch(kernel, grid, device: torch.device, keypad: bool, *args) -> None:
+    """Launch a Gluon kernel of this family with 4 warps in its default partition. With ``keypad`` its loader makes
+    TMA descriptors on the device (:func:`keys_descriptor`), which take global scratch memory from Triton's
+    allocator: one of ours (torch's caching allocator on ``device``) is set in a copy of the current context, so an
+    allocator the caller set stays as it was."""
+    if not keypad:
+        kernel[grid](*args, num_warps=4)
+        return
+
+    def run():
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+        kernel[grid](*args, num_warps=4)
+
+    contextvars.copy_context().run(run)
+
+
 def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple[str, ...] = (), softcap: bool = False,
-                 window: bool = False, varlen: bool = False, edges: bool = False):
-    """Compile the kernel (its softcap, window and / or packed-sequence variant) for sm_90 without a GPU (Triton's
-    ahead-of-time path), as CI does.
+                 window: bool = False, varlen: bool = False, edges: bool = False, keypad: bool = False):
+    """Compile the kernel (its softcap, window, packed-sequence and / or key-padding variant) for sm_90 without a GPU
+    (Triton's ahead-of-time path), as CI does.
 
     ``ones`` names integer arguments compiled as the constant 1, as Triton specializes them at launch
     (``causal`` = 1 for every causal call; ``H``, ``GROUP`` for one head or no GQA sharing).
@@ -538,10 +602,11 @@ def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple
     qo = tensordesc_type(dtype, _HALF_M.value, head_dim, qo_layout)
     kv = tensordesc_type(dtype, _BLOCK_N.value, head_dim, kv_layout)
     sig = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "O": pointer_type(dtype), "M": "*fp32", "LOG2L": "*fp32",
-           "CU": "*i32" if varlen else "*fp32", "c": "fp32",
-           "H": "i32", "GROUP": "i32", "N_CTX": "i32", "causal": "i32", **{f"{t}_{w}": "i32" for t in "qkv" for w in ("rb", "rh", "ch")},
+           "CU": "*i32" if varlen else "*fp32", "SEQLENS": "*i32" if keypad else "*fp32", "K": pointer_type(dtype),
+           "V": pointer_type(dtype), "c": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "causal": "i32",
+           **{f"{t}_{w}": "i32" for t in "qkv" for w in ("rb", "rh", "ch")}, "k_cols": "i32", "v_cols": "i32",
            "sc": "fp32", "cap": "fp32", "wl": "i32", "wr": "i32"}
-    return aot_compile_sm90(_kernel_for(bool(softcap), bool(window), bool(varlen), bool(edges)), sig,
+    return aot_compile_sm90(_kernel_for(bool(softcap), bool(window), bool(varlen), bool(edges), bool(keypad)), sig,
                             {arg: 1 for arg in ones})
 
 

@@ -167,7 +167,8 @@ class _Launcher:
     (dict(fix="none", window_size=(100, 37), softcap=30.0), True, True, False),
     (dict(fix="gproj_uniform", window_size=(64, 0)), False, False, None),  # the in-kernel uniform direction
     (dict(fix="gproj", dropout_p=0.1, dropout_seed=1), False, False, None),
-    (dict(fix="gproj", seqlens_k=torch.tensor([256, 200])), False, False, None),
+    (dict(fix="gproj", seqlens_k=torch.tensor([256, 200])), True, True, True),  # key padding: both Gluon passes
+    (dict(fix="none", seqlens_k=torch.tensor([256, 200]), window_size=(64, 0)), False, False, None),  # not with a window
     (dict(fix="gproj_uniform", softcap=30.0), False, False, None),  # the in-kernel uniform direction
 ])
 def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatch, kwargs, dq_routed, dkdv_routed,
@@ -177,9 +178,11 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
     none otherwise; every other call stays on the tl.dot kernels."""
     seen = {}
 
-    def fake_dq_pass(q, k, v, do, o, m, log2l, delta, dq, c, tau, causal, r=None, qr=None, softcap=0.0, window=None):
+    def fake_dq_pass(q, k, v, do, o, m, log2l, delta, dq, c, tau, causal, r=None, qr=None, softcap=0.0, window=None,
+                     seqlens_k=None):
         seen["dq"] = ("gluon", qr is not None, r is not None)
         assert softcap == kwargs.get("softcap", 0.0) and window == expected_window
+        assert_seqlens(seqlens_k)
         if r is not None:
             assert r.shape == m.shape and r.dtype == torch.float32
 
@@ -187,10 +190,17 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
         def __getitem__(self, grid):
             return lambda *a, **meta: seen.__setitem__("dq", ("tl.dot", meta["STORE_QR"], meta["GPROJ"]))
 
-    def fake_dkdv(q, k, v, do, m, log2l, delta, qr, *args):
+    def fake_dkdv(q, k, v, do, m, log2l, delta, qr, *args, seqlens_k=None):
         seen["qr"] = qr
         assert args[-2:] == (kwargs.get("softcap", 0.0), expected_window)  # the softcap and the window, last
+        assert_seqlens(seqlens_k)
         raise _Routed
+
+    def assert_seqlens(seqlens_k):  # key padding reaches both Gluon passes as int32 key lengths
+        if "seqlens_k" in kwargs:
+            assert seqlens_k.dtype == torch.int32 and seqlens_k.tolist() == kwargs["seqlens_k"].tolist()
+        else:
+            assert seqlens_k is None
 
     # The Gluon passes take the window as (wl, wr) >= 0 (these calls are causal: right = 0); no window: None.
     expected_window = {(64, 0): (64, 0), (100, 37): (100, 0)}.get(kwargs.get("window_size"))
@@ -277,8 +287,9 @@ def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj, soft
     dk, dv, key_sums = HB.dkdv(q, k, v, do, m, log2l, delta, qr, 1.0, 0.1, False, torch.float32, torch.bfloat16, True,
                                cap, window)
     assert launched == [(n // 128, b * h), (n // HB.BLOCK_N, b * hk)]
-    # (GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN, EDGES) of each launch
-    assert variants == [(gproj, not softcap, softcap, softcap, False, False), (gproj, False, softcap, softcap, False, False)]
+    # (GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN, EDGES, KEYPAD) of each launch
+    assert variants == [(gproj, not softcap, softcap, softcap, False, False, False),
+                        (gproj, False, softcap, softcap, False, False, False)]
     assert dk.dtype == torch.float32 and dv.dtype == torch.bfloat16 and dk.shape == dv.shape == k.shape
     assert key_sums.shape == (b, hk, d) and key_sums.dtype == torch.float64
 
@@ -321,7 +332,7 @@ def test_packed_launches_one_program_row_per_sequence_and_head(monkeypatch):
     class Launcher:
         def __init__(self, name, kernel_for, variant):
             self.name, self.names = name, kernel_for(*variant).arg_names
-            assert variant[-2:] == (True, True)  # the packed variant, with its sequence edges
+            assert variant[4:] == (True, True, False)  # the packed variant, with its sequence edges
 
         def __getitem__(self, grid):
             def launch(*args, num_warps):
@@ -355,7 +366,7 @@ def test_backward_routes_packed_sequences_to_the_gluon_passes(monkeypatch, grad_
     def fake_dq_pass(*args, cu_seqlens=None, max_seqlen=0, **kw):
         seen["dq"] = (cu_seqlens, max_seqlen)
 
-    def fake_dkdv(*args, cu_seqlens=None, max_seqlen=0):
+    def fake_dkdv(*args, cu_seqlens=None, max_seqlen=0, seqlens_k=None):
         seen["dkdv"] = (cu_seqlens, max_seqlen)
         raise _Routed
 
@@ -396,3 +407,60 @@ def test_backward_keeps_key_sums_off_the_edge_variant(monkeypatch, n, grad_dtype
     m, log2l = torch.zeros(1, 2, n), torch.full((1, 2, n), 8.0)
     with pytest.raises(_Routed if routed else _TlDot):
         B.backward(do, q, k, v, o, m, log2l, 128 ** -0.5, True, "gproj", grad_dtype=grad_dtype)
+
+
+@pytest.mark.parametrize("n", [256, 200], ids=["multiple of 128", "edges"])
+def test_key_padding_launches_the_keypad_variants_with_the_key_lengths(monkeypatch, n):
+    """dq_pass and dkdv with seqlens_k, on CPU tensors: the key-padding variant of both kernels, SEQLENS the key
+    lengths, the dQ pass given k and v themselves and their 2-D views' widths (for the descriptors it makes on the
+    device: (batch, seqlen, heads, headdim) memory has heads·headdim columns, (batch, heads, seqlen, headdim)
+    memory headdim), every kernel parameter given once."""
+    launched = {}
+
+    class Launcher:
+        def __init__(self, name, kernel_for, variant):
+            self.name, self.variant, self.names = name, variant, kernel_for(*variant).arg_names
+
+        def __getitem__(self, grid):
+            def launch(*args, num_warps):
+                assert len(args) == len(self.names)
+                launched[self.name] = (self.variant, grid, dict(zip(self.names, args)))
+            return launch
+
+    for name in ("_dq_kernel_for", "_dkdv_kernel_for"):
+        monkeypatch.setattr(HB, name, lambda *variant, name=name, real=getattr(HB, name): Launcher(name, real, variant))
+    b, h, hk, d = 2, 4, 2, 128
+    q, do, o, qr = (_t(b, n, h, d) for _ in range(4))
+    k = _t(b, n, hk, d)
+    v = torch.zeros(b, hk, n, d, dtype=torch.bfloat16).transpose(1, 2)  # heads-major memory
+    m, log2l, delta, r = (torch.zeros(b, h, n) for _ in range(4))
+    seqlens_k = torch.tensor([n, 17], dtype=torch.int32)
+    HB.dq_pass(q, k, v, do, o, m, log2l, delta, torch.empty(b, n, h, d), 1.0, 0.1, True, r, qr, seqlens_k=seqlens_k)
+    HB.dkdv(q, k, v, do, m, log2l, delta, qr, 1.0, 0.1, True, torch.float32, torch.bfloat16, n % 128 == 0,
+            seqlens_k=seqlens_k)
+    edges = n % 128 != 0
+    dq_variant, dq_grid, dq_args = launched["_dq_kernel_for"]
+    dkdv_variant, dkdv_grid, dkdv_args = launched["_dkdv_kernel_for"]
+    assert dq_variant == (True, True, False, False, False, edges, True) == dkdv_variant
+    assert dq_grid == (2, b * h) and dkdv_grid == (2, b * hk)
+    assert dq_args["SEQLENS"] is seqlens_k and dkdv_args["SEQLENS"] is seqlens_k
+    assert dq_args["K"] is k and dq_args["V"] is v and (dq_args["k_cols"], dq_args["v_cols"]) == (hk * d, d)
+
+
+@pytest.mark.parametrize("which, gproj, causal", [("dq", True, True), ("dkdv", True, True), ("dq", False, False)],
+                         ids=["dq-gproj-causal", "dkdv-gproj-causal", "dq-none-full"])
+def test_key_padding_variants_compile_for_sm90(which, gproj, causal):
+    """Right key padding (bf16, d 128): the dQ pass's loader makes its K/V descriptors on the device (tensormap
+    edits of the global extent, fenced before the first TMA load); the dK/dV pass makes none (its padded keys' dk
+    rows are zeroed instead) but tests the key bound; a window with key padding is refused at build time."""
+    compile_ = HB.compile_dq_sm90 if which == "dq" else HB.compile_sm90
+    kernel = compile_(torch.bfloat16, gproj, causal, None, (), False, keypad=True)
+    plain = compile_(torch.bfloat16, gproj, causal, None, (), False)
+    assert_hopper_kernel(kernel, 2 * (6 if gproj else 3) if which == "dq" else 2 * (5 if gproj else 4))
+    ptx = kernel.asm["ptx"]
+    made = ptx.count("tensormap.replace.tile.global_dim")
+    assert (made, "fence.proxy.tensormap" in ptx) == ((4, True) if which == "dq" else (0, False))
+    assert ptx.count("setp.") > plain.asm["ptx"].count("setp.")
+    with pytest.raises(ValueError, match="keypad"):
+        compile_(torch.bfloat16, gproj, False, None, (), False, window=True, keypad=True)
+

@@ -135,22 +135,24 @@ def test_tma_tiles_address_the_tensor(layout):
     ({"softcap": 5.0}, False, False),
     ({"softcap": 5.0}, True, True),
     ({"dropout_p": 0.1}, True, None),
-    ({"seqlens_k": torch.tensor([100, 128], dtype=torch.int32)}, False, None),
+    ({"seqlens_k": torch.tensor([100, 128], dtype=torch.int32)}, False, False),
+    ({"seqlens_k": torch.tensor([100, 128], dtype=torch.int32), "window_size": (4, 0)}, False, None),
     ({"cu_seqlens_q": torch.tensor([0, 128, 256], dtype=torch.int32), "max_seqlen_q": 128,
       "cu_seqlens_k": torch.tensor([0, 128, 256], dtype=torch.int32), "max_seqlen_k": 128}, False, None),
 ], ids=["dense", "causal", "window (-1, 0)", "window (-1, -1) causal", "left window", "right window", "softcap",
-        "softcap causal", "dropout", "seqlens_k", "packed"])
+        "softcap causal", "dropout", "seqlens_k", "seqlens_k with a window", "packed"])
 def test_forward_dispatch_sends_only_dense_inputs_to_the_gluon_kernel(monkeypatch, kwargs, causal, gluon_causal):
-    """attention_fwd.forward hands a call to the Gluon kernel (where serves() says it can) only without key
-    padding, dropout and packing — which that kernel would silently ignore —, with the causal flag the window
-    spelling implies (gluon_causal; None: the tl.dot kernel runs instead), the softcap and the window bounds."""
+    """attention_fwd.forward hands a dense call to the Gluon kernel (where serves() says it can) only without
+    dropout and without key padding and a window together — which that kernel does not implement —, with the causal
+    flag the window spelling implies (gluon_causal; None: the tl.dot kernel runs instead), the softcap, the window
+    bounds and the key lengths."""
     from lightning_gproj.kernels import attention_fwd as F
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # F.supports' CPU condition; nothing below launches a kernel
     calls = []
     monkeypatch.setattr(H, "serves", lambda q, k, v: True)
-    monkeypatch.setattr(H, "forward", lambda q, k, v, scale, c, softcap, window: calls.append(("gluon", c, softcap, window))
-                        or (q, None, None))
+    monkeypatch.setattr(H, "forward", lambda q, k, v, scale, c, softcap, window, seqlens_k=None:
+                        calls.append(("gluon", c, softcap, window, seqlens_k)) or (q, None, None))
 
     class TlDot:
         def __getitem__(self, grid):
@@ -166,7 +168,11 @@ def test_forward_dispatch_sends_only_dense_inputs_to_the_gluon_kernel(monkeypatc
     else:
         # A window reaches the kernel as (wl, wr) >= 0 (an unbounded side: nq + nk = 512 here) with causal off.
         window = {(4, 0): (4, 0), (-1, 3): (512, 3)}.get(kwargs.get("window_size"))
-        assert calls == [("gluon", gluon_causal, kwargs.get("softcap", 0.0), window)]
+        assert calls[0][:4] == ("gluon", gluon_causal, kwargs.get("softcap", 0.0), window) and len(calls) == 1
+        if "seqlens_k" in kwargs:
+            assert calls[0][4].tolist() == kwargs["seqlens_k"].tolist()
+        else:
+            assert calls[0][4] is None
 
 
 def test_benchmark_variants_still_apply_and_compile():
@@ -242,14 +248,17 @@ def test_forward_dispatch_sends_packed_sequences_to_the_gluon_kernel(monkeypatch
     assert o.shape == (300, 4, 128) and m.shape == log2l.shape == (4, 300)
 
 
-@pytest.mark.parametrize("n, packed, grid, variant", [
-    (256, False, (2, 8), (False, False, False, False)),
-    (200, False, (2, 8), (False, False, False, True)),
-    (300, True, (2, 8), (False, False, True, True)),  # max_seqlen 200: 2 blocks; 2 sequences × 4 heads
-], ids=["multiple of 128", "edges", "packed"])
-def test_forward_launches_the_edge_variant_where_seqlen_is_ragged(monkeypatch, n, packed, grid, variant):
+@pytest.mark.parametrize("n, packed, keypad, grid, variant", [
+    (256, False, False, (2, 8), (False, False, False, False, False)),
+    (200, False, False, (2, 8), (False, False, False, True, False)),
+    (300, True, False, (2, 8), (False, False, True, True, False)),  # max_seqlen 200: 2 blocks; 2 sequences × 4 heads
+    (256, False, True, (2, 8), (False, False, False, False, True)),
+    (200, False, True, (2, 8), (False, False, False, True, True)),
+], ids=["multiple of 128", "edges", "packed", "key padding", "key padding, edges"])
+def test_forward_launches_the_edge_variant_where_seqlen_is_ragged(monkeypatch, n, packed, keypad, grid, variant):
     """forward up to the launch on CPU tensors: the grid covers every row (cdiv), the edge variant is compiled in
-    exactly where a block can end past the sequence, and every kernel parameter gets one argument."""
+    exactly where a block can end past the sequence, the key-padding variant exactly with seqlens_k, and every
+    kernel parameter gets one argument."""
     launched = []
 
     real = H._kernel_for
@@ -268,5 +277,49 @@ def test_forward_launches_the_edge_variant_where_seqlen_is_ragged(monkeypatch, n
     b = 1 if packed else 2
     q, k, v = (torch.zeros(b, n, h, 128, dtype=torch.bfloat16) for h in (4, 2, 2))
     cu = torch.tensor([0, 100, 300], dtype=torch.int32) if packed else None
-    H.forward(q, k, v, 0.1, False, cu_seqlens=cu, max_seqlen=200 if packed else 0)
+    seqlens_k = torch.tensor([n, 17], dtype=torch.int32) if keypad else None
+    H.forward(q, k, v, 0.1, False, cu_seqlens=cu, max_seqlen=200 if packed else 0, seqlens_k=seqlens_k)
     assert launched == [(grid, variant)]
+
+
+def test_launch_lends_an_allocator_for_device_made_descriptors_and_takes_it_back():
+    """With key padding the kernels make TMA descriptors on the device, whose scratch memory Triton's launcher asks
+    its allocator for: launch() sets one (torch memory on the tensors' device) for that launch only, in a copy of
+    the context, so that no allocator (or the caller's own) is what Triton sees after it."""
+    from triton.runtime import _allocation
+
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def run(*args, num_warps):
+                seen.append((grid, args, num_warps))
+                if args[0]:  # the keypad launch: the allocator Triton's launcher would call
+                    buffer = _allocation._allocator.get()(256 * 8, 128, None)
+                    seen.append((buffer.device, buffer.dtype, buffer.numel()))
+            return run
+
+    before = _allocation._allocator.get()
+    H.launch(Kernel(), (8, 2), torch.device("cpu"), True, True, 7)
+    assert seen == [((8, 2), (True, 7), 4), (torch.device("cpu"), torch.int8, 2048)]
+    assert _allocation._allocator.get() is before
+    seen.clear()
+    H.launch(Kernel(), (1, 1), torch.device("cpu"), False, False)
+    assert seen == [((1, 1), (False,), 4)]
+
+
+@pytest.mark.parametrize("ones", [(), ("causal",)], ids=["full", "causal"])
+def test_key_padding_variant_compiles_for_sm90_with_device_made_descriptors(ones):
+    """Right key padding (bf16, d 128): the loader makes the K and V descriptors on the device (two global
+    dimensions each, edited in a tensormap and fenced before use), o keeps its TMA store, and the key bound is
+    tested; with a window or packed sequences the variant is refused at build time."""
+    kernel = H.compile_sm90(128, torch.bfloat16, ones, keypad=True)
+    dense = H.compile_sm90(128, torch.bfloat16, ones)
+    assert_hopper_kernel(kernel, 4)
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("tensormap.replace.tile.global_dim") == 4 and "fence.proxy.tensormap" in ptx
+    assert "cp.async.bulk.tensor.2d.global.shared" in ptx
+    assert ptx.count("setp.") > dense.asm["ptx"].count("setp.")
+    for feature in ("window", "varlen"):
+        with pytest.raises(ValueError, match="keypad"):
+            H.compile_sm90(128, torch.bfloat16, ones, keypad=True, **{feature: True})

@@ -818,7 +818,9 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
         hopper = hopper and attention_bwd_hopper.serves_varlen(q, k, v, do, varlen, key_sums=want_key_sums)
     else:
         hopper = hopper and attention_bwd_hopper.serves(q, k, v, do, key_sums=want_key_sums)
+    # Both Gluon passes: the sequences when packed, and one dict for their TMA descriptors (q, do, k, v built once).
     gluon_args = dict(cu_seqlens=varlen[0], max_seqlen=varlen[2]) if packed else {}
+    gluon_args["descriptors"] = {}
     window = (win["WL"], win["WR"]) if win["WINDOW"] else None
     do_tma = attention_bwd_hopper.tma_ready(do) if hopper else None
     if do_tma is None:

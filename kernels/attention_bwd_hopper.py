@@ -787,20 +787,27 @@ def _layout(head_dim: int, dtype: torch.dtype):
     return _layouts(head_dim, dtype)[0]
 
 
-def _descriptors(*tensors):
+def _descriptors(*tensors, shared: dict | None = None):
     """TMA descriptors of ``tensors`` in 64-row tiles and their tile locators (rb, rh, ch), in the kernels'
-    argument order."""
+    argument order. ``shared``: a dict that both passes of one backward pass in (keyed by the tensors' ids, so it
+    must not outlive them): q, do, k and v are described once for the two (building a descriptor is most of the
+    host time of a launch: benchmarks/NOTES.md, runs 30 and 31)."""
     descs, where = [], []
     for x in tensors:
-        desc, loc = tma_descriptor(x, TILE_ROWS, _layout(x.shape[3], x.dtype))
-        descs.append(desc)
-        where += loc
+        made = None if shared is None else shared.get(id(x))
+        if made is None:
+            made = tma_descriptor(x, TILE_ROWS, _layout(x.shape[3], x.dtype))
+            if shared is not None:
+                shared[id(x)] = made
+        descs.append(made[0])
+        where += made[1]
     return descs, where
 
 
 def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causal: bool, dk_dtype: torch.dtype,
          dv_dtype: torch.dtype, want_key_sums: bool, softcap: float = 0.0, window: tuple[int, int] | None = None,
-         cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0, seqlens_k: torch.Tensor | None = None):
+         cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0, seqlens_k: torch.Tensor | None = None,
+         descriptors: dict | None = None):
     """The dK/dV pass on Hopper; call only where :func:`serves` is True, after the dQ pass.
 
     Args:
@@ -822,6 +829,8 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
         seqlens_k: None, or int32 (batch,) contiguous, each in [1, seqlen] (not checked): right key padding as the
             forward ran with it (kernels/attention_fwd_hopper.forward); not with ``window`` or packed sequences.
             Padded keys get dk = dv = 0 exactly, and their values reach no other result.
+        descriptors: None, or a dict shared with :func:`dq_pass` of the same backward (its TMA descriptors of q, do, k,
+            v are reused; the dict must not outlive the tensors).
 
     Returns:
         dk, dv (batch, seqlen, nheads_k, headdim) contiguous in dk_dtype / dv_dtype (GQA: summed over each kv
@@ -838,7 +847,7 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
         raise ValueError("dkdv: key sums are kept only for a seqlen that is a multiple of 128, not packed")
     slots = n // KEYS_PER_SUM
     ks = torch.empty((b, hk, slots, d), dtype=torch.float32, device=q.device) if want_key_sums else delta
-    descs, where = _descriptors(q, do, q if qr is None else qr, k, v)  # q: a placeholder the kernel never reads
+    descs, where = _descriptors(q, do, q if qr is None else qr, k, v, shared=descriptors)  # q: a placeholder, not read
     grid = (triton.cdiv(max_seqlen if packed else n, BLOCK_N), (cu_seqlens.numel() - 1 if packed else b) * hk)
     keypad = seqlens_k is not None
     kernel = _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0, window is not None, packed, edges, keypad)
@@ -896,7 +905,7 @@ _e0_cached = functools.lru_cache(maxsize=None)(_e0_tile)
 
 def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float, causal: bool, r=None, qr=None,
             softcap: float = 0.0, window: tuple[int, int] | None = None, cu_seqlens: torch.Tensor | None = None,
-            max_seqlen: int = 0, seqlens_k: torch.Tensor | None = None):
+            max_seqlen: int = 0, seqlens_k: torch.Tensor | None = None, descriptors: dict | None = None):
     """The dQ pass on Hopper, fix "none" or "gproj"; call only where :func:`serves` is True, with do and o as
     :func:`tma_ready` returns them (o shaped like q, in its dtype).
 
@@ -916,10 +925,11 @@ def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float,
             total)).
         seqlens_k: None, or right key padding as :func:`dkdv` takes it; the K/V tiles are loaded through TMA
             descriptors made on the device that end at seqlens_k[b] (kernels/attention_fwd_hopper.launch).
+        descriptors: None, or a dict shared with :func:`dkdv`, as there.
     """
     b, n, h, d = q.shape
     hk = k.shape[2]
-    descs, where = _descriptors(q, do, o, k, v)
+    descs, where = _descriptors(q, do, o, k, v, shared=descriptors)
     gproj = r is not None
     e0 = _e0(q.device, q.dtype) if gproj else descs[0]  # fix="none": a placeholder the kernel never reads
     packed = cu_seqlens is not None

@@ -179,7 +179,8 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
     seen = {}
 
     def fake_dq_pass(q, k, v, do, o, m, log2l, delta, dq, c, tau, causal, r=None, qr=None, softcap=0.0, window=None,
-                     seqlens_k=None):
+                     seqlens_k=None, descriptors=None):
+        seen["descriptors"] = descriptors
         seen["dq"] = ("gluon", qr is not None, r is not None)
         assert softcap == kwargs.get("softcap", 0.0) and window == expected_window
         assert_seqlens(seqlens_k)
@@ -190,8 +191,9 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
         def __getitem__(self, grid):
             return lambda *a, **meta: seen.__setitem__("dq", ("tl.dot", meta["STORE_QR"], meta["GPROJ"]))
 
-    def fake_dkdv(q, k, v, do, m, log2l, delta, qr, *args, seqlens_k=None):
+    def fake_dkdv(q, k, v, do, m, log2l, delta, qr, *args, seqlens_k=None, descriptors=None):
         seen["qr"] = qr
+        assert descriptors == {} and (seen.get("descriptors") is descriptors or seen["dq"][0] == "tl.dot")  # one dict
         assert args[-2:] == (kwargs.get("softcap", 0.0), expected_window)  # the softcap and the window, last
         assert_seqlens(seqlens_k)
         raise _Routed
@@ -366,7 +368,7 @@ def test_backward_routes_packed_sequences_to_the_gluon_passes(monkeypatch, grad_
     def fake_dq_pass(*args, cu_seqlens=None, max_seqlen=0, **kw):
         seen["dq"] = (cu_seqlens, max_seqlen)
 
-    def fake_dkdv(*args, cu_seqlens=None, max_seqlen=0, seqlens_k=None):
+    def fake_dkdv(*args, cu_seqlens=None, max_seqlen=0, seqlens_k=None, descriptors=None):
         seen["dkdv"] = (cu_seqlens, max_seqlen)
         raise _Routed
 
@@ -464,3 +466,35 @@ def test_key_padding_variants_compile_for_sm90(which, gproj, causal):
     with pytest.raises(ValueError, match="keypad"):
         compile_(torch.bfloat16, gproj, False, None, (), False, window=True, keypad=True)
 
+
+def test_the_two_passes_of_a_backward_share_their_tma_descriptors(monkeypatch):
+    """dq_pass then dkdv with one ``descriptors`` dict (as attention_bwd's two-pass backward hands them): q, do, k and v
+    are described once (the same descriptor objects reach both launches), the dQ pass's o and the dK/dV pass's
+    −ρ∘Q get their own; without a dict every launch builds its own."""
+    launched = {}
+
+    class Launcher:
+        def __init__(self, name, kernel_for, variant):
+            self.name, self.names = name, kernel_for(*variant).arg_names
+
+        def __getitem__(self, grid):
+            def launch(*args, num_warps):
+                launched[self.name] = dict(zip(self.names, args))
+            return launch
+
+    for name in ("_dq_kernel_for", "_dkdv_kernel_for"):
+        monkeypatch.setattr(HB, name, lambda *variant, name=name, real=getattr(HB, name): Launcher(name, real, variant))
+    b, n, h, hk, d = 2, 256, 4, 2, 128
+    q, do, o, qr = (_t(b, n, h, d) for _ in range(4))
+    k, v = _t(b, n, hk, d), _t(b, n, hk, d)
+    m, log2l, delta, r = (torch.zeros(b, h, n) for _ in range(4))
+    for shared in ({}, None):
+        HB.dq_pass(q, k, v, do, o, m, log2l, delta, torch.empty(b, n, h, d), 1.0, 0.1, True, r, qr, descriptors=shared)
+        HB.dkdv(q, k, v, do, m, log2l, delta, qr, 1.0, 0.1, True, torch.bfloat16, torch.bfloat16, False,
+                descriptors=shared)
+        dq_args, dkdv_args = launched["_dq_kernel_for"], launched["_dkdv_kernel_for"]
+        same = [dq_args[f"{x}_desc"] is dkdv_args[f"{x}_desc"] for x in ("q", "do", "k", "v")]
+        assert same == [shared is not None] * 4
+        assert dq_args["o_desc"] is not dkdv_args["qr_desc"]
+        if shared is not None:
+            assert len(shared) == 6  # q, do, o, k, v, −ρ∘Q

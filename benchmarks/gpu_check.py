@@ -248,7 +248,7 @@ def hopper_bwd_check(dev, softcap=0.0, window=(-1, -1), shapes=None):
 #: hopper_keypad: right key padding, (B, N, H, Hk, d, causal, dtype, seqlens_k).
 KEYPAD = [(3, 1024, 8, 2, 128, True, torch.bfloat16, [1024, 700, 1]), (2, 1024, 8, 2, 128, False, torch.bfloat16, [129, 1024]),
           (2, 1000, 4, 4, 64, True, torch.float16, [1000, 77]), (2, 1024, 8, 8, 128, True, "bhsd", [300, 1024]),
-          (2, 640, 4, 1, 64, False, torch.bfloat16, [640, 128])]
+          (2, 640, 4, 1, 64, False, torch.bfloat16, [640, 128]), (2, 1000, 4, 2, 128, False, torch.bfloat16, [1000, 77])]
 
 
 def hopper_keypad_check(dev, softcap=0.0):

@@ -59,7 +59,7 @@ if GLUON_ERROR is None:
     cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     from lightning_gproj.kernels.attention_fwd_hopper import (
-        aot_compile_sm90, keys_descriptor, rcp_approx, ring_barriers, ring_load_pair, sequence_span, softcap_and_grad, tensordesc_type, tma_load,
+        aot_compile_sm90, key_end, keys_descriptor, rcp_approx, ring_barriers, ring_load_pair, sequence_span, softcap_and_grad, tensordesc_type, tma_load,
         window_crosses,
         window_mask, window_sees, window_tiles,
     )
@@ -352,7 +352,7 @@ if GLUON_ERROR is None:
             ks = KS + pid_bh.to(gl.int64) * (N_CTX // _HALF_N) * HEAD_DIM + pid_n * 2 * HEAD_DIM
             kend = seqlen
             if KEYPAD:
-                kend = gl.load(SEQLENS + b)
+                kend = key_end(SEQLENS, b, seqlen)
                 if start_n >= kend:
                     zero_keys(DK, DV, ks, out_row, hk * HEAD_DIM, HK * HEAD_DIM, seqlen - start_n, key_sums, HEAD_DIM)
                     return
@@ -704,7 +704,7 @@ if GLUON_ERROR is None:
                 lo, hi = window_tiles(row0, _DQ_BLOCK_M, wl, wr, seqlen, _DQ_BLOCK_N)
             kend = seqlen
             if KEYPAD:  # no tile past the last valid key (seqlens_k >= 1: every block keeps one)
-                kend = gl.load(SEQLENS + b)
+                kend = key_end(SEQLENS, b, seqlen)
                 hi = gl.minimum(hi, kend)
             stats = (b * H + h).to(gl.int64) * N_CTX + start
 

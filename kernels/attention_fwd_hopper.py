@@ -137,6 +137,13 @@ if GLUON_ERROR is None:
                     q_col, 0, k_col, 0, v_col, lo, hi)
 
     @gluon.jit
+    def key_end(SEQLENS, b, seqlen):
+        """Batch row b's key count SEQLENS[b], clamped to [1, seqlen]: the callers promise that range (the public op
+        checks it) but the kernels do not read it on the host; out of it a row without keys would leave the consumers
+        waiting for a tile never loaded (a hang), and one past seqlen a descriptor reaching past the tensor."""
+        return gl.minimum(gl.maximum(gl.load(SEQLENS + b), 1), seqlen)
+
+    @gluon.jit
     def keys_descriptor(X, klen, cols, desc):
         """A TMA descriptor, made on the device, of one (batch row, kv head)'s keys: X points at its key 0 in desc's
         2-D view (``cols`` columns), rows [0, klen) are the valid keys (right key padding); a tile reaching past klen
@@ -388,7 +395,7 @@ if GLUON_ERROR is None:
                 lo, hi = window_tiles(row0, _BLOCK_M, wl, wr, seqlen, _BLOCK_N)
             kend = seqlen
             if KEYPAD:  # no tile past the last valid key (seqlens_k >= 1: every block keeps one)
-                kend = gl.load(SEQLENS + b)
+                kend = key_end(SEQLENS, b, seqlen)
                 hi = gl.minimum(hi, kend)
             stats = M + (b * H + h).to(gl.int64) * N_CTX + start
             stats2 = LOG2L + (b * H + h).to(gl.int64) * N_CTX + start

@@ -168,6 +168,7 @@ class _Launcher:
     (dict(fix="gproj_uniform", window_size=(64, 0)), False, False, None),  # the in-kernel uniform direction
     (dict(fix="gproj", dropout_p=0.1, dropout_seed=1), False, False, None),
     (dict(fix="gproj", seqlens_k=torch.tensor([256, 200])), True, True, True),  # key padding: both Gluon passes
+    (dict(fix="none", seqlens_k=torch.tensor([256, 200]), window_size=(-1, 0)), True, True, False),  # causal + padding
     (dict(fix="none", seqlens_k=torch.tensor([256, 200]), window_size=(64, 0)), False, False, None),  # not with a window
     (dict(fix="gproj_uniform", softcap=30.0), False, False, None),  # the in-kernel uniform direction
 ])

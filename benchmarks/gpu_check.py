@@ -144,6 +144,19 @@ RAGGED_BWD = [(2, 1000, 8, 2, 128, False, torch.bfloat16), (2, 1000, 8, 2, 128, 
               (1, 333, 4, 4, 64, True, torch.float16), (2, 1000, 8, 1, 64, False, torch.bfloat16)]  # d 64: run 30
 
 
+def _inputs(dev, b, n, h, hk, d, dt, heads_major=""):
+    """q, do (b, n, h, d) and k, v (b, n, hk, d) in dt, keys offset by 2 (the leak's channel), drawn in that order; the
+    tensors named in ``heads_major`` ("qv", "kv") in (B, H, N, d) memory, as Hugging Face models hand them over."""
+    q = torch.randn(b, n, h, d, device=dev, dtype=dt)
+    k = (torch.randn(b, n, hk, d, device=dev) + 2.0).to(dt)
+    v = torch.randn(b, n, hk, d, device=dev, dtype=dt)
+    x = {"q": q, "k": k, "v": v}
+    for name in heads_major:
+        x[name] = x[name].transpose(1, 2).contiguous().transpose(1, 2)
+    do = torch.randn(b, n, h, d, device=dev, dtype=dt)
+    return x["q"], x["k"], x["v"], do
+
+
 def hopper_check(dev, softcap=0.0, window=(-1, -1), shapes=None):
     """The sm_90 Gluon forward (kernels/attention_fwd_hopper.py) through attention_fwd.forward's dispatch:
     o, m, log2l against reference.py and against the tl.dot forward (GPROJ_HOPPER_FWD=0), the backward fed
@@ -159,12 +172,7 @@ def hopper_check(dev, softcap=0.0, window=(-1, -1), shapes=None):
             (1, 384, 2, 2, 64, False, torch.bfloat16), (2, 1024, 8, 2, 128, True, "bhsd")]:
         heads_major = dt == "bhsd"  # q, v in (B, H, N, d) memory, as Hugging Face models hand them over
         dt = torch.bfloat16 if heads_major else dt
-        q = torch.randn(b, n, h, d, device=dev, dtype=dt)
-        k = (torch.randn(b, n, hk, d, device=dev) + 2.0).to(dt)
-        v = torch.randn(b, n, hk, d, device=dev, dtype=dt)
-        if heads_major:
-            q, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, v))
-        do = torch.randn(b, n, h, d, device=dev, dtype=dt)
+        q, k, v, do = _inputs(dev, b, n, h, hk, d, dt, "qv" if heads_major else "")
         tau = d ** -0.5
         served = HF.serves(q, k, v)
         o, m, l2 = F.forward(q, k, v, tau, causal, softcap=softcap, window_size=window)
@@ -263,12 +271,7 @@ def hopper_keypad_check(dev, softcap=0.0):
     for (b, n, h, hk, d, causal, dt, lens) in KEYPAD:
         heads_major = dt == "bhsd"
         dt = torch.bfloat16 if heads_major else dt
-        q = torch.randn(b, n, h, d, device=dev, dtype=dt)
-        k = (torch.randn(b, n, hk, d, device=dev) + 2.0).to(dt)
-        v = torch.randn(b, n, hk, d, device=dev, dtype=dt)
-        if heads_major:
-            k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
-        do = torch.randn(b, n, h, d, device=dev, dtype=dt)
+        q, k, v, do = _inputs(dev, b, n, h, hk, d, dt, "kv" if heads_major else "")
         sk = torch.tensor(lens, dtype=torch.int32, device=dev)
         hidden = torch.arange(n, device=dev)[None, :] >= sk[:, None]
         tau = d ** -0.5

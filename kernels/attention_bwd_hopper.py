@@ -424,8 +424,8 @@ if GLUON_ERROR is None:
                           v_cols, k_row, k_col, v_row, v_col, lo, hi, GPROJ):
         """The dQ pass's loader partition with right key padding: the K/V tiles through descriptors of the batch row's
         valid keys [0, kend) (kernels/attention_fwd_hopper.keys_descriptor, as its _keypad_loader), zero past them."""
-        k_keys = keys_descriptor(K + k_row.to(gl.int64) * k_cols, kend, k_cols, k_desc)
-        v_keys = keys_descriptor(V + v_row.to(gl.int64) * v_cols, kend, v_cols, v_desc)
+        k_keys = keys_descriptor(K, k_row, kend, k_cols, k_desc)
+        v_keys = keys_descriptor(V, v_row, kend, v_cols, v_desc)
         _dq_load_tiles(q_desc, do_desc, o_desc, k_keys, v_keys, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem,
                        q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, 0, k_col, 0, v_col, lo, hi, GPROJ)
 
@@ -938,7 +938,7 @@ def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float,
     kernel = _dq_kernel_for(gproj, bool(causal), softcap > 0, window is not None, packed, n % _DQ_BLOCK_M.value != 0, keypad)
     launch(kernel, grid, q.device, keypad, *descs, e0, dq, delta if r is None else r, q if qr is None else qr, m, log2l,
            delta, cu_seqlens if packed else delta, seqlens_k if keypad else delta, k, v, float(c), float(softmax_scale), h,
-           h // hk, n, int(qr is not None), *where, _tma_view(k)[0][1], _tma_view(v)[0][1],
+           h // hk, n, int(qr is not None), *where, descs[3].shape[1], descs[4].shape[1],  # k, v: their views' widths
            *feature_args(softmax_scale, softcap, window))
 
 

@@ -131,8 +131,8 @@ if GLUON_ERROR is None:
         """The loader partition with right key padding: the K and V tiles through descriptors of the batch row's
         valid keys [0, klen) (:func:`keys_descriptor`; K, V point at k, v, whose 2-D TMA views have k_cols, v_cols
         columns and the batch row's key 0 at row k_row, v_row), zero past them."""
-        k_keys = keys_descriptor(K + k_row.to(gl.int64) * k_cols, klen, k_cols, k_desc)
-        v_keys = keys_descriptor(V + v_row.to(gl.int64) * v_cols, klen, v_cols, v_desc)
+        k_keys = keys_descriptor(K, k_row, klen, k_cols, k_desc)
+        v_keys = keys_descriptor(V, v_row, klen, v_cols, v_desc)
         _load_tiles(q_desc, k_keys, v_keys, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, q_row,
                     q_col, 0, k_col, 0, v_col, lo, hi)
 
@@ -144,11 +144,13 @@ if GLUON_ERROR is None:
         return gl.minimum(gl.maximum(gl.load(SEQLENS + b), 1), seqlen)
 
     @gluon.jit
-    def keys_descriptor(X, klen, cols, desc):
-        """A TMA descriptor, made on the device, of one (batch row, kv head)'s keys: X points at its key 0 in desc's
-        2-D view (``cols`` columns), rows [0, klen) are the valid keys (right key padding); a tile reaching past klen
-        gets zeros there from the TMA unit, so the padded keys' values (NaN, inf) are never read into a product."""
-        return tma.make_tensor_descriptor(X, [klen, cols], [cols, 1], desc.block_type.shape, desc.layout)
+    def keys_descriptor(X, row, klen, cols, desc):
+        """A TMA descriptor, made on the device, of one (batch row, kv head)'s keys: X points at k (or v), whose 2-D
+        view as desc's has ``cols`` columns and that key 0 at row ``row``; rows [0, klen) from there are the valid keys
+        (right key padding); a tile reaching past klen gets zeros there from the TMA unit, so the padded keys' values
+        (NaN, inf) are never read into a product."""
+        return tma.make_tensor_descriptor(X + row.to(gl.int64) * cols, [klen, cols], [cols, 1], desc.block_type.shape,
+                                          desc.layout)
 
     @gluon.jit
     def softcap_and_grad(s, sc, cap):
@@ -572,9 +574,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     keypad = seqlens_k is not None
     grid = (triton.cdiv(max_seqlen if packed else n, BLOCK_M), (cu_seqlens.numel() - 1 if packed else b) * h)
     kernel = _kernel_for(softcap > 0, window is not None, packed, n % BLOCK_M != 0, keypad)
+    # k_cols, v_cols: the widths of k's and v's 2-D TMA views, as their descriptors have them
     launch(kernel, grid, q.device, keypad, *descs, o, m, log2l, cu_seqlens if packed else m,
-           seqlens_k if keypad else m, k, v, c, h, h // hk, n, int(bool(causal)), *where, _tma_view(k)[0][1],
-           _tma_view(v)[0][1], *feature_args(softmax_scale, softcap, window))
+           seqlens_k if keypad else m, k, v, c, h, h // hk, n, int(bool(causal)), *where, descs[1].shape[1],
+           descs[2].shape[1], *feature_args(softmax_scale, softcap, window))
     return o, m, log2l
 
 

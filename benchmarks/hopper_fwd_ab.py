@@ -9,8 +9,6 @@ reach the Gluon kernel (fp32 q, k as (B, H, N, d) views of (B, N, H, d) memory; 
 memory, as benchmarks/train_step.py's Llama hands it over).
 
 Variants (``--variants``, comma-separated; default all):
-- ``launch_order``: causal query blocks in launch order instead of heaviest first (run 18: within ±2%, +2% for
-  heaviest first at 1×16×8192×128 causal);
 - ``stages3``: a 3-slot K/V ring instead of 2 (fits d 64 only);
 - ``loader_regs40``: 40 registers for the loader partition instead of 24 (the consumers keep 232).
 Run 19 measured all three within the rounds' spread. FA3's intra-warp-group pipelining (the next block's S issued
@@ -36,7 +34,6 @@ from lightning_gproj.kernels import attention_fwd_hopper as H
 
 #: name: the (text in kernels/attention_fwd_hopper.py, its replacement) edits
 VARIANTS = {
-    "launch_order": [("            pid_m = gl.num_programs(0) - 1 - pid_m\n", "            pass\n")],
     "stages3": [("    _NUM_STAGES = gl.constexpr(2)\n", "    _NUM_STAGES = gl.constexpr(3)\n")],
     "loader_regs40": [("        ], [4, 1], [232, 24])\n", "        ], [4, 1], [232, 40])\n")],
 }

@@ -4,13 +4,15 @@ The same contract and rounding points as :func:`lightning_gproj.kernels.attentio
 dispatches here when :func:`serves` says so; every other input (and every machine that is not an sm_90
 GPU, CI's interpreter included) keeps the ``tl.dot`` kernel there.
 
-Layout (FA3's forward in Gluon's explicit partitions): one program per (128 query rows, batch·head); a
-1-warp loader partition streams K and V tiles (128 keys) by TMA into a ring of NUM_STAGES shared-memory
-slots (mbarriers ``ready`` / ``empty``); two 4-warp consumer partitions (the default partition and one
+Layout (FA3's forward in Gluon's explicit partitions): a tile is (128 query rows, batch·head); a
+1-warp loader partition streams Q and the K and V tiles (128 keys) by TMA into shared memory (K and V on rings of
+NUM_STAGES slots, mbarriers ``ready`` / ``empty``); two 4-warp consumer partitions (the default partition and one
 worker) each own 64 of the 128 query rows, share every K/V slot (``empty`` counts both arrivals), and
 run S = Q Kᵀ, the online softmax and O += P V on asynchronous wgmma; the warp scheduler overlaps one
-consumer's softmax with the other's GEMMs. Causal grids run each (batch·head)'s query blocks heaviest
-first.
+consumer's softmax with the other's GEMMs. Dense inputs without a window run persistent (:func:`schedule`): one
+program per SM loops over items of two tiles — a causal head's heaviest query block with its lightest, so every item
+has the same work — loading the next Q while the last P̃·V and the o store of the previous tile run; windows, packed
+sequences and key padding run one tile per program, causal ones heaviest first.
 
 FMA-safe (DESIGN.md §5): P = exp2((s − m)·τ·log2e) with s the raw fp32 scores and m their row max, so
 the row's maximum gets exp2(0) = 1 exactly (q = k = v = 133120 gives o = 133120). Rounding points as
@@ -64,6 +66,15 @@ __all__ = ["forward", "serves", "serves_varlen", "packed_ok", "accepts", "on_sm9
 BLOCK_M = 128
 HEAD_DIMS = (64, 128)
 
+def persistent(window: bool, varlen: bool, keypad: bool) -> bool:
+    """Whether the forward kernel of these features is persistent (its partitions loop over the program's items of
+    tiles, :func:`schedule`): all but windows, packed sequences and key padding, which run one tile per program with
+    no loop (with the loop, the window variant's consumers spilled: 243 spill stores with Triton 3.6; key padding's
+    loader makes a TMA descriptor per tile, which a second tile would rewrite while the first one's loads may be in
+    flight)."""
+    return not (window or varlen or keypad)
+
+
 if GLUON_ERROR is None:
     # Module constants: the partitions of gl.warp_specialize receive their arguments as IR values, so
     # constexpr arguments would not stay constexpr there.
@@ -104,37 +115,100 @@ if GLUON_ERROR is None:
         return ready, empty
 
     @gluon.jit
-    def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, q_row,
-                    q_col, k_row, k_col, v_row, v_col, lo, hi):
-        """Q once, then the K and V tiles of [lo, hi) on rings of their own: a consumer releases K_j once S_j is
-        computed and V_j once P̃_j·V_j is, so K_{j+1} can load while P̃_{j-1}·V_{j-1} still reads its slot."""
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        tma_load(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
-        tma_load(q_desc, [q_row + _HALF_M, q_col], q_bar, q_smem.index(1))
-        i = 0
+    def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, i, k_row, k_col, v_row, v_col, lo,
+                 hi):
+        """The K and V tiles of key positions [lo, hi) on rings of their own, from ring position i on: a consumer
+        releases K_j once S_j is computed and V_j once P̃_j·V_j is, so K_{j+1} can load while P̃_{j-1}·V_{j-1} still
+        reads its slot. Returns the ring position after the last tile."""
         for start_n in range(lo, hi, _BLOCK_N):
             ring_load(k_desc, k_smem, k_ready, k_empty, i, k_row + start_n, k_col, _NUM_STAGES)
             ring_load(v_desc, v_smem, v_ready, v_empty, i, v_row + start_n, v_col, _NUM_STAGES)
             i += 1
+        return i
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, q_row, q_col,
-                K, V, klen, k_cols, v_cols, k_row, k_col, v_row, v_col, lo, hi):
-        """The loader partition: :func:`_load_tiles` through the host's descriptors (K, V, klen, k_cols, v_cols: the
-        arguments of :func:`_keypad_loader`, unused here)."""
-        _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, q_row,
-                    q_col, k_row, k_col, v_row, v_col, lo, hi)
+    def _produce(t, i, it, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                 v_empty, CU, SEQLENS, K, V, k_cols, v_cols, H, GROUP, N_CTX, M_BLOCKS, PER, causal, q_rb, q_rh, q_ch, k_rb,
+                 k_rh, k_ch, v_rb, v_rh, v_ch, wl, wr, WINDOW: gl.constexpr, VARLEN: gl.constexpr, KEYPAD: gl.constexpr):
+        """The loads of tile t (:func:`tile_span`): Q once both consumers released the previous one (``q_empty``, its
+        it-th use), then its K and V tiles from ring position i on (:func:`_load_kv`). With KEYPAD the K and V tiles
+        come through descriptors of the batch row's valid keys [0, kend) (:func:`keys_descriptor`; K, V point at k, v,
+        whose 2-D TMA views have k_cols, v_cols columns), zero past them. Returns (i, it) after the tile."""
+        b, h, start, row0, seqlen, lo, hi, kend = tile_span(t, M_BLOCKS, PER, H, N_CTX, causal, CU, SEQLENS, wl, wr,
+                                                            WINDOW, VARLEN, KEYPAD)
+        if row0 < seqlen:  # VARLEN: the tiles span the longest sequence
+            hk = h // GROUP
+            q_row = b * q_rb + h * q_rh + start + row0
+            mbarrier.wait(q_empty, (it & 1) ^ 1)
+            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+            tma_load(q_desc, [q_row, h * q_ch], q_bar, q_smem.index(0))
+            tma_load(q_desc, [q_row + _HALF_M, h * q_ch], q_bar, q_smem.index(1))
+            k_row = b * k_rb + hk * k_rh + start
+            v_row = b * v_rb + hk * v_rh + start
+            if KEYPAD:
+                i = _load_kv(keys_descriptor(K, k_row, kend, k_cols, k_desc), keys_descriptor(V, v_row, kend, v_cols, v_desc),
+                             k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, i, 0, hk * k_ch, 0, hk * v_ch, lo, hi)
+            else:
+                i = _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, i, k_row, hk * k_ch,
+                             v_row, hk * v_ch, lo, hi)
+            it += 1
+        return i, it
+
+    def _loader_for(window: bool, varlen: bool, keypad: bool):
+        """The loader partition, with WINDOW, VARLEN and KEYPAD compiled in (closure constants, as
+        :func:`_partition`'s): :func:`_produce` for each of the program's tiles (persistent: items p, p + P, … of PER
+        tiles each, the rings' positions running on across tiles), or for tile p."""
+        WINDOW, VARLEN, KEYPAD = gl.constexpr(window), gl.constexpr(varlen), gl.constexpr(keypad)
+        PERSISTENT = gl.constexpr(persistent(window, varlen, keypad))
+
+        @gluon.jit
+        def loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                   CU, SEQLENS, K, V, k_cols, v_cols, H, GROUP, N_CTX, M_BLOCKS, TILES, PER, causal, q_rb, q_rh, q_ch, k_rb,
+                   k_rh, k_ch, v_rb, v_rh, v_ch, wl, wr):
+            args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                    CU, SEQLENS, K, V, k_cols, v_cols, H, GROUP, N_CTX, M_BLOCKS, PER, causal, q_rb, q_rh, q_ch, k_rb,
+                    k_rh, k_ch, v_rb, v_rh, v_ch, wl, wr)
+            i = 0  # K/V ring position
+            it = 0  # tiles done (the Q buffer's phase)
+            if PERSISTENT:
+                for item in range(gl.program_id(0) * PER, TILES, gl.num_programs(0) * PER):
+                    for t in range(item, gl.minimum(item + PER, TILES)):
+                        i, it = _produce(t, i, it, *args, WINDOW, VARLEN, KEYPAD)
+            else:
+                _produce(gl.program_id(0), i, it, *args, WINDOW, VARLEN, KEYPAD)
+
+        return loader
 
     @gluon.jit
-    def _keypad_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, q_row,
-                       q_col, K, V, klen, k_cols, v_cols, k_row, k_col, v_row, v_col, lo, hi):
-        """The loader partition with right key padding: the K and V tiles through descriptors of the batch row's
-        valid keys [0, klen) (:func:`keys_descriptor`; K, V point at k, v, whose 2-D TMA views have k_cols, v_cols
-        columns and the batch row's key 0 at row k_row, v_row), zero past them."""
-        k_keys = keys_descriptor(K, k_row, klen, k_cols, k_desc)
-        v_keys = keys_descriptor(V, v_row, klen, v_cols, v_desc)
-        _load_tiles(q_desc, k_keys, v_keys, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, q_row,
-                    q_col, 0, k_col, 0, v_col, lo, hi)
+    def tile_span(t, M_BLOCKS, PER, H, N_CTX, causal, CU, SEQLENS, wl, wr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
+                  KEYPAD: gl.constexpr):
+        """Tile t of the forward's (query block, batch row or sequence · head) tiles: (b, h, start, row0, seqlen, lo,
+        hi, kend) — the TMA views' batch row, the head, the sequence's first row in it, the block's first query
+        position, the sequence's length, the key positions [lo, hi) the block visits and the key bound kend. Tiles
+        run query block fastest, so programs that run together share a head's K and V in L2. Causal: with PER = 2
+        a head's blocks come in pairs heaviest and lightest first ((M−1, 0), (M−2, 1), …: M + 1 key tiles per pair,
+        so that items balance); with PER = 1 heaviest first (the most keys) for the block scheduler."""
+        idx = t % M_BLOCKS
+        pid_m = idx
+        if causal != 0:
+            if PER == 2:
+                pid_m = gl.where(idx % 2 == 0, M_BLOCKS - 1 - idx // 2, idx // 2)
+            else:
+                pid_m = M_BLOCKS - 1 - idx
+        pid_bh = t // M_BLOCKS
+        b, start, seqlen = sequence_span(CU, pid_bh // H, N_CTX, VARLEN)
+        row0 = pid_m * _BLOCK_M
+        lo = 0
+        hi = seqlen
+        if causal != 0:
+            hi = gl.minimum(seqlen, row0 + _BLOCK_M)
+        if WINDOW:  # the key tiles some row of the block sees
+            lo, hi = window_tiles(row0, _BLOCK_M, wl, wr, seqlen, _BLOCK_N)
+        kend = seqlen
+        if KEYPAD:  # no tile past the last valid key (seqlens_k >= 1: every block keeps one)
+            kend = key_end(SEQLENS, b, seqlen)
+            hi = gl.minimum(hi, kend)
+        return b, pid_bh % H, start, row0, seqlen, lo, hi, kend
 
     @gluon.jit
     def key_end(SEQLENS, b, seqlen):
@@ -252,9 +326,14 @@ if GLUON_ERROR is None:
         mbarrier.arrive(v_empty.index(st), count=1)
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, O, M, LOG2L,
-                  half: gl.constexpr, o_row, row0, o_col, o_stride, lo, hi, seqlen, kend, c, causal, sc, cap, wl, wr,
-                  SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, EDGES: gl.constexpr, KEYMASK: gl.constexpr):
+    def _consumer_tile(q_smem, k_smem, v_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, O, M,
+                       LOG2L, half: gl.constexpr, i, it, o_row, row0, o_col, o_stride, lo, hi, seqlen, kend, c, causal,
+                       sc, cap, wl, wr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, EDGES: gl.constexpr,
+                       KEYMASK: gl.constexpr):
+        """One tile of a consumer: its 64 query rows (``half``) of the block at row0 against the key tiles [lo, hi),
+        the K/V rings from position i on, the Q buffer in its it-th use (released once the last S is computed); o, m,
+        log2l stored (M, LOG2L point at the (batch, head)'s statistics, o_row at the block's first row of o). Returns
+        the ring position after the tile."""
         HEAD_DIM: gl.constexpr = o_desc.block_type.shape[1]
         dtype: gl.constexpr = o_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -270,7 +349,7 @@ if GLUON_ERROR is None:
         acc = gl.zeros([_HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
         s_zero = gl.zeros([_HALF_M, _BLOCK_N], gl.float32, layout=s_layout)
         q = q_smem.index(half)
-        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(q_bar, it & 1)
         first = row0 + half * _HALF_M
         # This half's tiles [lo_h, last]: all of the block's, but with WINDOW the ones its 64 rows see (a band);
         # the others are released unread.
@@ -279,7 +358,6 @@ if GLUON_ERROR is None:
         if WINDOW:
             lo_h, hi_h = window_tiles(first, _HALF_M, wl, wr, hi, _BLOCK_N)
         last = lo_h + ((hi_h - lo_h - 1) // _BLOCK_N) * _BLOCK_N
-        i = 0
         for start_n in range(lo, lo_h, _BLOCK_N):
             release_unread(k_ready, k_empty, v_ready, v_empty, i)
             i += 1
@@ -306,6 +384,7 @@ if GLUON_ERROR is None:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(st), count=1)
             i += 1
+        mbarrier.arrive(q_empty, count=1)  # every S of the tile is computed: the loader may bring the next Q
         st = i % _NUM_STAGES
         mbarrier.wait(v_ready.index(st), (i // _NUM_STAGES) & 1)
         acc = warpgroup_mma(p16, v_smem.index(st), acc * alpha[:, None], is_async=True)
@@ -324,27 +403,59 @@ if GLUON_ERROR is None:
             gl.store(M + offs_m, m_i, mask=offs_m < seqlen)
             gl.store(LOG2L + offs_m, gl.log2(l_i), mask=offs_m < seqlen)
         else:
-            o_smem = gl.allocate_shared_memory(dtype, [_HALF_M, HEAD_DIM], o_desc.layout)
+            tma.store_wait(pendings=0)  # the previous tile's o has left o_smem
             o_smem.store(o.to(dtype))
             fence_async_shared()
             tma_store(o_desc, [o_row + half * _HALF_M, o_col], o_smem)
             gl.store(M + offs_m, m_i)
             gl.store(LOG2L + offs_m, gl.log2(l_i))
-            tma.store_wait(pendings=0)
+        return i
 
-    def _partition(half: int, softcap: bool, window: bool, edges: bool, keypad: bool = False):
-        """A consumer partition of gl.warp_specialize for one half of the rows, with SOFTCAP, WINDOW, EDGES (sequence
-        ends inside tiles) and key padding (keys from ``kend`` on masked) compiled in: constexpr arguments do not
-        survive gl.warp_specialize, closure constants do."""
+    @gluon.jit
+    def _consume(t, i, it, q_smem, k_smem, v_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, O,
+                 M, LOG2L, CU, SEQLENS, H, N_CTX, M_BLOCKS, PER, causal, c, sc, cap, wl, wr, half: gl.constexpr,
+                 SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, EDGES: gl.constexpr, KEYMASK: gl.constexpr,
+                 VARLEN: gl.constexpr, KEYPAD: gl.constexpr):
+        """A consumer's share of tile t (:func:`tile_span`, :func:`_consumer_tile`). Returns (i, it) after the tile."""
+        HEAD_DIM: gl.constexpr = o_desc.block_type.shape[1]
+        b, h, start, row0, seqlen, lo, hi, kend = tile_span(t, M_BLOCKS, PER, H, N_CTX, causal, CU, SEQLENS, wl, wr,
+                                                            WINDOW, VARLEN, KEYPAD)
+        if row0 < seqlen:  # VARLEN: the tiles span the longest sequence
+            stats = (b * H + h).to(gl.int64) * N_CTX + start
+            # o is (batch, seqlen, nheads, headdim) contiguous
+            i = _consumer_tile(q_smem, k_smem, v_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
+                               O, M + stats, LOG2L + stats, half, i, it, b * N_CTX + start + row0, row0, h * HEAD_DIM,
+                               H * HEAD_DIM, lo, hi, seqlen, kend, c, causal, sc, cap, wl, wr, SOFTCAP, WINDOW, EDGES,
+                               KEYMASK)
+            it += 1
+        return i, it
+
+    def _partition(half: int, softcap: bool, window: bool, edges: bool, varlen: bool = False, keypad: bool = False):
+        """A consumer partition of gl.warp_specialize for one half of the rows: :func:`_consume` for each of the
+        program's tiles (persistent: items p, p + P, … of PER tiles each) or for tile p, with SOFTCAP, WINDOW, EDGES
+        (sequence ends inside tiles), VARLEN and key padding (keys from ``kend`` on masked) compiled in: constexpr
+        arguments do not survive gl.warp_specialize, closure constants do."""
         HALF, SOFTCAP, WINDOW = gl.constexpr(half), gl.constexpr(softcap), gl.constexpr(window)
         EDGES, KEYMASK = gl.constexpr(edges), gl.constexpr(edges or keypad)
+        VARLEN, KEYPAD = gl.constexpr(varlen), gl.constexpr(keypad)
+        PERSISTENT = gl.constexpr(persistent(window, varlen, keypad))
 
         @gluon.jit
-        def consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, O, M, LOG2L, o_row, row0,
-                     o_col, o_stride, lo, hi, seqlen, kend, c, causal, sc, cap, wl, wr):
-            _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, O, M, LOG2L, HALF, o_row,
-                      row0, o_col, o_stride, lo, hi, seqlen, kend, c, causal, sc, cap, wl, wr, SOFTCAP, WINDOW, EDGES,
-                      KEYMASK)
+        def consumer(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, O, M, LOG2L, CU,
+                     SEQLENS, H, N_CTX, M_BLOCKS, TILES, PER, causal, c, sc, cap, wl, wr):
+            HEAD_DIM: gl.constexpr = o_desc.block_type.shape[1]
+            o_smem = gl.allocate_shared_memory(o_desc.dtype, [_HALF_M, HEAD_DIM], o_desc.layout)
+            args = (q_smem, k_smem, v_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, O, M,
+                    LOG2L, CU, SEQLENS, H, N_CTX, M_BLOCKS, PER, causal, c, sc, cap, wl, wr)
+            i = 0  # K/V ring position
+            it = 0  # tiles done (the Q buffer's phase)
+            if PERSISTENT:
+                for item in range(gl.program_id(0) * PER, TILES, gl.num_programs(0) * PER):
+                    for t in range(item, gl.minimum(item + PER, TILES)):
+                        i, it = _consume(t, i, it, *args, HALF, SOFTCAP, WINDOW, EDGES, KEYMASK, VARLEN, KEYPAD)
+            else:
+                _consume(gl.program_id(0), i, it, *args, HALF, SOFTCAP, WINDOW, EDGES, KEYMASK, VARLEN, KEYPAD)
+            tma.store_wait(pendings=0)
 
         return consumer
 
@@ -356,67 +467,42 @@ if GLUON_ERROR is None:
         if keypad and (window or varlen):
             raise ValueError("keypad: not with window or varlen")
         edges = edges or varlen
-        consumer0, consumer1 = _partition(0, softcap, window, edges, keypad), _partition(1, softcap, window, edges, keypad)
-        loader = _keypad_loader if keypad else _loader
-        WINDOW, VARLEN, KEYPAD = gl.constexpr(window), gl.constexpr(varlen), gl.constexpr(keypad)
+        consumer0, consumer1 = (_partition(half, softcap, window, edges, varlen, keypad) for half in (0, 1))
+        loader = _loader_for(window, varlen, keypad)
 
         @gluon.jit
-        def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, M, LOG2L, CU, SEQLENS, K, V, c, H, GROUP, N_CTX, causal,
-                               q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, k_cols, v_cols, sc, cap, wl, wr):
-            # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch);
-            # (batch, seqlen, heads, headdim) memory has rb = seqlen, rh = 0, ch = headdim; (batch, heads,
-            # seqlen, headdim) memory rb = heads·seqlen, rh = seqlen, ch = 0 (see _tma_view); the last tile of a seqlen
-            # that is not a multiple of 128 reads the next batch row's or head's rows (masked). VARLEN: b is the
-            # sequence, the tensors are packed (1, total, heads, headdim) views (N_CTX = total), its rows start at
-            # CU[b], and m, log2l are (nheads, total). KEYPAD: keys [0, SEQLENS[b]) of batch row b are valid; K, V
-            # point at k, v, whose 2-D views have k_cols, v_cols columns (for the loader's descriptors of them).
+        def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, M, LOG2L, CU, SEQLENS, K, V, c, H, GROUP, N_CTX,
+                               M_BLOCKS, TILES, PER, causal, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, k_cols, v_cols,
+                               sc, cap, wl, wr):
+            # Persistent variants: program p runs items p, p + P, … of PER tiles each, of the TILES = M_BLOCKS · (batch
+            # or sequences) · H tiles (:func:`tile_span`, :func:`schedule`; P = the grid); the others tile p. Tile (row, col) of a
+            # tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch); (batch, seqlen, heads,
+            # headdim) memory has rb = seqlen, rh = 0, ch = headdim; (batch, heads, seqlen, headdim) memory rb =
+            # heads·seqlen, rh = seqlen, ch = 0 (see _tma_view); the last tile of a seqlen that is not a multiple of
+            # 128 reads the next batch row's or head's rows (masked). VARLEN: b is the sequence, the tensors are
+            # packed (1, total, heads, headdim) views (N_CTX = total), its rows start at CU[b], and m, log2l are
+            # (nheads, total). KEYPAD: keys [0, SEQLENS[b]) of batch row b are valid; K, V point at k, v, whose 2-D
+            # views have k_cols, v_cols columns (for the loader's descriptors of them).
             HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
             dtype: gl.constexpr = q_desc.dtype
-            pid_bh = gl.program_id(1)
-            pid_m = gl.program_id(0)
-            if causal != 0:  # heaviest query blocks (the most keys) first
-                pid_m = gl.num_programs(0) - 1 - pid_m
-            b = pid_bh // H
-            h = pid_bh % H
-            hk = h // GROUP
-            row0 = pid_m * _BLOCK_M
-            b, start, seqlen = sequence_span(CU, b, N_CTX, VARLEN)
-            if row0 >= seqlen:  # VARLEN: the grid spans the longest sequence
-                return
-            q_row = b * q_rb + h * q_rh + start + row0
-            q_col = h * q_ch
-            k_row = b * k_rb + hk * k_rh + start
-            v_row = b * v_rb + hk * v_rh + start
-            o_row = b * N_CTX + start + row0  # o is (batch, seqlen, nheads, headdim) contiguous
-            o_col = h * HEAD_DIM
-            lo = 0
-            hi = seqlen
-            if causal != 0:
-                hi = gl.minimum(seqlen, row0 + _BLOCK_M)
-            if WINDOW:  # the key tiles some row of the block sees
-                lo, hi = window_tiles(row0, _BLOCK_M, wl, wr, seqlen, _BLOCK_N)
-            kend = seqlen
-            if KEYPAD:  # no tile past the last valid key (seqlens_k >= 1: every block keeps one)
-                kend = key_end(SEQLENS, b, seqlen)
-                hi = gl.minimum(hi, kend)
-            stats = M + (b * H + h).to(gl.int64) * N_CTX + start
-            stats2 = LOG2L + (b * H + h).to(gl.int64) * N_CTX + start
-
             q_smem = gl.allocate_shared_memory(dtype, [2, _HALF_M, HEAD_DIM], q_desc.layout)
             k_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_N, HEAD_DIM], k_desc.layout)
             v_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_N, HEAD_DIM], v_desc.layout)
             q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             mbarrier.init(q_bar, count=1)
+            mbarrier.init(q_empty, count=2)
             k_ready, k_empty = ring_barriers(_NUM_STAGES)
             v_ready, v_empty = ring_barriers(_NUM_STAGES)
 
-            consumer_args = (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, O, stats, stats2,
-                             o_row, row0, o_col, H * HEAD_DIM, lo, hi, seqlen, kend, c, causal, sc, cap, wl, wr)
+            consumer_args = (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, O, M,
+                             LOG2L, CU, SEQLENS, H, N_CTX, M_BLOCKS, TILES, PER, causal, c, sc, cap, wl, wr)
             gl.warp_specialize([
                 (consumer0, consumer_args),
                 (consumer1, consumer_args),
-                (loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                          q_row, q_col, K, V, kend, k_cols, v_cols, k_row, hk * k_ch, v_row, hk * v_ch, lo, hi)),
+                (loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                          v_empty, CU, SEQLENS, K, V, k_cols, v_cols, H, GROUP, N_CTX, M_BLOCKS, TILES, PER, causal, q_rb,
+                          q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, wl, wr)),
             ], [4, 1], [232, 24])
 
         return _hopper_fwd_kernel
@@ -572,13 +658,33 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     c = exponent_factor(softmax_scale, softcap)
     packed = cu_seqlens is not None
     keypad = seqlens_k is not None
-    grid = (triton.cdiv(max_seqlen if packed else n, BLOCK_M), (cu_seqlens.numel() - 1 if packed else b) * h)
+    m_blocks = triton.cdiv(max_seqlen if packed else n, BLOCK_M)
+    tiles = m_blocks * (cu_seqlens.numel() - 1 if packed else b) * h
+    per, programs = schedule(tiles, window is not None, packed, keypad, q.device)
     kernel = _kernel_for(softcap > 0, window is not None, packed, n % BLOCK_M != 0, keypad)
     # k_cols, v_cols: the widths of k's and v's 2-D TMA views, as their descriptors have them
-    launch(kernel, grid, q.device, keypad, *descs, o, m, log2l, cu_seqlens if packed else m,
-           seqlens_k if keypad else m, k, v, c, h, h // hk, n, int(bool(causal)), *where, descs[1].shape[1],
-           descs[2].shape[1], *feature_args(softmax_scale, softcap, window))
+    launch(kernel, (programs,), q.device, keypad, *descs, o, m, log2l, cu_seqlens if packed else m,
+           seqlens_k if keypad else m, k, v, c, h, h // hk, n, m_blocks, tiles, per, int(bool(causal)), *where,
+           descs[1].shape[1], descs[2].shape[1], *feature_args(softmax_scale, softcap, window))
     return o, m, log2l
+
+
+def schedule(tiles: int, window: bool, packed: bool, keypad: bool, device: torch.device) -> tuple[int, int]:
+    """(PER, programs): how the forward's ``tiles`` are run. Where the kernel is persistent (:func:`persistent`:
+    dense inputs, causal or not, softcap or not) items of PER = 2 tiles (a causal head's blocks paired heaviest with
+    lightest, :func:`tile_span`, so that every item has the same work), at most one program per SM of ``device``
+    looping over them (on a device that is not CUDA, one per item); elsewhere, or with GPROJ_FWD_PERSISTENT=0 (for
+    A/B timing), one tile per program, heaviest first, balanced by the block scheduler. Measured on an H200:
+    benchmarks/NOTES.md, run 33."""
+    if os.environ.get("GPROJ_FWD_PERSISTENT", "1") == "0" or not persistent(window, packed, keypad):
+        return 1, tiles
+    items = triton.cdiv(tiles, 2)
+    return 2, items if device.type != "cuda" else min(items, _sm_count(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def launch(kernel, grid, device: torch.device, keypad: bool, *args) -> None:
@@ -613,7 +719,8 @@ def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple
     kv = tensordesc_type(dtype, _BLOCK_N.value, head_dim, kv_layout)
     sig = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "O": pointer_type(dtype), "M": "*fp32", "LOG2L": "*fp32",
            "CU": "*i32" if varlen else "*fp32", "SEQLENS": "*i32" if keypad else "*fp32", "K": pointer_type(dtype),
-           "V": pointer_type(dtype), "c": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "causal": "i32",
+           "V": pointer_type(dtype), "c": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "M_BLOCKS": "i32",
+           "TILES": "i32", "PER": "i32", "causal": "i32",
            **{f"{t}_{w}": "i32" for t in "qkv" for w in ("rb", "rh", "ch")}, "k_cols": "i32", "v_cols": "i32",
            "sc": "fp32", "cap": "fp32", "wl": "i32", "wr": "i32"}
     return aot_compile_sm90(_kernel_for(bool(softcap), bool(window), bool(varlen), bool(edges), bool(keypad)), sig,

@@ -249,11 +249,11 @@ def test_forward_dispatch_sends_packed_sequences_to_the_gluon_kernel(monkeypatch
 
 
 @pytest.mark.parametrize("n, packed, keypad, grid, variant", [
-    (256, False, False, (2, 8), (False, False, False, False, False)),
-    (200, False, False, (2, 8), (False, False, False, True, False)),
-    (300, True, False, (2, 8), (False, False, True, True, False)),  # max_seqlen 200: 2 blocks; 2 sequences × 4 heads
-    (256, False, True, (2, 8), (False, False, False, False, True)),
-    (200, False, True, (2, 8), (False, False, False, True, True)),
+    (256, False, False, (8,), (False, False, False, False, False)),  # 16 tiles in items of 2
+    (200, False, False, (8,), (False, False, False, True, False)),
+    (300, True, False, (16,), (False, False, True, True, False)),  # max_seqlen 200: 2 blocks; 2 sequences × 4 heads
+    (256, False, True, (16,), (False, False, False, False, True)),
+    (200, False, True, (16,), (False, False, False, True, True)),
 ], ids=["multiple of 128", "edges", "packed", "key padding", "key padding, edges"])
 def test_forward_launches_the_edge_variant_where_seqlen_is_ragged(monkeypatch, n, packed, keypad, grid, variant):
     """forward up to the launch on CPU tensors: the grid covers every row (cdiv), the edge variant is compiled in
@@ -323,3 +323,19 @@ def test_key_padding_variant_compiles_for_sm90_with_device_made_descriptors(ones
     for feature in ("window", "varlen"):
         with pytest.raises(ValueError, match="keypad"):
             H.compile_sm90(128, torch.bfloat16, ones, keypad=True, **{feature: True})
+
+
+@pytest.mark.parametrize("window, packed, keypad, tiles, per, programs", [
+    (False, False, False, 1024, 2, 132), (False, False, False, 101, 2, 51), (True, False, False, 1024, 1, 1024),
+    (False, True, False, 1024, 1, 1024), (False, False, True, 1024, 1, 1024),
+], ids=["dense", "dense, fewer items than SMs", "window", "packed", "key padding"])
+def test_schedule_is_persistent_over_pairs_of_tiles_where_the_kernel_loops(monkeypatch, window, packed, keypad, tiles,
+                                                                           per, programs):
+    """Dense inputs: items of two tiles (causal: a head's heaviest block with its lightest), one program per SM looping
+    over them; windows, packed sequences and key padding: the kernel variants without the loop, one program per
+    tile for the block scheduler (the grid must match the variant: a loop-less kernel on fewer programs than tiles
+    would leave tiles unwritten)."""
+    monkeypatch.delenv("GPROJ_FWD_PERSISTENT", raising=False)
+    monkeypatch.setattr(H, "_sm_count", lambda device: 132)
+    assert H.persistent(window, packed, keypad) == (per == 2)
+    assert H.schedule(tiles, window, packed, keypad, torch.device("cuda", 0)) == (per, programs)

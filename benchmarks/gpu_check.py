@@ -139,7 +139,8 @@ def hopper_varlen_check(dev, softcap=0.0, window=(-1, -1)):
 #: hopper_ragged: seqlens that are not a multiple of 128 (the Gluon kernels' edge variant), (B, N, H, Hk, d, causal, dtype).
 RAGGED_FWD = [(2, 1000, 8, 2, 128, True, torch.bfloat16), (1, 333, 4, 4, 64, False, torch.float16),
               (2, 200, 4, 1, 128, False, torch.bfloat16), (2, 1000, 8, 2, 128, False, "bhsd"),
-              (3, 1000, 16, 4, 64, False, torch.float16)]  # 384 tiles: more than one per SM (persistent grid)
+              (3, 1000, 16, 4, 64, False, torch.float16),  # 384 tiles: more than one per SM (persistent grid)
+              (3, 600, 16, 4, 64, True, torch.float16)]  # 5 blocks a head, causal: the odd block alone in its item
 RAGGED_BWD = [(2, 1000, 8, 2, 128, False, torch.bfloat16), (2, 1000, 8, 2, 128, True, torch.bfloat16),
               (1, 333, 4, 4, 128, True, torch.float16), (2, 777, 8, 8, 128, True, "bhsd"),
               (1, 333, 4, 4, 64, True, torch.float16), (2, 1000, 8, 1, 64, False, torch.bfloat16)]  # d 64: run 30
@@ -171,8 +172,9 @@ def hopper_check(dev, softcap=0.0, window=(-1, -1), shapes=None):
             (2, 1024, 8, 2, 128, False, torch.bfloat16), (2, 1024, 8, 2, 128, True, torch.bfloat16),
             (1, 512, 4, 4, 64, True, torch.float16), (2, 256, 4, 1, 128, False, torch.float16),
             (1, 384, 2, 2, 64, False, torch.bfloat16), (2, 1024, 8, 2, 128, True, "bhsd"),
-            (4, 2048, 16, 4, 128, False, torch.bfloat16), (4, 2048, 16, 4, 128, True, torch.bfloat16)]:
-        # the last two: 1024 tiles, ~8 per program on the persistent grid
+            (4, 2048, 16, 4, 128, False, torch.bfloat16), (4, 2048, 16, 4, 128, True, torch.bfloat16),
+            (3, 640, 16, 4, 128, True, torch.bfloat16)]:
+        # the last three: 1024 tiles, ~8 per program on the persistent grid; 5 blocks a head (odd: a padding slot)
         heads_major = dt == "bhsd"  # q, v in (B, H, N, d) memory, as Hugging Face models hand them over
         dt = torch.bfloat16 if heads_major else dt
         q, k, v, do = _inputs(dev, b, n, h, hk, d, dt, "qv" if heads_major else "")

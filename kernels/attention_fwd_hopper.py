@@ -25,7 +25,7 @@ seqlen_q = seqlen_k (a multiple of 128, or any with the edge variant: the last b
 sequence are masked and its o stored row by row), head dim 64 or 128, GQA, causal or not, sliding windows (each block
 visits only the key tiles its rows' windows touch; a half that sees none of a tile releases it unread), logit
 softcap (its tanh as the tl.dot kernels form it), packed sequences that share one cu_seqlens between queries and
-keys (:func:`serves_varlen`: one program row per (sequence, head), a tile's rows and keys past its sequence's end
+keys (:func:`serves_varlen`: a tile per (query block, sequence · head), a tile's rows and keys past its sequence's end
 masked, o stored row by row there; the next sequence's values in such a tile are multiplied by an exact 0, so they
 change nothing unless they are inf or NaN, as in any FlashAttention kernel), right key padding (``seqlens_k``, not
 with a window: tiles past a batch row's last key are skipped, the last one masked, and its K/V tiles come through
@@ -185,17 +185,21 @@ if GLUON_ERROR is None:
         """Tile t of the forward's (query block, batch row or sequence · head) tiles: (b, h, start, row0, seqlen, lo,
         hi, kend) — the TMA views' batch row, the head, the sequence's first row in it, the block's first query
         position, the sequence's length, the key positions [lo, hi) the block visits and the key bound kend. Tiles
-        run query block fastest, so programs that run together share a head's K and V in L2. Causal: with PER = 2
-        a head's blocks come in pairs heaviest and lightest first ((M−1, 0), (M−2, 1), …: M + 1 key tiles per pair,
-        so that items balance); with PER = 1 heaviest first (the most keys) for the block scheduler."""
-        idx = t % M_BLOCKS
+        run query block fastest, so programs that run together share a head's K and V in L2. With PER = 2 each head
+        has an even number of tile slots (M_BLOCKS rounded up; an odd head's last slot is a block past the sequence,
+        skipped), so no item spans two heads; causal blocks come in pairs heaviest and lightest first ((M−1, 0),
+        (M−2, 1), …: M + 1 key tiles per pair, the middle block of an odd M alone), so that items balance; with
+        PER = 1 causal blocks run heaviest first (the most keys) for the block scheduler."""
+        slots = M_BLOCKS + (M_BLOCKS % 2) * (PER - 1)
+        idx = t % slots
         pid_m = idx
         if causal != 0:
             if PER == 2:
                 pid_m = gl.where(idx % 2 == 0, M_BLOCKS - 1 - idx // 2, idx // 2)
             else:
                 pid_m = M_BLOCKS - 1 - idx
-        pid_bh = t // M_BLOCKS
+        pid_m = gl.where(idx < M_BLOCKS, pid_m, M_BLOCKS)  # the padding slot: row0 >= seqlen, skipped
+        pid_bh = t // slots
         b, start, seqlen = sequence_span(CU, pid_bh // H, N_CTX, VARLEN)
         row0 = pid_m * _BLOCK_M
         lo = 0
@@ -659,8 +663,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     packed = cu_seqlens is not None
     keypad = seqlens_k is not None
     m_blocks = triton.cdiv(max_seqlen if packed else n, BLOCK_M)
-    tiles = m_blocks * (cu_seqlens.numel() - 1 if packed else b) * h
-    per, programs = schedule(tiles, window is not None, packed, keypad, q.device)
+    rows = (cu_seqlens.numel() - 1 if packed else b) * h
+    per, tiles, programs = schedule(m_blocks, rows, window is not None, packed, keypad, q.device)
     kernel = _kernel_for(softcap > 0, window is not None, packed, n % BLOCK_M != 0, keypad)
     # k_cols, v_cols: the widths of k's and v's 2-D TMA views, as their descriptors have them
     launch(kernel, (programs,), q.device, keypad, *descs, o, m, log2l, cu_seqlens if packed else m,
@@ -669,17 +673,19 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     return o, m, log2l
 
 
-def schedule(tiles: int, window: bool, packed: bool, keypad: bool, device: torch.device) -> tuple[int, int]:
-    """(PER, programs): how the forward's ``tiles`` are run. Where the kernel is persistent (:func:`persistent`:
-    dense inputs, causal or not, softcap or not) items of PER = 2 tiles (a causal head's blocks paired heaviest with
-    lightest, :func:`tile_span`, so that every item has the same work), at most one program per SM of ``device``
-    looping over them (on a device that is not CUDA, one per item); elsewhere, or with GPROJ_FWD_PERSISTENT=0 (for
-    A/B timing), one tile per program, heaviest first, balanced by the block scheduler. Measured on an H200:
-    benchmarks/NOTES.md, run 33."""
+def schedule(m_blocks: int, rows: int, window: bool, packed: bool, keypad: bool,
+             device: torch.device) -> tuple[int, int, int]:
+    """(PER, TILES, programs): how the forward runs ``m_blocks`` query blocks of ``rows`` (batch rows or sequences) ·
+    heads. Where the kernel is persistent (:func:`persistent`: dense inputs, causal or not, softcap or not) items of
+    PER = 2 tile slots, each head's slots an even number (m_blocks rounded up; :func:`tile_span`: a causal head's
+    blocks paired heaviest with lightest, so that items balance), at most one program per SM of ``device`` looping
+    over them (on a device that is not CUDA, one per item); elsewhere, or with GPROJ_FWD_PERSISTENT=0 (for A/B timing),
+    one tile per program, heaviest first, balanced by the block scheduler. Measured on an H200: benchmarks/NOTES.md,
+    run 33."""
     if os.environ.get("GPROJ_FWD_PERSISTENT", "1") == "0" or not persistent(window, packed, keypad):
-        return 1, tiles
-    items = triton.cdiv(tiles, 2)
-    return 2, items if device.type != "cuda" else min(items, _sm_count(device))
+        return 1, m_blocks * rows, m_blocks * rows
+    items = (m_blocks + m_blocks % 2) * rows // 2
+    return 2, 2 * items, items if device.type != "cuda" else min(items, _sm_count(device))
 
 
 @functools.lru_cache(maxsize=None)

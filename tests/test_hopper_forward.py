@@ -325,17 +325,19 @@ def test_key_padding_variant_compiles_for_sm90_with_device_made_descriptors(ones
             H.compile_sm90(128, torch.bfloat16, ones, keypad=True, **{feature: True})
 
 
-@pytest.mark.parametrize("window, packed, keypad, tiles, per, programs", [
-    (False, False, False, 1024, 2, 132), (False, False, False, 101, 2, 51), (True, False, False, 1024, 1, 1024),
-    (False, True, False, 1024, 1, 1024), (False, False, True, 1024, 1, 1024),
-], ids=["dense", "dense, fewer items than SMs", "window", "packed", "key padding"])
-def test_schedule_is_persistent_over_pairs_of_tiles_where_the_kernel_loops(monkeypatch, window, packed, keypad, tiles,
-                                                                           per, programs):
-    """Dense inputs: items of two tiles (causal: a head's heaviest block with its lightest), one program per SM looping
-    over them; windows, packed sequences and key padding: the kernel variants without the loop, one program per
-    tile for the block scheduler (the grid must match the variant: a loop-less kernel on fewer programs than tiles
-    would leave tiles unwritten)."""
+@pytest.mark.parametrize("window, packed, keypad, m_blocks, rows, expected", [
+    (False, False, False, 16, 64, (2, 1024, 132)), (False, False, False, 3, 33, (2, 132, 66)),
+    (False, False, False, 5, 8, (2, 48, 24)), (True, False, False, 16, 64, (1, 1024, 1024)),
+    (False, True, False, 16, 64, (1, 1024, 1024)), (False, False, True, 5, 8, (1, 40, 40)),
+], ids=["dense", "dense, odd blocks, fewer items than SMs", "dense, odd blocks", "window", "packed", "key padding"])
+def test_schedule_is_persistent_over_pairs_of_tiles_where_the_kernel_loops(monkeypatch, window, packed, keypad,
+                                                                           m_blocks, rows, expected):
+    """(PER, TILES, programs). Dense inputs: items of two tile slots, each head's slots an even number (an odd head's
+    last one is skipped, so a causal head's heaviest block pairs with its lightest and no item spans two heads), one
+    program per SM looping over them; windows, packed sequences and key padding: the kernel variants without the
+    loop, one program per tile for the block scheduler (the grid must match the variant: a loop-less kernel on fewer
+    programs than tiles would leave tiles unwritten)."""
     monkeypatch.delenv("GPROJ_FWD_PERSISTENT", raising=False)
     monkeypatch.setattr(H, "_sm_count", lambda device: 132)
-    assert H.persistent(window, packed, keypad) == (per == 2)
-    assert H.schedule(tiles, window, packed, keypad, torch.device("cuda", 0)) == (per, programs)
+    assert H.persistent(window, packed, keypad) == (expected[0] == 2)
+    assert H.schedule(m_blocks, rows, window, packed, keypad, torch.device("cuda", 0)) == expected

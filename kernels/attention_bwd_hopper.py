@@ -59,7 +59,7 @@ if GLUON_ERROR is None:
     cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     from lightning_gproj.kernels.attention_fwd_hopper import (
-        aot_compile_sm90, key_end, keys_descriptor, rcp_approx, ring_barriers, ring_load_pair, sequence_span, softcap_and_grad, tensordesc_type, tma_load,
+        aot_compile_sm90, block_keys, key_end, keys_descriptor, rcp_approx, ring_barriers, ring_load_pair, sequence_span, softcap_and_grad, tensordesc_type, tma_load,
         window_crosses,
         window_mask, window_sees, window_tiles,
     )
@@ -695,17 +695,7 @@ if GLUON_ERROR is None:
             b, start, seqlen = sequence_span(CU, b, N_CTX, VARLEN)
             if row0 >= seqlen:  # VARLEN: the grid spans the longest sequence
                 return
-            lo = 0
-            hi = seqlen
-            if CAUSAL:
-                # seqlen_q = seqlen_k: no row of the block sees a key past its last row
-                hi = gl.minimum(seqlen, row0 + _DQ_BLOCK_M)
-            if WINDOW:  # the key tiles some row of the block sees
-                lo, hi = window_tiles(row0, _DQ_BLOCK_M, wl, wr, seqlen, _DQ_BLOCK_N)
-            kend = seqlen
-            if KEYPAD:  # no tile past the last valid key (seqlens_k >= 1: every block keeps one)
-                kend = key_end(SEQLENS, b, seqlen)
-                hi = gl.minimum(hi, kend)
+            lo, hi, kend = block_keys(row0, seqlen, CAUSAL, SEQLENS, b, wl, wr, _DQ_BLOCK_M, _DQ_BLOCK_N, WINDOW, KEYPAD)
             stats = (b * H + h).to(gl.int64) * N_CTX + start
 
             q_smem = gl.allocate_shared_memory(dtype, [2, _DQ_HALF_M, HEAD_DIM], q_desc.layout)

@@ -202,17 +202,26 @@ if GLUON_ERROR is None:
         pid_bh = t // slots
         b, start, seqlen = sequence_span(CU, pid_bh // H, N_CTX, VARLEN)
         row0 = pid_m * _BLOCK_M
+        lo, hi, kend = block_keys(row0, seqlen, causal, SEQLENS, b, wl, wr, _BLOCK_M, _BLOCK_N, WINDOW, KEYPAD)
+        return b, pid_bh % H, start, row0, seqlen, lo, hi, kend
+
+    @gluon.jit
+    def block_keys(row0, seqlen, causal, SEQLENS, b, wl, wr, ROWS: gl.constexpr, TILE: gl.constexpr,
+                   WINDOW: gl.constexpr, KEYPAD: gl.constexpr):
+        """(lo, hi, kend) of the query block of ROWS rows from row0 in a sequence of ``seqlen`` (seqlen_q = seqlen_k):
+        the key positions [lo, hi) it visits in tiles of TILE keys — all, up to its last row with ``causal``, the
+        window's band with WINDOW — and the key bound kend (KEYPAD: batch row b's SEQLENS[b], clamped; hi stops there)."""
         lo = 0
         hi = seqlen
-        if causal != 0:
-            hi = gl.minimum(seqlen, row0 + _BLOCK_M)
+        if causal:  # no row of the block sees a key past its last row
+            hi = gl.minimum(seqlen, row0 + ROWS)
         if WINDOW:  # the key tiles some row of the block sees
-            lo, hi = window_tiles(row0, _BLOCK_M, wl, wr, seqlen, _BLOCK_N)
+            lo, hi = window_tiles(row0, ROWS, wl, wr, seqlen, TILE)
         kend = seqlen
         if KEYPAD:  # no tile past the last valid key (seqlens_k >= 1: every block keeps one)
             kend = key_end(SEQLENS, b, seqlen)
             hi = gl.minimum(hi, kend)
-        return b, pid_bh % H, start, row0, seqlen, lo, hi, kend
+        return lo, hi, kend
 
     @gluon.jit
     def key_end(SEQLENS, b, seqlen):

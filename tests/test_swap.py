@@ -511,10 +511,11 @@ def test_mha_key_padding_mask_that_masks_nothing_is_served(op_spy):
 @pytest.mark.parametrize("dtype, tol", DTYPES)
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("inputs", ["self_causal", "self", "cross", "unbatched"])
-def test_mha_right_key_padding_is_served(inputs, batch_first, dtype, tol, op_spy):
-    """A boolean key_padding_mask (True = ignore) that masks a suffix of each row's keys runs the op
-    with seqlens_k, alone or with the causal mask. Every query row keeps >= 1 visible key (padded
-    query rows of self-attention too), so all rows are compared."""
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_mha_right_key_padding_is_served(inputs, batch_first, dtype, tol, mask_dtype, op_spy):
+    """A key_padding_mask that masks a suffix of each row's keys — boolean (True = ignore) or float (0 = keep,
+    -inf = ignore, added to the scores) — runs the op with seqlens_k, alone or with the causal mask. Every query row
+    keeps >= 1 visible key (padded query rows of self-attention too), so all rows are compared."""
     torch.manual_seed(0)
     model = nn.MultiheadAttention(32, 4, batch_first=batch_first).to(dtype).eval()
     swapped = copy.deepcopy(model)
@@ -525,6 +526,8 @@ def test_mha_right_key_padding_is_served(inputs, batch_first, dtype, tol, op_spy
     lengths = [s - 2, 1][:batch]
     if inputs == "unbatched":
         kpm = kpm[0]
+    if mask_dtype != torch.bool:
+        kpm = torch.zeros(kpm.shape, dtype=mask_dtype).masked_fill(kpm, float("-inf"))
     shape = (n, 32) if inputs == "unbatched" else ((2, n, 32) if batch_first else (n, 2, 32))
     mshape = (s, 32) if inputs == "unbatched" else ((2, s, 32) if batch_first else (s, 2, 32))
     query, memory = torch.randn(shape, dtype=dtype), torch.randn(mshape, dtype=dtype)
@@ -547,12 +550,31 @@ def test_mha_right_key_padding_is_served(inputs, batch_first, dtype, tol, op_spy
     assert call["causal"] is (inputs == "self_causal") and call["seqlens_k"].tolist() == lengths
 
 
+
+def test_transformer_encoder_layer_with_right_padding_is_served(op_spy):
+    """nn.TransformerEncoderLayer turns a boolean src_key_padding_mask into a float one of 0 and -inf before it calls
+    its self-attention: still right padding, served with seqlens_k; float64, against the unswapped layer (PyTorch's own
+    attention) on the kept positions."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True).double().eval()
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    kpm = torch.arange(6)[None, :] >= torch.tensor([6, 3])[:, None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        out = swapped(x, src_key_padding_mask=kpm)
+    ref = model(x, src_key_padding_mask=kpm)
+    keep = ~kpm
+    assert rel_err(out[keep], ref[keep]) <= 1e-12
+    assert len(op_spy.calls) == 1 and op_spy.calls[0]["seqlens_k"].tolist() == [6, 3]
+
 MHA_FALLBACK = {
     "need_weights_default": (dict(), "need_weights=True"),
     "left_key_padding_mask": (dict(need_weights=False, key_padding_mask=torch.tensor([[True] + [False] * 5] * 2)),
-                              "key_padding_mask that is not boolean right padding"),
-    "float_key_padding_mask": (dict(need_weights=False, key_padding_mask=torch.tensor([[0.0] * 5 + [float("-inf")]] * 2)),
-                               "key_padding_mask that is not boolean right padding"),
+                              "key_padding_mask that is not right padding"),
+    "float_key_bias": (dict(need_weights=False, key_padding_mask=torch.tensor([[0.0] * 5 + [-1.0]] * 2)),
+                       "key_padding_mask that is not right padding"),
     "non_causal_mask": (dict(need_weights=False, attn_mask=torch.eye(6, dtype=torch.bool)), "not the causal mask"),
 }
 

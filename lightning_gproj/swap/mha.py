@@ -47,9 +47,18 @@ def _is_causal_mha_mask(mask: torch.Tensor, n_q: int, n_k: int) -> bool:
 
 
 def right_padding_lengths(key_padding_mask: torch.Tensor) -> Optional[torch.Tensor]:
-    """Key lengths L (int64, (N,)) if a boolean ``key_padding_mask`` (N, S) (True = ignore) is right
-    padding — row b False on keys j < L[b] and True after, L[b] >= 1 — else None. Reads the values."""
-    if key_padding_mask.dtype != torch.bool or key_padding_mask.dim() != 2:
+    """Key lengths L (int64, (N,)) if a ``key_padding_mask`` (N, S) is right padding — row b keeps keys
+    j < L[b] and masks the rest, L[b] >= 1 — else None. Boolean masks: True = ignore; float masks (added to
+    the scores, as ``nn.TransformerEncoderLayer`` hands a boolean one over after converting it): 0 = keep,
+    -inf = ignore, any other value makes it not padding. Reads the values."""
+    if key_padding_mask.dim() != 2:
+        return None
+    if key_padding_mask.is_floating_point():
+        masked = key_padding_mask == float("-inf")
+        if not bool((masked | (key_padding_mask == 0)).all()):
+            return None
+        key_padding_mask = masked
+    elif key_padding_mask.dtype != torch.bool:
         return None
     lengths = (~key_padding_mask).sum(dim=-1)
     expected = torch.arange(key_padding_mask.shape[-1], device=key_padding_mask.device)[None, :] >= lengths[:, None]
@@ -73,8 +82,9 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
     as in ``nn.MultiheadAttention``: query (L, N, E), or (N, L, E) with ``batch_first``, or (L, E)
     unbatched; key/value likewise with S for L. Returns ``(output, None)``.
 
-    Served: ``need_weights=False``, no ``key_padding_mask``, one that masks nothing, or a boolean one
-    that is right padding (each batch row masks a suffix of the keys and keeps at least one; served
+    Served: ``need_weights=False``, no ``key_padding_mask``, one that masks nothing, or one that is right
+    padding, boolean or float of 0 and -inf (as ``nn.TransformerEncoderLayer`` passes a boolean mask on)
+    (each batch row masks a suffix of the keys and keeps at least one; served
     with ``seqlens_k``, alone or with the causal mask), ``attn_mask`` None or the causal mask
     (``is_causal=True`` with a mask, trusted as the original does on this path; or a mask whose
     values are exactly causal), ``dropout`` (applied while training, as the original does, by the op's
@@ -97,8 +107,8 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
             seqlens_k = right_padding_lengths(kpm)
             if seqlens_k is None:
                 return (
-                    "key_padding_mask that is not boolean right padding (each row must mask a suffix of the "
-                    "keys and keep at least one)"
+                    "key_padding_mask that is not right padding (boolean, or float of 0 and -inf; each row must "
+                    "mask a suffix of the keys and keep at least one)"
                 ), False, None
         if query.dim() not in (2, 3) or query.dim() != key.dim() or key.dim() != value.dim():
             return f"input dims query {query.dim()}, key {key.dim()}, value {value.dim()}", False, None

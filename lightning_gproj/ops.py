@@ -550,8 +550,11 @@ def _real(x: object) -> object:
     """A real number (Python or NumPy, or a one-element float tensor with data, e.g. a buffer holding τ or
     a cap) as a float; a bool, None or anything else (a meta tensor has no value to read) as is, for the
     caller's check to refuse by name. Under torch.compile(dynamic=True) a float argument stays a SymFloat,
-    which is why the checks below use comparisons: ``math.isfinite`` of one stops Dynamo's fullgraph trace."""
-    if isinstance(x, Tensor) and x.numel() == 1 and x.dtype.is_floating_point and not x.is_meta:
+    which is why the checks below use comparisons: ``math.isfinite`` of one stops Dynamo's fullgraph trace.
+    A tensor that requires grad stays a tensor (refused by name: the op takes these options as constants, so a
+    learnable τ or cap would silently get no gradient)."""
+    if (isinstance(x, Tensor) and x.numel() == 1 and x.dtype.is_floating_point and not x.is_meta
+            and not x.requires_grad):
         x = x.item()
     if isinstance(x, numbers.Real) and not isinstance(x, bool):
         return float(x)
@@ -563,7 +566,9 @@ def _shown(x: object) -> str:
     torch.compile a tensor's repr needs its values and its shape may be symbolic; Dynamo's own error
     ("repr() on tensor") would then replace ours."""
     if isinstance(x, Tensor):
-        return f"a {x.dim()}-D {x.dtype} tensor on {x.device}"
+        grad = (" that requires grad (the op takes it as a constant and gives it no gradient; pass a float or "
+                "x.detach())") if x.requires_grad else ""
+        return f"a {x.dim()}-D {x.dtype} tensor on {x.device}{grad}"
     return f"{x!r}"  # not repr(x): Dynamo formats a SymFloat in an f-string, not through repr()
 
 
@@ -662,8 +667,9 @@ def gproj_attn_func(
         k, v: (batch, seqlen_k, nheads_k, headdim) (``"bhsd"``: (batch, nheads_k, seqlen_k, headdim)),
             same dtype and device; ``nheads % nheads_k == 0`` (GQA/MQA). headdim a multiple of 8, at
             most 256.
-        softmax_scale: τ, multiplies q·kᵀ (a Python or NumPy number, or a one-element float tensor);
-            default ``1 / sqrt(headdim)``.
+        softmax_scale: τ, multiplies q·kᵀ (a Python or NumPy number, or a one-element float tensor that does
+            not require grad: τ is a constant here, it gets no gradient; its value is read on the host, which
+            ``torch.compile(fullgraph=True)`` cannot trace — pass a float there); default ``1 / sqrt(headdim)``.
         causal: bottom-right aligned causal mask as in flash-attn ≥ 2.1: query i sees key j iff
             ``j <= i + seqlen_k - seqlen_q`` (for seqlen_q == seqlen_k the usual lower triangle).
             A query row that sees no key outputs 0.

@@ -455,6 +455,10 @@ def test_bad_input_names_the_argument(make, exc, words):
         ({"dropout_p": torch.tensor(0.1, device="meta")}, r"dropout_p must be a float in \[0, 1\)"),
         ({"softmax_scale": torch.tensor(0.1, device="meta")}, "softmax_scale"),
         ({"softcap": torch.tensor(30.0, device="meta")}, "softcap must be a finite float"),
+        # A learnable τ or cap would get no gradient (the op takes them as constants): refused, not silently detached.
+        ({"softmax_scale": torch.nn.Parameter(torch.tensor(0.25))}, r"softmax_scale .* requires grad .*x\.detach\(\)"),
+        ({"softcap": torch.nn.Parameter(torch.tensor(30.0))}, r"softcap .* requires grad .*x\.detach\(\)"),
+        ({"dropout_p": torch.tensor(0.1, requires_grad=True)}, r"dropout_p .* requires grad"),
     ],
 )
 def test_bad_options_name_the_argument(kwargs, words):

@@ -408,26 +408,28 @@ if GLUON_ERROR is None:
     _DQ_HALF_N = gl.constexpr(TILE_ROWS // 2)
     _ROWSUM_N = gl.constexpr(ROWSUM_N)
 
-    @gluon.jit
-    def _dq_loader(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem,
+    def _dq_loader_for(keypad: bool):
+        """The dQ pass's loader partition (:func:`_dq_load_tiles`), with KEYPAD compiled in (a closure constant, as
+        :func:`_dq_partition`'s): right key padding takes the K/V tiles through descriptors of the batch row's valid
+        keys [0, kend) (kernels/attention_fwd_hopper.keys_descriptor; K, V point at k, v, whose 2-D TMA views have
+        k_cols, v_cols columns), zero past them; otherwise the host's descriptors (K, V, kend, k_cols, v_cols unused)."""
+        KEYPAD = gl.constexpr(keypad)
+
+        @gluon.jit
+        def loader(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem,
                    q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, K, V, kend, k_cols, v_cols, k_row,
                    k_col, v_row, v_col, lo, hi, GPROJ):
-        """The dQ pass's loader partition: :func:`_dq_load_tiles` through the host's descriptors (K, V, kend, k_cols,
-        v_cols: the arguments of :func:`_dq_keypad_loader`, unused here)."""
-        _dq_load_tiles(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem,
-                       q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col, v_row, v_col, lo, hi,
-                       GPROJ)
+            if KEYPAD:
+                _dq_load_tiles(q_desc, do_desc, o_desc, keys_descriptor(K, k_row, kend, k_cols, k_desc),
+                               keys_descriptor(V, v_row, kend, v_cols, v_desc), e0_desc, q_smem, do_smem, o_smem, k_smem,
+                               v_smem, e0_smem, q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, 0, k_col,
+                               0, v_col, lo, hi, GPROJ)
+            else:
+                _dq_load_tiles(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem,
+                               e0_smem, q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, k_row, k_col,
+                               v_row, v_col, lo, hi, GPROJ)
 
-    @gluon.jit
-    def _dq_keypad_loader(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem,
-                          e0_smem, q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, K, V, kend, k_cols,
-                          v_cols, k_row, k_col, v_row, v_col, lo, hi, GPROJ):
-        """The dQ pass's loader partition with right key padding: the K/V tiles through descriptors of the batch row's
-        valid keys [0, kend) (kernels/attention_fwd_hopper.keys_descriptor, as its _keypad_loader), zero past them."""
-        k_keys = keys_descriptor(K, k_row, kend, k_cols, k_desc)
-        v_keys = keys_descriptor(V, v_row, kend, v_cols, v_desc)
-        _dq_load_tiles(q_desc, do_desc, o_desc, k_keys, v_keys, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem,
-                       q_bar, ready, empty, q_row, q_col, do_row, do_col, o_row, o_col, 0, k_col, 0, v_col, lo, hi, GPROJ)
+        return loader
 
     @gluon.jit
     def _dq_load_tiles(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem,
@@ -672,7 +674,7 @@ if GLUON_ERROR is None:
         GPROJ, CAUSAL, WINDOW = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(window)
         VARLEN, KEYPAD = gl.constexpr(varlen), gl.constexpr(keypad)
         consumer = _dq_partition(gproj, causal, softcap, window, edges or varlen, keypad)
-        loader = _dq_keypad_loader if keypad else _dq_loader
+        loader = _dq_loader_for(keypad)
 
         @gluon.jit
         def _hopper_dq_kernel(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, DQ, R, QR, M, LOG2L, DELTA, CU, SEQLENS, K,

@@ -11,7 +11,8 @@ memory, as benchmarks/train_step.py's Llama hands it over).
 Variants (``--variants``, comma-separated; default all):
 - ``stages3``: a 3-slot K/V ring instead of 2 (fits d 64 only);
 - ``loader_regs40``: 40 registers for the loader partition instead of 24 (the consumers keep 232).
-Run 19 measured all three within the rounds' spread. FA3's intra-warp-group pipelining (the next block's S issued
+Run 19 measured both, and a launch-order variant since replaced by the persistent schedule (run 33), within
+the rounds' spread. FA3's intra-warp-group pipelining (the next block's S issued
 before the current softmax) measured 20–30% slower there and was removed from this script (commit 0db54c1 has it).
 
 Usage: python benchmarks/hopper_fwd_ab.py [--variants a,b] [--rounds 2]

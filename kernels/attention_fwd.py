@@ -28,7 +28,7 @@ On an sm_90 GPU, dense inputs with seqlen_q = seqlen_k >= 128 (causal, windows, 
 without a window included) and packed sequences that share one cu_seqlens between queries and keys (>= 128 tokens in
 all), at head dim 64 / 128, go to the warp-specialized Gluon kernel of kernels/attention_fwd_hopper.py (same contract,
 same rounding points, the same dropout keep mask); everything else (key padding with a window, seqlen_q !=
-seqlen_k), and every interpreter run, uses the kernel below.
+seqlen_k; dropout with GPROJ_HOPPER_DROPOUT=0), and every interpreter run, uses the kernel below.
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ def forward(
     # nq, nk are total_q, total_k when packed: window_args only needs an "unbounded" wider than any sequence.
     win = window_args(causal, window_size, softcap, nq, nk)
     drop = dropout_args(dropout_p, dropout_seed, dropout_offset)
-    if not (seqlens_k is not None and win["WINDOW"]):
+    if not (seqlens_k is not None and win["WINDOW"]) and (not drop["DROPOUT"] or attention_fwd_hopper.dropout_enabled()):
         window = (win["WL"], win["WR"]) if win["WINDOW"] else None
         # Dropout: the Gluon kernel draws the same keep mask (kernels/attention_fwd_hopper.philox_keep).
         dkw = (dict(dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset)

@@ -64,7 +64,7 @@ try:  # Gluon ships with Triton >= 3.4; the TMA copies were renamed after 3.6.
 except Exception as exc:  # pragma: no cover - depends on the Triton build
     GLUON_ERROR = f"{exc.__class__.__name__}: {exc}"
 
-__all__ = ["forward", "serves", "serves_varlen", "packed_ok", "accepts", "on_sm90", "tma_descriptor", "feature_args", "compile_sm90", "aot_compile_sm90",
+__all__ = ["forward", "dropout_enabled", "serves", "serves_varlen", "packed_ok", "accepts", "on_sm90", "tma_descriptor", "feature_args", "compile_sm90", "aot_compile_sm90",
            "sass", "tensordesc_type", "pointer_type", "BLOCK_M"]
 
 #: The kernels' dropout scalars that vary between calls (not specialized on their values).
@@ -79,8 +79,8 @@ def persistent(window: bool, varlen: bool, keypad: bool, dropout: bool = False) 
     tiles, :func:`schedule`): all but windows, packed sequences and key padding, which run one tile per program with
     no loop (with the loop, the window variant's consumers spilled: 243 spill stores with Triton 3.6; key padding's
     loader makes a TMA descriptor per tile, which a second tile would rewrite while the first one's loads may be in
-    flight), and dropout (with the loop its consumers spilled far more: Triton 3.9, d 128, 281 / 292 spill stores full /
-    causal against 17 / 20 without it; Triton 3.6 28 bytes of spill stores against 16 / 0)."""
+    flight), and dropout (with the loop its consumers spilled: d 128 full / causal, 249 / 269 spill stores (STL) with
+    Triton 3.9 against 6 / 8 without the loop, 6 / 6 with Triton 3.6 against 0 / 0)."""
     return not (window or varlen or keypad or dropout)
 
 
@@ -299,8 +299,8 @@ if GLUON_ERROR is None:
     def philox_keep(first_row, G, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, A: gl.constexpr,
                     L5: gl.constexpr):
         """The keep mask of attention dropout for the 64 query rows first_row … and the key columns start_n … start_n +
-        32·A − 1 (start_n a multiple of 8), [64, 32·A] bool in the layout of a 4-warp wgmma accumulator (L5 =
-        :func:`keep_layout`): the scheme of kernels/reference.dropout_keep_mask and kernels/_triton_utils.dropout_keep,
+        32·A − 1 (start_n a multiple of 8), as the words :func:`keep_bits` turns into the [64, 32·A] bool mask in the
+        layout of a 4-warp wgmma accumulator (L5 = :func:`keep_layout`): the scheme of kernels/reference.dropout_keep_mask and kernels/_triton_utils.dropout_keep,
         the tl.dot kernels' mask, bit for bit — one Philox4x32 call (:func:`philox_rounds`) per group g of 8 keys of
         row i, counters (i·G + g mod 2³², bh, offset, i·G + g div 2³²), key seed_hi·2³² + seed_lo; key c of the group
         is kept iff the 16-bit half c mod 2 (0: low) of output word c // 2 is >= drop_thr. G = ⌈n_k / 8⌉; seeds,
@@ -339,8 +339,13 @@ if GLUON_ERROR is None:
         src = gl.expand_dims(4 * (rows_s % 8)[:, None] + jp[None, :], 2)
         words = gl.expand_dims(word, 1)
         words, src = gl.broadcast(words, src)
-        got = gl.inline_asm_elementwise(_SHFL_IDX, "=r,r,r", [words, src], dtype=gl.uint32, is_pure=True, pack=1)
-        # Key 32a + 8j' + 2j + e is bit 8a + 2j + e of lane j''s word, as lane j got it.
+        return gl.inline_asm_elementwise(_SHFL_IDX, "=r,r,r", [words, src], dtype=gl.uint32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def keep_bits(got, A: gl.constexpr, L5: gl.constexpr):
+        """The [64, 32·A] keep mask (layout: L5 reshaped, a wgmma accumulator's) from :func:`philox_keep`'s words: key
+        32a + 8j' + 2j + e is bit 8a + 2j + e of lane j''s word, as lane j got it. Kept apart from the Philox rounds so
+        that only the words (8 registers a thread) stay live from where the rounds run to where the mask is used."""
         a5 = gl.arange(0, A, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5)))))
         j5 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, L5)))))
         e5 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L5)))))
@@ -350,6 +355,86 @@ if GLUON_ERROR is None:
         got = gl.expand_dims(gl.expand_dims(got, 1), 4)
         keep = ((got >> (8 * a5 + 2 * j5 + e5).to(gl.uint32)) & 1) != 0
         return gl.reshape(keep, [64, 32 * A])
+
+    def keep_layout_t(rows: int):
+        """The layouts of :func:`philox_keep_t`: the mask's, over [4, 2, 8, rows // 32, 4, 4, 2] = (w, rh, r, kh, klo, q,
+        e) for the key 16w + 8rh + r of 64 keys and the query row 32kh + 8klo + 2q + e of ``rows`` — reshaped to [64,
+        rows] the accumulator layout of a 4-warp wgmma over [keys, queries] (thread (warp w, lane 4r + q) holds keys
+        16w + r, 16w + r + 8 and queries 8k + 2q + e) —, and the Philox rounds', over [4, 2, rows // 32, 8, 4] = (w,
+        rh, kh, r, q): the group of keys 16w + 8rh … + 7 of query row 32kh + 8(r >> 1) + 2q + (r & 1) in lane 4r + q,
+        each group once (the 8 lanes that hold a group's keys share its rounds out)."""
+        kh = [[0, 0, 0, 1, 0, 0, 0]] if rows > 32 else []
+        mask = gl.DistributedLinearLayout(
+            [[0, 0, 0, 0, 0, 0, 1], [0, 1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 2, 0, 0]] + kh,
+            [[0, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 2, 0], [0, 0, 1, 0, 0, 0, 0], [0, 0, 2, 0, 0, 0, 0], [0, 0, 4, 0, 0, 0, 0]],
+            [[1, 0, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0, 0]], [], [4, 2, 8, rows // 32, 4, 4, 2])
+        rounds = gl.DistributedLinearLayout(
+            [[0, 1, 0, 0, 0]] + ([[0, 0, 1, 0, 0]] if rows > 32 else []),
+            [[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 0, 4, 0]],
+            [[1, 0, 0, 0, 0], [2, 0, 0, 0, 0]], [], [4, 2, rows // 32, 8, 4])
+        return mask, rounds
+
+    @gluon.jit
+    def philox_keep_t(first_row, G, key0, bh, seed_lo, seed_hi, drop_off, drop_thr, KH: gl.constexpr, L7: gl.constexpr,
+                      LP: gl.constexpr):
+        """:func:`philox_keep` transposed: the keep mask of the 64 keys key0 … (a multiple of 8) and the 32·KH query rows
+        first_row … (dropout counter rows: packed rows when packed) as the words :func:`keep_bits_t` turns into the
+        [64 keys, 32·KH queries] mask in a 4-warp wgmma accumulator's layout (L7, LP: :func:`keep_layout_t`) — the
+        same Philox calls and bits as kernels/reference.dropout_keep_mask, one call per (query row, group of 8 keys) in
+        one of the 8 lanes that hold the group's keys; its 8 keep bits in a byte of that lane's word, and 8 warp
+        shuffles a thread hand every lane the words of the other seven (lanes 4r' + q, same q)."""
+        Lsh: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, L7))  # (w, r, klo, q, e): the shuffle
+        w_ = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LP)))))
+        rh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LP)))))
+        kh = gl.arange(0, KH, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, LP)))))
+        r_ = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, LP)))))
+        q_ = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LP)))))
+        w5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(w_, 1), 2), 3), 4)
+        rh5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(rh, 0), 2), 3), 4)
+        kh5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(kh, 0), 1), 3), 4)
+        r5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(r_, 0), 1), 2), 4)
+        q5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(q_, 0), 1), 2), 3)
+        query = first_row + 32 * kh5 + 8 * (r5 >> 1) + 2 * q5 + (r5 & 1)
+        grp = query.to(gl.int64) * G + (key0 // 8 + 2 * w5 + rh5).to(gl.int64)
+        c0 = grp.to(gl.uint32)
+        c3 = (grp >> 32).to(gl.uint32)
+        zero = c0 * 0
+        x0, x1, x2, x3 = philox_rounds(c0, zero + bh.to(gl.uint32), zero + drop_off.to(gl.uint32, bitcast=True), c3,
+                                       seed_lo.to(gl.uint32, bitcast=True), seed_hi.to(gl.uint32, bitcast=True))
+        thr = drop_thr.to(gl.uint32) << 16
+        byte = (((x0 << 16) >= thr).to(gl.uint32) | ((x0 >= thr).to(gl.uint32) << 1)
+                | (((x1 << 16) >= thr).to(gl.uint32) << 2) | ((x1 >= thr).to(gl.uint32) << 3)
+                | (((x2 << 16) >= thr).to(gl.uint32) << 4) | ((x2 >= thr).to(gl.uint32) << 5)
+                | (((x3 << 16) >= thr).to(gl.uint32) << 6) | ((x3 >= thr).to(gl.uint32) << 7))
+        # Lane 4r + q's word: byte rh + 2kh for its group (rh, kh) (registers: no exchange).
+        word = gl.sum(gl.sum(byte << (8 * (rh5 + 2 * kh5)).to(gl.uint32), axis=2), axis=1)  # (w, r, q)
+        word = gl.convert_layout(word, gl.SliceLayout(2, gl.SliceLayout(4, Lsh)))  # the same placement
+        klo = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, Lsh)))))
+        qs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, Lsh)))))
+        e_ = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, Lsh)))))
+        klo5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(klo, 0), 1), 3), 4)
+        qs5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qs, 0), 1), 2), 4)
+        e5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(e_, 0), 1), 2), 3)
+        # Register (klo, e) of lane 4r + q reads lane 4(e + 2klo) + q's word: the one whose groups are query row
+        # … + 8klo + 2q + e.
+        src = 4 * (e5 + 2 * klo5) + qs5
+        words = gl.expand_dims(gl.expand_dims(word, 2), 4)
+        words, src = gl.broadcast(words, src)
+        return gl.inline_asm_elementwise(_SHFL_IDX, "=r,r,r", [words, src], dtype=gl.uint32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def keep_bits_t(got, KH: gl.constexpr, L7: gl.constexpr):
+        """The [64 keys, 32·KH queries] keep mask from :func:`philox_keep_t`'s words: key 16w + 8rh + r of query row
+        32kh + 8klo + 2q + e is bit r of byte rh + 2kh of the word got from lane 4(e + 2klo) + q."""
+        rh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5, gl.SliceLayout(6, L7)))))))
+        r_ = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5, gl.SliceLayout(6, L7)))))))
+        kh = gl.arange(0, KH, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, gl.SliceLayout(5, gl.SliceLayout(6, L7)))))))
+        rh7 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(rh, 0), 2), 3), 4), 5), 6)
+        r7 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(r_, 0), 1), 3), 4), 5), 6)
+        kh7 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(kh, 0), 1), 2), 4), 5), 6)
+        got = gl.expand_dims(gl.expand_dims(got, 1), 3)
+        keep = ((got >> (8 * (rh7 + 2 * kh7) + r7).to(gl.uint32)) & 1) != 0
+        return gl.reshape(keep, [64, 32 * KH])
 
     # Sliding windows (row i sees keys i − wl … i + wr), shared with kernels/attention_bwd_hopper.py.
     @gluon.jit
@@ -382,7 +467,7 @@ if GLUON_ERROR is None:
         scores; mask them on and past the diagonal (rows from ``diag_from``), or with WINDOW outside the sliding
         window row − wl <= key <= row + wr, and with KEYMASK the keys from ``kend`` on (the next sequence's or head's,
         or key padding);
-        update the row max m and sum l. With DROPOUT the A operand is P̃ ∘ M (M = ``keep``, :func:`_tile_keep`), m and
+        update the row max m and sum l. With DROPOUT the A operand is P̃ ∘ M (M from ``keep``, :func:`_tile_keep`), m and
         l stay the undropped P's, as the tl.dot forward's. Returns (P̃ as the A operand of P̃·V, the factor α that rescales the accumulator (in its row layout),
         m, l)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -414,7 +499,7 @@ if GLUON_ERROR is None:
         p = gl.exp2((s - m_use[:, None]) * c)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         if DROPOUT:
-            p = gl.where(keep, p, 0.0)
+            p = gl.where(gl.convert_layout(keep_bits(keep, 4, _KEEP_LAYOUT), s_layout), p, 0.0)
         return gl.convert_layout(p.to(dtype), p_layout), gl.convert_layout(alpha, row_o), m_new, l_i
 
     _KEEP_LAYOUT = gl.constexpr(keep_layout(128))
@@ -422,14 +507,14 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _tile_keep(drow, DG, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, DROPOUT: gl.constexpr):
         """With DROPOUT the keep mask of a consumer's 64 rows (dropout counter rows drow …) and the key tile at start_n
-        (:func:`philox_keep`) in the scores' layout; else 0 (unused). Drawn at the top of each step, before its S wgmma
-        is issued: of three placements (there, after that issue, in the softmax) the one ptxas of Triton 3.6 spilled
-        least with (16 / 48 bytes of spill stores / loads against 32 / 52 and 16 / 64)."""
+        as :func:`philox_keep`'s words (:func:`_softmax` takes the bits); else 0 (unused). Drawn at the top of each step,
+        before its S wgmma is issued (of three placements of the whole mask — there, after that issue, in the softmax —
+        the one ptxas of Triton 3.6 spilled least with); with only the words live from there to the softmax, d 128
+        compiles without spills with Triton 3.6 (6 / 8 STL full / causal with 3.9)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BLOCK_N, 16])
         if DROPOUT:
-            keep = philox_keep(drow, DG, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, 4, _KEEP_LAYOUT)
-            return gl.convert_layout(keep, s_layout)
+            return philox_keep(drow, DG, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, 4, _KEEP_LAYOUT)
         else:
             return 0
 
@@ -675,6 +760,12 @@ def _layouts(head_dim: int, dtype: torch.dtype):
 def enabled() -> bool:
     """GPROJ_HOPPER_FWD=0 keeps every call on the ``tl.dot`` forward (for A/B timing and as an escape hatch)."""
     return os.environ.get("GPROJ_HOPPER_FWD", "1") != "0"
+
+
+def dropout_enabled() -> bool:
+    """GPROJ_HOPPER_DROPOUT=0 keeps the calls with dropout (only those) on the ``tl.dot`` kernels, forward and backward
+    (for A/B timing of the Gluon dropout variants and as an escape hatch)."""
+    return os.environ.get("GPROJ_HOPPER_DROPOUT", "1") != "0"
 
 
 def _tma_view(x: torch.Tensor):

@@ -26,9 +26,9 @@ Two launches, rounding at the points of kernels/reference.py (DESIGN.md §3, §4
      (``dk_fold=True``; DESIGN.md §4.1 table: slightly less accurate dK).
    The choice of default is recorded in benchmarks/NOTES.md with the measurements behind it.
 
-On an sm_90 GPU, for the inputs of kernels/attention_bwd_hopper.py (head dim 64 / 128, seqlen_q = seqlen_k, no
-dropout; windows, softcap, key padding without a window and packed sequences with one cu_seqlens for queries and keys
-served), both passes
+On an sm_90 GPU, for the inputs of kernels/attention_bwd_hopper.py (head dim 64 / 128, seqlen_q = seqlen_k; windows,
+softcap, dropout (unless GPROJ_HOPPER_DROPOUT=0), key padding without a window and packed sequences with one cu_seqlens
+for queries and keys served), both passes
 run as that module's warp-specialized Gluon kernels, with the
 same rounding points: the dQ pass for fix "none" and "gproj" without want_stats, the dK/dV pass for "none",
 "gproj" with the "gemm" schedule and the PyTorch "gproj_uniform" (not the in-kernel uniform one of windows and

@@ -31,7 +31,9 @@ cu_seqlens for queries and keys (:func:`serves_varlen`; rows past a sequence's e
 past it are masked in the dQ pass and not stored by the dK/dV pass; no key sums), right key padding without a window
 (``seqlens_k``: the dQ pass reads K/V through TMA descriptors made on the device that end at the batch row's last key
 and masks past it; the dK/dV pass masks P there, zeroes the padded keys' dk rows and stores dk = dv = 0 for a block of
-padding without running its partitions), no dropout; do and
+padding without running its partitions), attention dropout (both passes regenerate the forward's keep mask M with its
+Philox calls, kernels/attention_fwd_hopper.philox_keep / philox_keep_t, and use it as the tl.dot kernels do: dP' = M ∘
+dP / (1 − p̂), dV += (P̃ ∘ M)ᵀ dO scaled by 1/(1 − p̂) at the store; D, dS's P and GProj's direction undropped); do and
 o in any strides (copied when not in a served order). Gradients in 16-bit or fp32;
 with an fp32 dk the per-64-key sums Σ_j dk_j of the stored values, for the C2 projection
 (kernels/reference.project_key_sum_). ``GPROJ_HOPPER_BWD=0`` keeps every call on the tl.dot kernels.
@@ -829,7 +831,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, 
     """Whether :func:`dkdv` serves these (already validated) inputs: an sm_90 GPU (not the interpreter, Gluon
     importable, GPROJ_HOPPER_BWD not 0) and :func:`accepts`; with ``key_sums`` (an fp32 dk's Σ_j dk_j for the C2
     projection) only a seqlen that is a multiple of BLOCK_N (the per-64-key sums would take the rows past the end).
-    The caller checks the rest (fix "none" or "gproj" with its own-GEMM dK term, ds_format "bf16", no dropout, no
+    The caller checks the rest (fix "none" or "gproj" with its own-GEMM dK term, ds_format "bf16", no
     packing (:func:`serves_varlen`), key padding only without a window). Never raises."""
     return enabled() and on_sm90(q) and accepts(q, k, v, do) and not (key_sums and q.shape[1] % BLOCK_N)
 

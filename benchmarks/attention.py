@@ -18,6 +18,9 @@ benchmarks/results/speed_latest.json): the list of records
 {shape: [B, H, N, d], causal, method, fwd_tflops, bwd_tflops, fwdbwd_tflops, peak_mib} (plus the
 times in ms, and ``error`` where a method failed, its numbers then null).
 
+``--dropout P``: also each of our methods with attention dropout P; on an H200 the Gluon kernels serve it (their
+dropout variants); ``GPROJ_HOPPER_DROPOUT=0`` times the tl.dot kernels instead (A/B).
+
 ``--smoke``: CPU, Triton's interpreter (TRITON_INTERPRET=1), two tiny shapes (causal and not), our
 kernels only. The timings are the interpreter's and mean nothing; it exists so that a CPU test can
 check that the script runs and what it writes.

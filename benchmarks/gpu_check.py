@@ -1,7 +1,7 @@
 """GPU smoke check of the Triton kernels against kernels/reference.py (run on the device machine).
 
 Usage: python benchmarks/gpu_check.py [--quick-speed] [--skip-cases] [--ds-formats bf16,e4m3,e5m2]
-       [--cases base,features,dropout,varlen,hopper,hopper_bwd,hopper_varlen,hopper_ragged,hopper_keypad]
+       [--cases base,features,dropout,varlen,hopper,hopper_bwd,hopper_varlen,hopper_ragged,hopper_keypad,hopper_dropout]
 (the cases include sliding windows and softcap, every fix, and their constant checks)
 
 Prints relative Frobenius differences Triton vs reference (same rounding points: expect <~1e-3,
@@ -323,6 +323,112 @@ def hopper_keypad_check(dev, softcap=0.0):
     print("hopper_keypad worst rel diff vs reference (o, grads):", worst, flush=True)
 
 
+#: hopper_dropout: (B, N, H, Hk, d, causal, dtype, p) — d 128 and 64, bf16 and fp16, GQA, N 1024 and a ragged 1000.
+HOPPER_DROPOUT = [(2, 1024, 8, 2, 128, False, torch.bfloat16, 0.1), (2, 1024, 8, 2, 128, True, torch.bfloat16, 0.2),
+                  (1, 1000, 4, 4, 128, True, torch.float16, 0.1), (2, 1000, 8, 2, 64, False, torch.bfloat16, 0.2),
+                  (1, 1024, 4, 1, 64, True, torch.float16, 0.1)]
+
+
+def hopper_dropout_check(dev, seed=2**40 + 12345, offset=7, shapes=None, n_mixed=1000):
+    """Attention dropout through the sm_90 Gluon kernels (kernels/attention_fwd_hopper.philox_keep and the backward's
+    dQ / dK/dV dropout variants): for each shape of HOPPER_DROPOUT and fix none / gproj,
+
+    * the package op (gproj_attn_func with dropout_p; its Philox (seed, offset) pinned to a 64-bit seed >= 2³² and an
+      offset != 0) forward and backward against the float64 reference with the same keep mask (R.forward / R.backward
+      with the same dropout arguments): a mask that is not the reference's bit for bit gives o, dv off by ~10%, not
+      ~1e-3; the launches of the Gluon forward, dQ and dK/dV passes are counted (they must be 1, 1, 1);
+    * the kernels against the tl.dot ones (GPROJ_HOPPER_DROPOUT=0: the same calls without the Gluon kernels): m must be
+      bit-identical (the same scores' max), log2l and o, dq, dk, dv to rounding (l sums the same P in another order);
+    * packed sequences and right key padding with dropout (``n_mixed`` tokens) against the tl.dot kernels.
+
+    Prints one line per case and a final verdict line ("hopper_dropout PASS" / "FAIL")."""
+    import os
+    from unittest import mock
+    from lightning_gproj import ops
+    from lightning_gproj.ops import gproj_attn_func
+
+    counts = {"fwd": 0, "dq": 0, "dkdv": 0}
+
+    def counted(name, fn):
+        def run(*a, **kw):
+            counts[name] += 1
+            return fn(*a, **kw)
+        return run
+
+    ok = True
+    worst = 0.0
+    rng = torch.tensor([seed - 2**64 if seed >= 2**63 else seed, offset], dtype=torch.int64)
+    with mock.patch.object(HF, "forward", counted("fwd", HF.forward)), \
+            mock.patch.object(HB, "dq_pass", counted("dq", HB.dq_pass)), \
+            mock.patch.object(HB, "dkdv", counted("dkdv", HB.dkdv)), \
+            mock.patch.object(ops, "_draw_rng", lambda p: rng.clone() if p else None):
+        for (b, n, h, hk, d, causal, dt, p) in shapes or HOPPER_DROPOUT:
+            q, k, v, do = _inputs(dev, b, n, h, hk, d, dt)
+            tau = d ** -0.5
+            drop = dict(dropout_p=p, dropout_seed=seed, dropout_offset=offset)
+            o_r, m_r, l_r = R.forward(q, k, v, tau, causal, **drop)
+            # the kernels against the tl.dot ones: m bit for bit, log2l and o to rounding
+            o_g, m_g, l_g = F.forward(q, k, v, tau, causal, **drop)
+            with mock.patch.dict(os.environ, {"GPROJ_HOPPER_DROPOUT": "0"}):
+                o_t, m_t, l_t = F.forward(q, k, v, tau, causal, **drop)
+            m_same = torch.equal(m_g, m_t)
+            fin = torch.isfinite(l_t)
+            stats = (f"vs tl.dot: m bit-identical={m_same} (max |Δm| {(m_g - m_t).abs().max().item():.1e}), log2l "
+                     f"bit-identical={torch.equal(l_g, l_t)} (max |Δ| {(l_g - l_t)[fin].abs().max().item():.1e}), o "
+                     f"{rel(o_g, o_t):.1e}; vs reference o {rel(o_g, o_r):.1e}")
+            ok &= m_same and rel(o_g, o_r) < 1e-2
+            print(f"hopper_dropout fwd {(b, n, h, hk, d, causal, str(dt)[6:], p)} served={HF.serves(q, k, v)}: {stats}",
+                  flush=True)
+            for fix in ("none", "gproj"):
+                before = dict(counts)
+                qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+                o = gproj_attn_func(qg, kg, vg, causal=causal, fix=fix, dropout_p=p)
+                g = torch.autograd.grad(o, (qg, kg, vg), do)
+                launched = {key: counts[key] - before[key] for key in counts}
+                g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, False, **drop)
+                errs = [rel(o, o_r)] + [rel(x, y) for x, y in zip(g, g_r[:3])]
+                # the backward kernels alone, fed the reference's o, m, log2l, against the tl.dot ones
+                g_b = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, False, **drop)
+                with mock.patch.dict(os.environ, {"GPROJ_HOPPER_DROPOUT": "0"}):
+                    g_t = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, False, **drop)
+                nan = any(torch.isnan(x).any().item() for x in g)
+                gluon = launched == {"fwd": 1, "dq": 1, "dkdv": 1}
+                ok &= gluon and not nan and max(errs) < 1e-2
+                worst = max(worst, *errs)
+                print(f"hopper_dropout {fix} {(b, n, h, hk, d, causal, str(dt)[6:], p)} seed={seed} offset={offset}: "
+                      f"Gluon launches {launched} ({'Gluon path' if gluon else 'NOT the Gluon path'}); op vs reference "
+                      f"o/dq/dk/dv " + "/".join(f"{e:.1e}" for e in errs) + "; backward kernels vs tl.dot dq/dk/dv "
+                      + "/".join(f"{rel(x, y):.1e}" for x, y in zip(g_b[:3], g_t[:3])) + (" NAN" if nan else ""),
+                      flush=True)
+        # packed sequences (one cu_seqlens, ragged) and right key padding, with dropout: Gluon vs tl.dot
+        for what in ("packed", "keypad"):
+            q, k, v, do = _inputs(dev, 1 if what == "packed" else 2, n_mixed, 8, 2, 128, torch.bfloat16)
+            drop = dict(dropout_p=0.1, dropout_seed=seed, dropout_offset=offset)
+            if what == "packed":
+                cu = torch.tensor([0, n_mixed // 10, n_mixed * 357 // 1000, n_mixed], dtype=torch.int32, device=dev)
+                q, k, v, do = (x[0] for x in (q, k, v, do))
+                longest = int(cu.diff().max())
+                kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
+            else:
+                kw = dict(seqlens_k=torch.tensor([n_mixed, n_mixed * 613 // 1000], dtype=torch.int32, device=dev))
+            res = {}
+            for env in ("1", "0"):
+                before = dict(counts)
+                with mock.patch.dict(os.environ, {"GPROJ_HOPPER_DROPOUT": env}):
+                    o_, m_, l_ = F.forward(q, k, v, 128 ** -0.5, True, **kw, **drop)
+                    g_ = B.backward(do, q, k, v, o_, m_, l_, 128 ** -0.5, True, "gproj", False, **kw, **drop)
+                res[env] = (o_, m_, l_, g_[:3], {key: counts[key] - before[key] for key in counts})
+            (o1, m1, l1, g1, c1), (o0, m0, l0, g0, c0) = res["1"], res["0"]
+            m_same = torch.equal(m1, m0)
+            fin = torch.isfinite(l0)
+            ok &= m_same and c1 == {"fwd": 1, "dq": 1, "dkdv": 1} and rel(o1, o0) < 1e-2
+            print(f"hopper_dropout {what} causal gproj: Gluon launches {c1} (tl.dot run: {c0}); vs tl.dot m "
+                  f"bit-identical={m_same}, log2l max |Δ| {(l1 - l0)[fin].abs().max().item():.1e}, o {rel(o1, o0):.1e}, "
+                  f"dq/dk/dv " + "/".join(f"{rel(x, y):.1e}" for x, y in zip(g1, g0)), flush=True)
+    print(f"hopper_dropout worst rel diff vs reference (o, grads): {worst:.1e}", flush=True)
+    print("hopper_dropout " + ("PASS" if ok else "FAIL"), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick-speed", action="store_true")
@@ -338,13 +444,14 @@ def main():
                          "(packed sequences), hopper (the sm_90 Gluon forward), hopper_bwd (the sm_90 Gluon backward passes), "
                          "hopper_varlen (packed sequences through the Gluon kernels), hopper_ragged (the hopper and "
                          "hopper_bwd checks at seqlens that are not a multiple of 128), hopper_keypad (right key "
-                         "padding through the Gluon kernels, with --hopper-softcap)")
+                         "padding through the Gluon kernels, with --hopper-softcap), hopper_dropout (attention dropout "
+                         "through the Gluon kernels: the op against the reference's mask and the tl.dot kernels)")
     args = ap.parse_args()
     groups = set(args.cases.split(","))
     if not groups <= {"base", "features", "dropout", "varlen", "hopper", "hopper_bwd", "hopper_varlen", "hopper_ragged",
-                      "hopper_keypad"}:
+                      "hopper_keypad", "hopper_dropout"}:
         ap.error(f"--cases takes base, features, dropout, varlen, hopper, hopper_bwd, hopper_varlen, hopper_ragged, "
-                 f"hopper_keypad; got "
+                 f"hopper_keypad, hopper_dropout; got "
                  f"{args.cases!r}")
     if args.skip_cases:
         groups = set()
@@ -433,6 +540,8 @@ def main():
         hopper_bwd_check(dev, args.hopper_softcap, window, RAGGED_BWD)
     if "hopper_keypad" in groups:
         hopper_keypad_check(dev, args.hopper_softcap)
+    if "hopper_dropout" in groups:
+        hopper_dropout_check(dev)
     for cval in (133120.0, 1000.0):
         for causal in (False, True):
             x = torch.full((1, 1000, 2, 128), cval, device=dev, dtype=torch.bfloat16)

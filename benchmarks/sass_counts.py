@@ -9,6 +9,7 @@ executed ones); compare variants or commits, e.g. before and after a change to t
 
     python benchmarks/sass_counts.py --softcap                     # bf16, d 128, gproj and none, full and causal
     python benchmarks/sass_counts.py --kernels dkdv --head-dim 64 --ops STL,LDL
+    python benchmarks/sass_counts.py --dropout --ops STL,LDL       # the attention-dropout variants
 
 Raises SystemExit if Gluon is missing, RuntimeError if cuobjdump is (attention_fwd_hopper.sass).
 """
@@ -31,12 +32,13 @@ from lightning_gproj.kernels import attention_fwd_hopper as HF  # noqa: E402
 DEFAULT_OPS = "MUFU.EX2,MUFU.RCP,FFMA,STL,LDL,LDG"
 
 
-def compile_variant(which: str, head_dim: int, gproj: bool, causal: bool, softcap: bool, dtype: torch.dtype):
+def compile_variant(which: str, head_dim: int, gproj: bool, causal: bool, softcap: bool, dtype: torch.dtype,
+                    dropout: bool = False):
     """One kernel: the forward (gproj does not apply), the dQ pass or the dK/dV pass."""
     if which == "fwd":
-        return HF.compile_sm90(head_dim, dtype, ("causal",) if causal else (), softcap=softcap)
+        return HF.compile_sm90(head_dim, dtype, ("causal",) if causal else (), softcap=softcap, dropout=dropout)
     compile_ = HB.compile_dq_sm90 if which == "dq" else HB.compile_sm90
-    return compile_(dtype, gproj, causal, None, (), softcap, head_dim=head_dim)
+    return compile_(dtype, gproj, causal, None, (), softcap, head_dim=head_dim, dropout=dropout)
 
 
 def main(argv=None) -> None:
@@ -44,6 +46,7 @@ def main(argv=None) -> None:
     ap.add_argument("--kernels", default="fwd,dq,dkdv", help="comma list of fwd, dq, dkdv")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--softcap", action="store_true", help="the softcap variants")
+    ap.add_argument("--dropout", action="store_true", help="the attention-dropout variants")
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--ops", default=DEFAULT_OPS, help="comma list of SASS opcodes to count")
     args = ap.parse_args(argv)
@@ -51,13 +54,13 @@ def main(argv=None) -> None:
         raise SystemExit(f"Gluon is not importable: {HF.GLUON_ERROR}")
     ops = args.ops.split(",")
     dtype = getattr(torch, args.dtype)
-    print(f"triton {triton.__version__}, d {args.head_dim}, {args.dtype}, softcap {args.softcap}")
+    print(f"triton {triton.__version__}, d {args.head_dim}, {args.dtype}, softcap {args.softcap}, dropout {args.dropout}")
     print("| kernel | gproj | causal | " + " | ".join(ops) + " |")
     print("|---|---|---|" + "---|" * len(ops))
     for which in args.kernels.split(","):
         for gproj in ((True,) if which == "fwd" else (True, False)):
             for causal in (False, True):
-                text = HF.sass(compile_variant(which, args.head_dim, gproj, causal, args.softcap, dtype))
+                text = HF.sass(compile_variant(which, args.head_dim, gproj, causal, args.softcap, dtype, args.dropout))
                 counts = [str(len(re.findall(r"(?<![\w.])" + re.escape(op) + r"(?![\w])", text))) for op in ops]
                 print(f"| {which} | {'—' if which == 'fwd' else gproj} | {causal} | " + " | ".join(counts) + " |",
                       flush=True)

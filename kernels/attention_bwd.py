@@ -26,9 +26,9 @@ Two launches, rounding at the points of kernels/reference.py (DESIGN.md §3, §4
      (``dk_fold=True``; DESIGN.md §4.1 table: slightly less accurate dK).
    The choice of default is recorded in benchmarks/NOTES.md with the measurements behind it.
 
-On an sm_90 GPU, for the inputs of kernels/attention_bwd_hopper.py (head dim 64 / 128, seqlen_q = seqlen_k, no
-dropout; windows, softcap, key padding without a window and packed sequences with one cu_seqlens for queries and keys
-served), both passes
+On an sm_90 GPU, for the inputs of kernels/attention_bwd_hopper.py (head dim 64 / 128, seqlen_q = seqlen_k; windows,
+softcap, dropout (unless GPROJ_HOPPER_DROPOUT=0), key padding without a window and packed sequences with one cu_seqlens
+for queries and keys served), both passes
 run as that module's warp-specialized Gluon kernels, with the
 same rounding points: the dQ pass for fix "none" and "gproj" without want_stats, the dK/dV pass for "none",
 "gproj" with the "gemm" schedule and the PyTorch "gproj_uniform" (not the in-kernel uniform one of windows and
@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_gproj.kernels import attention_bwd_hopper
+from lightning_gproj.kernels import attention_bwd_hopper, attention_fwd_hopper
 from lightning_gproj.kernels._triton_utils import (
     INTERPRET, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_groups,
     dropout_keep, exponent_factor, in_window, interpreting, load_pair, load_rows, mma, on_input_device, padded_head_dim, rcp_ftz,
@@ -742,7 +742,8 @@ def backward(
     dq, dk, dv, r, abs_ds, leak, key_sums = _two_pass(
         do, q, k, v, o, m.contiguous(), log2l.contiguous(), delta, float(softmax_scale), win["CAUSAL"], fix,
         bool(want_stats), dk_fold, out32, gdv, seqlens_k, ds_bits, varlen, win,
-        dropout_args(dropout_p, dropout_seed, dropout_offset), want_key_sums=c2 and not torch_uniform,
+        dict(dropout_args(dropout_p, dropout_seed, dropout_offset), p=dropout_p, seed=dropout_seed, offset=dropout_offset),
+        want_key_sums=c2 and not torch_uniform,
     )
     if torch_uniform:
         if varlen:  # each sequence on its own: its rows see only its keys
@@ -781,7 +782,8 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     headdim) fp64, per sequence when packed, None unless ``want_key_sums``). ``varlen``: None, or (cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k) with the tensors as packed (1, total, ...) views. ``win``:
     the window / softcap arguments of :func:`~lightning_gproj.kernels._triton_utils.window_args`; ``drop``:
-    those of :func:`~lightning_gproj.kernels._triton_utils.dropout_args`."""
+    those of :func:`~lightning_gproj.kernels._triton_utils.dropout_args` and the call's own p, seed, offset (which the
+    Gluon passes take)."""
     b, nq, h, d = q.shape
     nk, hk = k.shape[1], k.shape[2]
     dev = q.device
@@ -813,7 +815,8 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     # softcap and packed sequences (one cu_seqlens for queries and keys, no key sums) included: the dQ one for fix
     # "none" and "gproj" without statistics, the dK/dV one for "none", "gproj" with its own-GEMM dK term and the PyTorch
     # gproj_uniform (not the in-kernel uniform one).
-    hopper = ds_bits == 0 and not (uniform or drop["DROPOUT"] or (has_seqlens and win["WINDOW"]))
+    hopper = ds_bits == 0 and not (uniform or (has_seqlens and win["WINDOW"])
+                                   or (drop["DROPOUT"] and not attention_fwd_hopper.dropout_enabled()))
     if packed:
         hopper = hopper and attention_bwd_hopper.serves_varlen(q, k, v, do, varlen, key_sums=want_key_sums)
     else:
@@ -821,6 +824,10 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     # Both Gluon passes: the sequences when packed, and one dict for their TMA descriptors (q, do, k, v built once).
     gluon_args = dict(cu_seqlens=varlen[0], max_seqlen=varlen[2]) if packed else {}
     gluon_args["descriptors"] = {}
+    # Dropout: the Gluon passes regenerate the forward's keep mask (kernels/attention_fwd_hopper.philox_keep); its
+    # arguments go in only with dropout (without it the kernels are compiled without its code).
+    drop_kw = (dict(dropout_p=drop["p"], dropout_seed=drop["seed"], dropout_offset=drop["offset"])
+               if drop["DROPOUT"] else {})
     window = (win["WL"], win["WR"]) if win["WINDOW"] else None
     do_tma = attention_bwd_hopper.tma_ready(do) if hopper else None
     if do_tma is None:
@@ -834,7 +841,7 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     if o_tma is not None:
         attention_bwd_hopper.dq_pass(q, k, v, do, o_tma, m, log2l, delta, dq, c, tau, causal,
                                      r if gproj else None, qr if dk_mode == _DK_GEMM else None, softcap, window,
-                                     seqlens_k=seqlens_k, **gluon_args)
+                                     seqlens_k=seqlens_k, **gluon_args, **drop_kw)
     else:
         _dq_kernel[lambda meta: (triton.cdiv(grid_q, meta["BLOCK_M"]), nb * h)](
             q, k, v, do, o, m, log2l, delta, dq, r, qr, abs_ds, leak, seqlens_arg, *cu_args,
@@ -850,7 +857,7 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     if hopper and dk_mode != _DK_FOLD:
         dk, dv, key_sums = attention_bwd_hopper.dkdv(
             q, k, v, do, m, log2l, delta, qr if dk_mode == _DK_GEMM else None, c, tau, causal, dk_dtype, gdv,
-            want_key_sums, softcap, window, seqlens_k=seqlens_k, **gluon_args)
+            want_key_sums, softcap, window, seqlens_k=seqlens_k, **gluon_args, **drop_kw)
     else:
         dk = torch.empty((b, nk, hk, d), dtype=dk_dtype, device=dev)
         dv = torch.empty((b, nk, hk, d), dtype=gdv, device=dev)

@@ -31,7 +31,9 @@ cu_seqlens for queries and keys (:func:`serves_varlen`; rows past a sequence's e
 past it are masked in the dQ pass and not stored by the dK/dV pass; no key sums), right key padding without a window
 (``seqlens_k``: the dQ pass reads K/V through TMA descriptors made on the device that end at the batch row's last key
 and masks past it; the dK/dV pass masks P there, zeroes the padded keys' dk rows and stores dk = dv = 0 for a block of
-padding without running its partitions), no dropout; do and
+padding without running its partitions), attention dropout (both passes regenerate the forward's keep mask M with its
+Philox calls, kernels/attention_fwd_hopper.philox_keep / philox_keep_t, and use it as the tl.dot kernels do: dP' = M ∘
+dP / (1 − p̂), dV += (P̃ ∘ M)ᵀ dO scaled by 1/(1 − p̂) at the store; D, dS's P and GProj's direction undropped); do and
 o in any strides (copied when not in a served order). Gradients in 16-bit or fp32;
 with an fp32 dk the per-64-key sums Σ_j dk_j of the stored values, for the C2 projection
 (kernels/reference.project_key_sum_). ``GPROJ_HOPPER_BWD=0`` keeps every call on the tl.dot kernels.
@@ -46,7 +48,7 @@ import torch
 import triton
 
 from lightning_gproj.kernels.attention_fwd_hopper import (
-    GLUON_ERROR, _gl_dtype, _layouts, _require_gluon, _tma_view, accepts as _fwd_accepts, feature_args, launch, on_sm90,
+    DROPOUT_SCALARS, DROPOUT_SIGNATURE, GLUON_ERROR, dropout_kernel_args, _gl_dtype, _layouts, _require_gluon, _tma_view, accepts as _fwd_accepts, feature_args, launch, on_sm90,
     pointer_type, packed_ok, tma_descriptor,
 )
 
@@ -59,7 +61,7 @@ if GLUON_ERROR is None:
     cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     from lightning_gproj.kernels.attention_fwd_hopper import (
-        aot_compile_sm90, block_keys, key_end, keys_descriptor, rcp_approx, ring_barriers, ring_load_pair, sequence_span, softcap_and_grad, tensordesc_type, tma_load,
+        aot_compile_sm90, block_keys, keep_bits, keep_bits_t, keep_layout, keep_layout_t, key_end, keys_descriptor, philox_keep, philox_keep_t, rcp_approx, ring_barriers, ring_load_pair, sequence_span, softcap_and_grad, tensordesc_type, tma_load,
         window_crosses,
         window_mask, window_sees, window_tiles,
     )
@@ -81,6 +83,9 @@ if GLUON_ERROR is None:
     _HALF_N = gl.constexpr(TILE_ROWS)
     _BLOCK_M = gl.constexpr(TILE_ROWS)
     _SUB_M = gl.constexpr(TILE_ROWS // 2)  # query rows of a softcap half tile
+    # The dropout keep masks' layouts over [keys, queries] (kernels/attention_fwd_hopper.keep_layout_t), 64 and 32 rows.
+    _KEEP_T64, _ROUNDS_T64 = (gl.constexpr(x) for x in keep_layout_t(64))
+    _KEEP_T32, _ROUNDS_T32 = (gl.constexpr(x) for x in keep_layout_t(32))
     _NUM_STAGES = gl.constexpr(2)
 
     @gluon.jit
@@ -151,12 +156,16 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, c, sc, cap, wl, wr, seqlen, kend, m_s, l_s, d_s,
+                   drow, DG, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
                    GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
-                   EDGES: gl.constexpr, KEYPAD: gl.constexpr):
+                   EDGES: gl.constexpr, KEYPAD: gl.constexpr, DROPOUT: gl.constexpr):
         """One (Q, dO[, −ρ∘Q]) tile (shared [rows, headdim]; query positions ``rows``, the first start_m; m_s, l_s, d_s:
         their m, log2l and D, shared [rows]) of the dK/dV pass for 64 keys: Sᵀ, dPᵀ, P̃ᵀ, dS̃ᵀ and the asynchronous dV, dK [, GProj's dK term] GEMMs, waited for;
         returns (dk, dv). KEYPAD: keys from ``kend`` on get P = 0 (their dv rows are exactly 0; their dk rows, whose dPᵀ
-        read the padded values, are zeroed by the caller)."""
+        read the padded values, are zeroed by the caller). DROPOUT: the forward's keep mask Mᵀ of these keys and rows
+        (dropout counter row drow + (row − start_m), kernels/attention_fwd_hopper.philox_keep_t), as the tl.dot dK/dV
+        kernel: dV += (P̃ ∘ M)ᵀ dO (scaled by 1/(1 − p̂) at the store), dP' = M ∘ dP / (1 − p̂) (drop_scale); dS and
+        GProj's direction keep the undropped P̃."""
         HEAD_DIM: gl.constexpr = k.shape[1]
         ROWS: gl.constexpr = q.shape[0]
         dtype: gl.constexpr = k.dtype
@@ -190,9 +199,23 @@ if GLUON_ERROR is None:
         if KEYPAD:
             if key0 + _HALF_N > kend:
                 pT = gl.where(keys[:, None] < kend, pT, 0.0)
+        if DROPOUT:  # the Philox rounds here, after Sᵀ's wait (fewer spills than before the GEMMs are issued: Triton
+            # 3.6, d 128, 47 / 60 spill stores full / causal for fix none, 87 / 116 gproj, against 59 / 58 and 87 / 130);
+            # the mask's bits taken where they are used
+            if ROWS == 64:
+                words = philox_keep_t(drow, DG, key0, bh, seed_lo, seed_hi, drop_off, drop_thr, 2, _KEEP_T64, _ROUNDS_T64)
+            else:
+                words = philox_keep_t(drow, DG, key0, bh, seed_lo, seed_hi, drop_off, drop_thr, 1, _KEEP_T32, _ROUNDS_T32)
         pr = pT.to(dtype)  # rounding point: P̃
         p16 = gl.convert_layout(pr, a_layout)
-        dv = warpgroup_mma(p16, do, dv, is_async=True)
+        if DROPOUT:  # dV += (P̃ ∘ M)ᵀ dO; the mask in the scores' own placement (keep_layout_t)
+            if ROWS == 64:
+                keepT = gl.convert_layout(keep_bits_t(words, 2, _KEEP_T64), s_layout)
+            else:
+                keepT = gl.convert_layout(keep_bits_t(words, 1, _KEEP_T32), s_layout)
+            dv = warpgroup_mma(gl.convert_layout(gl.where(keepT, pr, 0.0).to(dtype), a_layout), do, dv, is_async=True)
+        else:
+            dv = warpgroup_mma(p16, do, dv, is_async=True)
         if GPROJ:
             # GProj's dK term P̃ᵀ(−ρ∘Q), its B operand rounded once per query row by the dQ pass; with
             # softcap its direction is bf16(P̃∘g), as in the dQ pass.
@@ -210,6 +233,15 @@ if GLUON_ERROR is None:
         di = d_s.load(rows.type.layout)  # read where dS needs it: shorter-lived, fewer spills
         if EDGES:
             di = gl.where(rows < seqlen, di, 0.0)
+        if DROPOUT:  # dP' = M ∘ dP / (1 − p̂); dS = P ∘ (dP' − D) with the undropped P. The bits are taken again from
+            # a copy of the words that the compiler cannot merge with the first: the mask itself (a register per
+            # score) live across the wait spilled
+            words = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [words], dtype=gl.uint32, is_pure=False, pack=1)
+            if ROWS == 64:
+                keepT = gl.convert_layout(keep_bits_t(words, 2, _KEEP_T64), s_layout)
+            else:
+                keepT = gl.convert_layout(keep_bits_t(words, 1, _KEEP_T32), s_layout)
+            dpT = gl.where(keepT, dpT * drop_scale, 0.0)
         ds16 = gl.convert_layout((pT * (dpT - di[None, :])).to(dtype), a_layout)  # rounding point: dS̃ (X̃)
         dk = warpgroup_mma(ds16, q, dk, is_async=True)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
@@ -218,8 +250,9 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, KS,
                   half, GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
-                  EDGES: gl.constexpr, KEYPAD: gl.constexpr, start_n, out_row, out_col, out_stride, GROUP, lo, hi, seqlen,
-                  kend, c, tau, key_sums, sc, cap, wl, wr):
+                  EDGES: gl.constexpr, KEYPAD: gl.constexpr, DROPOUT: gl.constexpr, start_n, out_row, out_col, out_stride,
+                  GROUP, lo, hi, seqlen, kend, c, tau, key_sums, sc, cap, wl, wr, drow0, DG, bh0, seed_lo, seed_hi,
+                  drop_off, drop_thr, drop_scale):
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
         # The score tiles' layout ([keys, queries]): 64 query rows, with softcap 32 (each tile in two halves).
         if SOFTCAP:
@@ -264,23 +297,29 @@ if GLUON_ERROR is None:
                 if KEYPAD:  # (not with WINDOW) keys that are all padding: every tile released unread, dk = dv = 0
                     visit = key0 < kend
                 if visit:
+                    drow = drow0 + start_m  # the tile's first query row in the dropout counters (packed: packed row)
+                    bh = bh0 + g  # query head h0 + g's c1
                     if SOFTCAP:  # two halves of 32 rows: the tanh's tiles fit the registers only at half width
                         for sub in gl.static_range(2):
                             dk, dv = _dkdv_tile(k, v, q.slice(sub * _SUB_M, _SUB_M), do.slice(sub * _SUB_M, _SUB_M),
                                                 qr.slice(sub * _SUB_M, _SUB_M), dk, dv, keys, key0, rows + sub * _SUB_M,
                                                 start_m + sub * _SUB_M, c, sc, cap, wl, wr, seqlen, kend,
                                                 m_s.slice(sub * _SUB_M, _SUB_M), l_s.slice(sub * _SUB_M, _SUB_M),
-                                                d_s.slice(sub * _SUB_M, _SUB_M), GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES,
-                                                KEYPAD)
+                                                d_s.slice(sub * _SUB_M, _SUB_M), drow + sub * _SUB_M, DG, bh, seed_lo,
+                                                seed_hi, drop_off, drop_thr, drop_scale, GPROJ, CAUSAL, SOFTCAP, WINDOW,
+                                                EDGES, KEYPAD, DROPOUT)
                     else:
                         dk, dv = _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, c, sc, cap, wl, wr, seqlen,
-                                            kend, m_s, l_s, d_s, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, KEYPAD)
+                                            kend, m_s, l_s, d_s, drow, DG, bh, seed_lo, seed_hi, drop_off, drop_thr,
+                                            drop_scale, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, KEYPAD, DROPOUT)
                 mbarrier.arrive(empty.index(st), count=1)
                 i += 1
         if KEYPAD:  # a padded key's dS̃ row took 0·(dP − D) with dP from its padded value: NaN for a NaN there
             if key0 + _HALF_N > kend:
                 dk = gl.where((key0 + gl.arange(0, _HALF_N, layout=gl.SliceLayout(1, acc_layout)) < kend)[:, None], dk, 0.0)
         dk = dk * tau
+        if DROPOUT:
+            dv = dv * drop_scale  # 1/(1 − p̂), as the tl.dot dK/dV kernel before its store
         out_rows = (out_row + half * _HALF_N + gl.arange(0, _HALF_N, layout=gl.SliceLayout(1, acc_layout))).to(gl.int64)
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
         offs = out_rows[:, None] * out_stride + out_col + cols[None, :]
@@ -294,48 +333,52 @@ if GLUON_ERROR is None:
         if key_sums != 0:  # dk is fp32 here: Σ over these 64 keys of the values just stored
             gl.store(KS + half * HEAD_DIM + cols, gl.sum(dk, axis=0))
 
-    def _dkdv_partition(gproj: bool, causal: bool, softcap: bool, window: bool, edges: bool, keypad: bool = False):
+    def _dkdv_partition(gproj: bool, causal: bool, softcap: bool, window: bool, edges: bool, keypad: bool = False,
+                        dropout: bool = False):
         """A dK/dV consumer partition with (GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES) compiled in: constexpr arguments do
         not survive gl.warp_specialize (the loader takes GPROJ as a value), closure constants do; with the mask's,
         GProj's or the softcap's code compiled in where it is not used the consumers spilled ~4× more (Triton 3.6's
         ptxas)."""
         GPROJ, CAUSAL = gl.constexpr(gproj), gl.constexpr(causal)
         SOFTCAP, WINDOW, EDGES = gl.constexpr(softcap), gl.constexpr(window), gl.constexpr(edges)
-        KEYPAD = gl.constexpr(keypad)
+        KEYPAD, DROPOUT = gl.constexpr(keypad), gl.constexpr(dropout)
 
         @gluon.jit
         def consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, KS,
                      start_n, out_row, out_col, out_stride, GROUP, lo, hi, seqlen, kend, c, tau, key_sums, sc, cap, wl, wr,
-                     half):
+                     drow0, DG, bh0, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, half):
             _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, KS,
-                      half, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, KEYPAD, start_n, out_row, out_col, out_stride, GROUP,
-                      lo, hi, seqlen, kend, c, tau, key_sums, sc, cap, wl, wr)
+                      half, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, KEYPAD, DROPOUT, start_n, out_row, out_col, out_stride,
+                      GROUP, lo, hi, seqlen, kend, c, tau, key_sums, sc, cap, wl, wr, drow0, DG, bh0, seed_lo, seed_hi,
+                      drop_off, drop_thr, drop_scale)
 
         return consumer
 
     @functools.lru_cache(maxsize=None)
     def _dkdv_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool, varlen: bool = False,
-                         edges: bool = False, keypad: bool = False):
+                         edges: bool = False, keypad: bool = False, dropout: bool = False):
         """The dK/dV kernel with GProj's dK term (gproj), the causal mask, the softcap, the sliding window, packed
         sequences (varlen), sequence ends inside tiles (edges: a seqlen not a multiple of 128; implied by varlen) and
         right key padding (keypad: batch row b's keys from SEQLENS[b] on masked, their dk = dv = 0; not with window
-        or varlen) compiled in or out."""
+        or varlen) and attention dropout (the forward's keep mask, :func:`_dkdv_tile`) compiled in or out."""
         if keypad and (window or varlen):
             raise ValueError("keypad: not with window or varlen")
         GPROJ, CAUSAL, WINDOW = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(window)
         VARLEN, KEYPAD = gl.constexpr(varlen), gl.constexpr(keypad)
-        consumer = _dkdv_partition(gproj, causal, softcap, window, edges or varlen, keypad)
+        consumer = _dkdv_partition(gproj, causal, softcap, window, edges or varlen, keypad, dropout)
 
-        @gluon.jit
+        @gluon.jit(do_not_specialize=DROPOUT_SCALARS)
         def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, DK, DV, KS, M, LOG2L, DELTA, CU, SEQLENS, c, tau,
                                 H, GROUP, N_CTX, key_sums, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb, qr_rh, qr_ch,
-                                k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr):
+                                k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr, DG, seed_lo, seed_hi, drop_off,
+                                drop_thr, drop_scale):
             # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch)
             # (kernels/attention_fwd_hopper._tma_view). dk, dv: (batch, seqlen, nheads_k, headdim) contiguous.
             # VARLEN: b is the sequence, the tensors are packed (1, total, heads, headdim) views (N_CTX = total), the
             # sequence's rows start at CU[b]; m, log2l, D are (nheads, total); rows and keys past its end are the next
             # sequence's (P = 0 there, not stored). No key sums (key_sums = 0). KEYPAD: keys [0, SEQLENS[b]) of batch
-            # row b are valid, the others get dk = dv = 0 (a block of padding only: stored here, no partitions).
+            # row b are valid, the others get dk = dv = 0 (a block of padding only: stored here, no partitions). Dropout
+            # (unused without it): kernels/attention_fwd_hopper.dropout_kernel_args; counter rows start + row, c1 = b·H + h.
             HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
             dtype: gl.constexpr = q_desc.dtype
             pid_n = gl.program_id(0)
@@ -382,12 +425,13 @@ if GLUON_ERROR is None:
             ready, empty = ring_barriers(_NUM_STAGES)
 
             # The two consumers' arguments differ in the last one, their half of the keys (Gluon has no *tuple).
+            bh0 = b * H + h0  # the dropout counters' c1 of the group's first query head (b = 0 when packed)
             args0 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, ks, start_n,
                      out_row, hk * HEAD_DIM, HK * HEAD_DIM, GROUP, lo, hi, seqlen, kend, c, tau, key_sums, sc, cap, wl, wr,
-                     0)
+                     start, DG, bh0, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, 0)
             args1 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, ks, start_n,
                      out_row, hk * HEAD_DIM, HK * HEAD_DIM, GROUP, lo, hi, seqlen, kend, c, tau, key_sums, sc, cap, wl, wr,
-                     1)
+                     start, DG, bh0, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, 1)
             loader_args = (q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem,
                            k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, b * k_rb + hk * k_rh + start + start_n, hk * k_ch,
                            b * v_rb + hk * v_rh + start + start_n, hk * v_ch, b * q_rb + start, q_rh, q_ch,
@@ -407,6 +451,10 @@ if GLUON_ERROR is None:
     _DQ_BLOCK_N = gl.constexpr(TILE_ROWS)
     _DQ_HALF_N = gl.constexpr(TILE_ROWS // 2)
     _ROWSUM_N = gl.constexpr(ROWSUM_N)
+    # The dropout keep masks' layouts (kernels/attention_fwd_hopper.keep_layout) of 64 rows × 64 keys (the dQ pass's
+    # score tiles) and × 32 keys (its softcap half tiles).
+    _KEEP_64 = gl.constexpr(keep_layout(64))
+    _KEEP_32 = gl.constexpr(keep_layout(32))
 
     def _dq_loader_for(keypad: bool):
         """The dQ pass's loader partition (:func:`_dq_load_tiles`), with KEYPAD compiled in (a closure constant, as
@@ -456,11 +504,14 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _dq_tile(q, do, k, v, e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n, c, sc, cap, wl, wr, kend,
+                 drow, DG, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
                  GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
-                 KEYMASK: gl.constexpr):
+                 KEYMASK: gl.constexpr, DROPOUT: gl.constexpr):
         """One key tile (k, v: shared [keys, headdim]) of the dQ pass for 64 query rows: S, dP, P̃, dS̃ and the
         asynchronous dQ [, P̃K, row sums] GEMMs, waited for; returns (dq, pk, r, ps). KEYMASK: keys from ``kend`` on
-        get P = 0 (the next sequence's, or key padding)."""
+        get P = 0 (the next sequence's, or key padding). DROPOUT: the forward's keep mask M of these rows (dropout
+        counter rows drow …, kernels/attention_fwd_hopper.philox_keep) makes dP' = M ∘ dP / (1 − p̂) (drop_scale) of
+        dP, as the tl.dot dQ kernel; D, P, the direction P̃ and everything else stay the undropped ones."""
         HEAD_DIM: gl.constexpr = q.shape[1]
         KEYS: gl.constexpr = k.shape[0]
         dtype: gl.constexpr = q.dtype
@@ -475,6 +526,11 @@ if GLUON_ERROR is None:
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         sum_a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=sum_layout, k_width=2)
         zero = gl.zeros([_DQ_HALF_M, KEYS], gl.float32, layout=s_layout)
+        if DROPOUT:  # the Philox rounds before the GEMMs are issued; the mask's bits taken where dP' is formed
+            if KEYS == 64:
+                words = philox_keep(drow, DG, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, 2, _KEEP_64)
+            else:
+                words = philox_keep(drow, DG, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, 1, _KEEP_32)
         s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(do, v.permute((1, 0)), zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
@@ -523,6 +579,12 @@ if GLUON_ERROR is None:
                 dp = warpgroup_mma_wait(num_outstanding=2, deps=(dp,))
         else:
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+        if DROPOUT:  # dP' = M ∘ dP / (1 − p̂); dS = P ∘ (dP' − D) with the undropped P still sums to zero per row
+            if KEYS == 64:
+                keep = keep_bits(words, 2, _KEEP_64)
+            else:
+                keep = keep_bits(words, 1, _KEEP_32)
+            dp = gl.where(gl.convert_layout(keep, s_layout), dp * drop_scale, 0.0)  # the same placement (keep_layout)
         dp = dp - di[:, None]
         ds = p * dp
         x = ds
@@ -550,8 +612,9 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
                      GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
-                     EDGES: gl.constexpr, KEYMASK: gl.constexpr, row0, stats, out_row, out_col, out_stride, lo, hi, seqlen,
-                     kend, c, tau, store_qr, sc, cap, wl, wr, half):
+                     EDGES: gl.constexpr, KEYMASK: gl.constexpr, DROPOUT: gl.constexpr, row0, stats, out_row, out_col,
+                     out_stride, lo, hi, seqlen, kend, c, tau, store_qr, sc, cap, wl, wr, drow0, DG, bh, seed_lo, seed_hi,
+                     drop_off, drop_thr, drop_scale, half):
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         # The score tiles' layout: 64 keys, with softcap 32 (each K/V tile in two halves, see the loop).
         if SOFTCAP:
@@ -567,6 +630,7 @@ if GLUON_ERROR is None:
         row_a: gl.constexpr = gl.SliceLayout(1, acc_layout)
 
         first = row0 + half * _DQ_HALF_M  # this consumer's first query row
+        drow = drow0 + half * _DQ_HALF_M  # its row in the dropout counters (packed: the packed row)
         if CAUSAL:
             # seqlen_q = seqlen_k: these rows see no key past the last of them. Half 0 skips the block's last
             # tile (only half 1 waits for it and arrives; no later load waits for that slot).
@@ -615,11 +679,13 @@ if GLUON_ERROR is None:
                     for sub in gl.static_range(2):
                         dq, pk, r, ps = _dq_tile(q, do, k.slice(sub * _DQ_HALF_N, _DQ_HALF_N),
                                                  v.slice(sub * _DQ_HALF_N, _DQ_HALF_N), e0_smem, dq, pk, r, ps, m, l2, di, rows,
-                                                 first, start_n + sub * _DQ_HALF_N, c, sc, cap, wl, wr, kend, GPROJ, CAUSAL,
-                                                 SOFTCAP, WINDOW, KEYMASK)
+                                                 first, start_n + sub * _DQ_HALF_N, c, sc, cap, wl, wr, kend, drow, DG, bh,
+                                                 seed_lo, seed_hi, drop_off, drop_thr, drop_scale, GPROJ, CAUSAL,
+                                                 SOFTCAP, WINDOW, KEYMASK, DROPOUT)
                 else:
                     dq, pk, r, ps = _dq_tile(q, do, k, v, e0_smem, dq, pk, r, ps, m, l2, di, rows, first, start_n, c, sc, cap,
-                                             wl, wr, kend, GPROJ, CAUSAL, SOFTCAP, WINDOW, KEYMASK)
+                                             wl, wr, kend, drow, DG, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
+                                             GPROJ, CAUSAL, SOFTCAP, WINDOW, KEYMASK, DROPOUT)
             mbarrier.arrive(empty.index(st), count=1)
             i += 1
         tile_ok = None
@@ -645,45 +711,52 @@ if GLUON_ERROR is None:
                 gl.store(QR + offs, (q.load(acc_layout).to(gl.float32) * (-rho)[:, None]).to(QR.dtype.element_ty),
                          mask=tile_ok)
 
-    def _dq_partition(gproj: bool, causal: bool, softcap: bool, window: bool, edges: bool, keypad: bool = False):
-        """A dQ consumer partition with (GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES) compiled in, as
+    def _dq_partition(gproj: bool, causal: bool, softcap: bool, window: bool, edges: bool, keypad: bool = False,
+                      dropout: bool = False):
+        """A dQ consumer partition with (GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, DROPOUT) compiled in, as
         :func:`_dkdv_partition`; KEYMASK: keys from ``kend`` on masked (a sequence's end inside a tile, which causal
         rows never reach, or key padding)."""
         GPROJ, CAUSAL = gl.constexpr(gproj), gl.constexpr(causal)
         SOFTCAP, WINDOW, EDGES = gl.constexpr(softcap), gl.constexpr(window), gl.constexpr(edges)
         KEYMASK = gl.constexpr((edges and not causal) or keypad)
+        DROPOUT = gl.constexpr(dropout)
 
         @gluon.jit
         def consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA,
                      row0, stats, out_row, out_col, out_stride, lo, hi, seqlen, kend, c, tau, store_qr, sc, cap, wl, wr,
-                     half):
+                     drow0, DG, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, half):
             _dq_consumer(q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L,
-                         DELTA, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, KEYMASK, row0, stats, out_row, out_col, out_stride,
-                         lo, hi, seqlen, kend, c, tau, store_qr, sc, cap, wl, wr, half)
+                         DELTA, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, KEYMASK, DROPOUT, row0, stats, out_row, out_col,
+                         out_stride, lo, hi, seqlen, kend, c, tau, store_qr, sc, cap, wl, wr, drow0, DG, bh, seed_lo,
+                         seed_hi, drop_off, drop_thr, drop_scale, half)
 
         return consumer
 
     @functools.lru_cache(maxsize=None)
     def _dq_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool, varlen: bool = False,
-                       edges: bool = False, keypad: bool = False):
+                       edges: bool = False, keypad: bool = False, dropout: bool = False):
         """The dQ kernel with GProj's projection (gproj), the causal mask, the softcap, the sliding window, packed
-        sequences (varlen), sequence ends inside tiles (edges, as :func:`_dkdv_kernel_for`) and right key padding
-        (keypad, as :func:`_dkdv_kernel_for`) compiled in or out."""
+        sequences (varlen), sequence ends inside tiles (edges, as :func:`_dkdv_kernel_for`), right key padding
+        (keypad, as :func:`_dkdv_kernel_for`) and attention dropout (the forward's keep mask, :func:`_dq_tile`)
+        compiled in or out."""
         if keypad and (window or varlen):
             raise ValueError("keypad: not with window or varlen")
         GPROJ, CAUSAL, WINDOW = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(window)
         VARLEN, KEYPAD = gl.constexpr(varlen), gl.constexpr(keypad)
-        consumer = _dq_partition(gproj, causal, softcap, window, edges or varlen, keypad)
+        consumer = _dq_partition(gproj, causal, softcap, window, edges or varlen, keypad, dropout)
         loader = _dq_loader_for(keypad)
 
-        @gluon.jit
+        @gluon.jit(do_not_specialize=DROPOUT_SCALARS)
         def _hopper_dq_kernel(q_desc, do_desc, o_desc, k_desc, v_desc, e0_desc, DQ, R, QR, M, LOG2L, DELTA, CU, SEQLENS, K,
                               V, c, tau, H, GROUP, N_CTX, store_qr, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, o_rb, o_rh, o_ch,
-                              k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, k_cols, v_cols, sc, cap, wl, wr):
+                              k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, k_cols, v_cols, sc, cap, wl, wr, DG, seed_lo, seed_hi,
+                              drop_off, drop_thr, drop_scale):
             # Tiles located as in _hopper_dkdv_kernel; dq and −ρ∘Q: (batch, seqlen, nheads, headdim) contiguous.
             # VARLEN as in _hopper_dkdv_kernel: b is the sequence, its rows start at CU[b]. KEYPAD: keys [0,
             # SEQLENS[b]) of batch row b are valid; its K/V tiles come through descriptors made on the device
             # (kernels/attention_fwd_hopper.keys_descriptor: zeros past them), of K, V with k_cols, v_cols columns.
+            # Dropout (unused without it): kernels/attention_fwd_hopper.dropout_kernel_args; the counters' rows are the
+            # (packed) rows start + row0 + …, bh = b·H + h (b = 0 when packed: h).
             HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
             dtype: gl.constexpr = q_desc.dtype
             pid_m = gl.program_id(0)
@@ -714,12 +787,13 @@ if GLUON_ERROR is None:
             ready, empty = ring_barriers(_NUM_STAGES)
 
             out_row = b * N_CTX + start + row0
+            bh = b * H + h  # the dropout counters' c1; their rows are the (packed) rows start + row0 + …
             args0 = (q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA, row0,
                      stats, out_row, h * HEAD_DIM, H * HEAD_DIM, lo, hi, seqlen, kend, c, tau, store_qr, sc, cap, wl, wr,
-                     0)
+                     start + row0, DG, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, 0)
             args1 = (q_smem, do_smem, o_smem, k_smem, v_smem, e0_smem, q_bar, ready, empty, DQ, R, QR, M, LOG2L, DELTA, row0,
                      stats, out_row, h * HEAD_DIM, H * HEAD_DIM, lo, hi, seqlen, kend, c, tau, store_qr, sc, cap, wl, wr,
-                     1)
+                     start + row0, DG, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, 1)
             first = start + row0
             k_row = b * k_rb + hk * k_rh + start
             v_row = b * v_rb + hk * v_rh + start
@@ -759,7 +833,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, 
     """Whether :func:`dkdv` serves these (already validated) inputs: an sm_90 GPU (not the interpreter, Gluon
     importable, GPROJ_HOPPER_BWD not 0) and :func:`accepts`; with ``key_sums`` (an fp32 dk's Σ_j dk_j for the C2
     projection) only a seqlen that is a multiple of BLOCK_N (the per-64-key sums would take the rows past the end).
-    The caller checks the rest (fix "none" or "gproj" with its own-GEMM dK term, ds_format "bf16", no dropout, no
+    The caller checks the rest (fix "none" or "gproj" with its own-GEMM dK term, ds_format "bf16", no
     packing (:func:`serves_varlen`), key padding only without a window). Never raises."""
     return enabled() and on_sm90(q) and accepts(q, k, v, do) and not (key_sums and q.shape[1] % BLOCK_N)
 
@@ -799,7 +873,7 @@ def _descriptors(*tensors, shared: dict | None = None):
 def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causal: bool, dk_dtype: torch.dtype,
          dv_dtype: torch.dtype, want_key_sums: bool, softcap: float = 0.0, window: tuple[int, int] | None = None,
          cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0, seqlens_k: torch.Tensor | None = None,
-         descriptors: dict | None = None):
+         descriptors: dict | None = None, dropout_p: float = 0.0, dropout_seed: int = 0, dropout_offset: int = 0):
     """The dK/dV pass on Hopper; call only where :func:`serves` is True, after the dQ pass.
 
     Args:
@@ -823,6 +897,8 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
             Padded keys get dk = dv = 0 exactly, and their values reach no other result.
         descriptors: None, or a dict shared with :func:`dq_pass` of the same backward (its TMA descriptors of q, do, k,
             v are reused; the dict must not outlive the tensors).
+        dropout_p, dropout_seed, dropout_offset: attention dropout as the forward ran with it (0: off, the kernel without
+            it): dV = ((P̃ ∘ M)/(1 − p̂))ᵀ dO, dP' = M ∘ dP / (1 − p̂) (kernels/attention_bwd.py).
 
     Returns:
         dk, dv (batch, seqlen, nheads_k, headdim) contiguous in dk_dtype / dv_dtype (GQA: summed over each kv
@@ -842,18 +918,19 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
     descs, where = _descriptors(q, do, q if qr is None else qr, k, v, shared=descriptors)  # q: a placeholder, not read
     grid = (triton.cdiv(max_seqlen if packed else n, BLOCK_N), (cu_seqlens.numel() - 1 if packed else b) * hk)
     keypad = seqlens_k is not None
-    kernel = _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0, window is not None, packed, edges, keypad)
+    kernel = _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0, window is not None, packed, edges, keypad,
+                              dropout_p > 0)
     # No descriptor is made on the device here (the padded keys' dk rows are zeroed instead): no scratch.
     launch(kernel, grid, q.device, False, *descs, dk, dv, ks, m, log2l, delta, cu_seqlens if packed else delta,
            seqlens_k if keypad else delta, float(c), float(softmax_scale), h, h // hk, n, int(bool(want_key_sums)), *where,
-           *feature_args(softmax_scale, softcap, window))
+           *feature_args(softmax_scale, softcap, window), *dropout_kernel_args(dropout_p, dropout_seed, dropout_offset, n))
     return dk, dv, (ks.sum(dim=2, dtype=torch.float64) if want_key_sums else None)
 
 
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
                  dk_dtype: torch.dtype | None = None, ones: tuple[str, ...] = (), softcap: bool = False,
                  window: bool = False, varlen: bool = False, edges: bool = False, head_dim: int = HEAD_DIMS[0],
-                 keypad: bool = False):
+                 keypad: bool = False, dropout: bool = False):
     """Compile the kernel for sm_90 without a GPU (Triton's ahead-of-time path), as CI does: head dim ``head_dim``, dk
     in ``dk_dtype`` (default: ``dtype``; torch.float32 for the fp32-dk path), dv in ``dtype``. ``ones`` names
     integer arguments compiled as the constant 1, as Triton specializes them at launch (``key_sums``,
@@ -866,9 +943,9 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal
            "CU": "*i32" if varlen else "*fp32", "SEQLENS": "*i32" if keypad else "*fp32", "c": "fp32",
            "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "key_sums": "i32",
            **{f"{x}_{w}": "i32" for x in ("q", "do", "qr", "k", "v") for w in ("rb", "rh", "ch")}, "sc": "fp32", "cap": "fp32",
-           "wl": "i32", "wr": "i32"}
+           "wl": "i32", "wr": "i32", **DROPOUT_SIGNATURE}
     return aot_compile_sm90(_dkdv_kernel_for(bool(gproj), bool(causal), bool(softcap), bool(window), bool(varlen),
-                                             bool(edges), bool(keypad)), sig,
+                                             bool(edges), bool(keypad), bool(dropout)), sig,
                             {arg: 1 for arg in ones})
 
 
@@ -897,7 +974,8 @@ _e0_cached = functools.lru_cache(maxsize=None)(_e0_tile)
 
 def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float, causal: bool, r=None, qr=None,
             softcap: float = 0.0, window: tuple[int, int] | None = None, cu_seqlens: torch.Tensor | None = None,
-            max_seqlen: int = 0, seqlens_k: torch.Tensor | None = None, descriptors: dict | None = None):
+            max_seqlen: int = 0, seqlens_k: torch.Tensor | None = None, descriptors: dict | None = None,
+            dropout_p: float = 0.0, dropout_seed: int = 0, dropout_offset: int = 0):
     """The dQ pass on Hopper, fix "none" or "gproj"; call only where :func:`serves` is True, with do and o as
     :func:`tma_ready` returns them (o shaped like q, in its dtype).
 
@@ -918,6 +996,8 @@ def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float,
         seqlens_k: None, or right key padding as :func:`dkdv` takes it; the K/V tiles are loaded through TMA
             descriptors made on the device that end at seqlens_k[b] (kernels/attention_fwd_hopper.launch).
         descriptors: None, or a dict shared with :func:`dkdv`, as there.
+        dropout_p, dropout_seed, dropout_offset: attention dropout as the forward ran with it (0: off, the kernel without
+            it): the forward's keep mask M regenerated per tile, dP' = M ∘ dP / (1 − p̂) (kernels/attention_bwd.py).
     """
     b, n, h, d = q.shape
     hk = k.shape[2]
@@ -927,17 +1007,18 @@ def dq_pass(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float,
     packed = cu_seqlens is not None
     grid = (triton.cdiv(max_seqlen if packed else n, _DQ_BLOCK_M.value), (cu_seqlens.numel() - 1 if packed else b) * h)
     keypad = seqlens_k is not None
-    kernel = _dq_kernel_for(gproj, bool(causal), softcap > 0, window is not None, packed, n % _DQ_BLOCK_M.value != 0, keypad)
+    kernel = _dq_kernel_for(gproj, bool(causal), softcap > 0, window is not None, packed, n % _DQ_BLOCK_M.value != 0, keypad,
+                            dropout_p > 0)
     launch(kernel, grid, q.device, keypad, *descs, e0, dq, delta if r is None else r, q if qr is None else qr, m, log2l,
            delta, cu_seqlens if packed else delta, seqlens_k if keypad else delta, k, v, float(c), float(softmax_scale), h,
            h // hk, n, int(qr is not None), *where, descs[3].shape[1], descs[4].shape[1],  # k, v: their views' widths
-           *feature_args(softmax_scale, softcap, window))
+           *feature_args(softmax_scale, softcap, window), *dropout_kernel_args(dropout_p, dropout_seed, dropout_offset, n))
 
 
 def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
                     dq_dtype: torch.dtype | None = None, ones: tuple[str, ...] = (), softcap: bool = False,
                     window: bool = False, varlen: bool = False, edges: bool = False, head_dim: int = HEAD_DIMS[0],
-                    keypad: bool = False):
+                    keypad: bool = False, dropout: bool = False):
     """Compile the dQ kernel for sm_90 without a GPU, as :func:`compile_sm90` does the dK/dV one (``ones``:
     ``store_qr``, ``GROUP``)."""
     _require_gluon()
@@ -950,7 +1031,7 @@ def compile_dq_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, cau
            "SEQLENS": "*i32" if keypad else "*fp32", "K": pointer_type(dtype), "V": pointer_type(dtype), "c": "fp32",
            "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32",
            "store_qr": "i32", **{f"{x}_{w}": "i32" for x in ("q", "do", "o", "k", "v") for w in ("rb", "rh", "ch")},
-           "k_cols": "i32", "v_cols": "i32", "sc": "fp32", "cap": "fp32", "wl": "i32", "wr": "i32"}
+           "k_cols": "i32", "v_cols": "i32", "sc": "fp32", "cap": "fp32", "wl": "i32", "wr": "i32", **DROPOUT_SIGNATURE}
     return aot_compile_sm90(_dq_kernel_for(bool(gproj), bool(causal), bool(softcap), bool(window), bool(varlen),
-                                           bool(edges), bool(keypad)), sig,
+                                           bool(edges), bool(keypad), bool(dropout)), sig,
                             {arg: 1 for arg in ones})

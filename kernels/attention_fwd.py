@@ -24,11 +24,11 @@ maximum still gets exactly exp2(0)), and attention dropout (DROPOUT: the P·V op
 the Philox keep mask of kernels/reference.dropout_keep_mask, one Philox call per 8 keys of a row, and o
 is scaled by 1/(1 − p̂) at the end, p̂ the drop probability of the 16-bit keep test).
 
-On an sm_90 GPU, dense inputs with seqlen_q = seqlen_k >= 128 (causal, windows, softcap and key padding without a
-window included) and packed sequences that share one cu_seqlens between queries and keys (>= 128 tokens in all), at
-head dim 64 / 128, go to the warp-specialized Gluon kernel of kernels/attention_fwd_hopper.py (same contract, same
-rounding points); everything else (dropout, key padding with a window, seqlen_q != seqlen_k), and every interpreter
-run, uses the kernel below.
+On an sm_90 GPU, dense inputs with seqlen_q = seqlen_k >= 128 (causal, windows, softcap, dropout and key padding
+without a window included) and packed sequences that share one cu_seqlens between queries and keys (>= 128 tokens in
+all), at head dim 64 / 128, go to the warp-specialized Gluon kernel of kernels/attention_fwd_hopper.py (same contract,
+same rounding points, the same dropout keep mask); everything else (key padding with a window, seqlen_q !=
+seqlen_k; dropout with GPROJ_HOPPER_DROPOUT=0), and every interpreter run, uses the kernel below.
 """
 
 from __future__ import annotations
@@ -294,14 +294,17 @@ def forward(
     # nq, nk are total_q, total_k when packed: window_args only needs an "unbounded" wider than any sequence.
     win = window_args(causal, window_size, softcap, nq, nk)
     drop = dropout_args(dropout_p, dropout_seed, dropout_offset)
-    if not drop["DROPOUT"] and not (seqlens_k is not None and win["WINDOW"]):
+    if not (seqlens_k is not None and win["WINDOW"]) and (not drop["DROPOUT"] or attention_fwd_hopper.dropout_enabled()):
         window = (win["WL"], win["WR"]) if win["WINDOW"] else None
+        # Dropout: the Gluon kernel draws the same keep mask (kernels/attention_fwd_hopper.philox_keep).
+        dkw = (dict(dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset)
+               if drop["DROPOUT"] else {})
         if varlen is None and attention_fwd_hopper.serves(q, k, v):
             return attention_fwd_hopper.forward(q, k, v, softmax_scale, win["CAUSAL"], softcap, window,
-                                                seqlens_k=seqlens_k)
+                                                seqlens_k=seqlens_k, **dkw)
         if varlen is not None and attention_fwd_hopper.serves_varlen(q4, k4, v4, varlen):
             o, m, log2l = attention_fwd_hopper.forward(q4, k4, v4, softmax_scale, win["CAUSAL"], softcap, window,
-                                                       varlen[0], varlen[2])
+                                                       varlen[0], varlen[2], **dkw)
             return o[0], m[0], log2l[0]
     o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
     m = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)

@@ -30,7 +30,11 @@ masked, o stored row by row there; the next sequence's values in such a tile are
 change nothing unless they are inf or NaN, as in any FlashAttention kernel), right key padding (``seqlens_k``, not
 with a window: tiles past a batch row's last key are skipped, the last one masked, and its K/V tiles come through
 TMA descriptors made on the device that end at that key, so the padded values, NaN or inf included, are never read
-into a product); no dropout. Speed on the H200: benchmarks/NOTES.md (runs 18, 21, 24, 26).
+into a product), attention dropout (the P̃·V operand is P̃ ∘ M with the Philox keep mask of
+kernels/reference.dropout_keep_mask, bit for bit the tl.dot kernels' — :func:`philox_keep`: one Philox call per 8 keys
+of a row, run by one lane of the quad that holds the row in the wgmma accumulator, the keep bits handed to the other
+three by warp shuffles —, o scaled by 1/(1 − p̂); m and log2l of the undropped P; one tile per program:
+:func:`persistent`). Speed on the H200: benchmarks/NOTES.md (runs 18, 21, 24, 26); with dropout not measured yet.
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ import torch
 import triton
 
 from lightning_gproj.kernels._triton_utils import (
-    COPYSIGN_ASM, SOFTCAP_EX2_ASM, exponent_factor, interpreting, softcap_factor,
+    COPYSIGN_ASM, SOFTCAP_EX2_ASM, dropout_args, exponent_factor, interpreting, softcap_factor,
 )
+from lightning_gproj.kernels.reference import PHILOX_ROUNDS
 
 try:  # Gluon ships with Triton >= 3.4; the TMA copies were renamed after 3.6.
     from triton.experimental import gluon
@@ -59,20 +64,24 @@ try:  # Gluon ships with Triton >= 3.4; the TMA copies were renamed after 3.6.
 except Exception as exc:  # pragma: no cover - depends on the Triton build
     GLUON_ERROR = f"{exc.__class__.__name__}: {exc}"
 
-__all__ = ["forward", "serves", "serves_varlen", "packed_ok", "accepts", "on_sm90", "tma_descriptor", "feature_args", "compile_sm90", "aot_compile_sm90",
+__all__ = ["forward", "dropout_enabled", "serves", "serves_varlen", "packed_ok", "accepts", "on_sm90", "tma_descriptor", "feature_args", "compile_sm90", "aot_compile_sm90",
            "sass", "tensordesc_type", "pointer_type", "BLOCK_M"]
+
+#: The kernels' dropout scalars that vary between calls (not specialized on their values).
+DROPOUT_SCALARS = ("seed_lo", "seed_hi", "drop_off", "drop_thr")
 
 #: Query rows per program (two consumers of 64) and keys per K/V tile; the served seqlen's multiple.
 BLOCK_M = 128
 HEAD_DIMS = (64, 128)
 
-def persistent(window: bool, varlen: bool, keypad: bool) -> bool:
+def persistent(window: bool, varlen: bool, keypad: bool, dropout: bool = False) -> bool:
     """Whether the forward kernel of these features is persistent (its partitions loop over the program's items of
     tiles, :func:`schedule`): all but windows, packed sequences and key padding, which run one tile per program with
     no loop (with the loop, the window variant's consumers spilled: 243 spill stores with Triton 3.6; key padding's
     loader makes a TMA descriptor per tile, which a second tile would rewrite while the first one's loads may be in
-    flight)."""
-    return not (window or varlen or keypad)
+    flight), and dropout (with the loop its consumers spilled: d 128 full / causal, 249 / 269 spill stores (STL) with
+    Triton 3.9 against 6 / 8 without the loop, 6 / 6 with Triton 3.6 against 0 / 0)."""
+    return not (window or varlen or keypad or dropout)
 
 
 if GLUON_ERROR is None:
@@ -154,12 +163,12 @@ if GLUON_ERROR is None:
             it += 1
         return i, it
 
-    def _loader_for(window: bool, varlen: bool, keypad: bool):
+    def _loader_for(window: bool, varlen: bool, keypad: bool, dropout: bool = False):
         """The loader partition, with WINDOW, VARLEN and KEYPAD compiled in (closure constants, as
         :func:`_partition`'s): :func:`_produce` for each of the program's tiles (persistent: items p, p + P, … of PER
         tiles each, the rings' positions running on across tiles), or for tile p."""
         WINDOW, VARLEN, KEYPAD = gl.constexpr(window), gl.constexpr(varlen), gl.constexpr(keypad)
-        PERSISTENT = gl.constexpr(persistent(window, varlen, keypad))
+        PERSISTENT = gl.constexpr(persistent(window, varlen, keypad, dropout))
 
         @gluon.jit
         def loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
@@ -256,6 +265,177 @@ if GLUON_ERROR is None:
         return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
                                          pack=1)
 
+    _PHILOX_ROUNDS = gl.constexpr(PHILOX_ROUNDS)
+    _SHFL_IDX = gl.constexpr("shfl.sync.idx.b32 $0, $1, $2, 31, -1;")
+
+    def keep_layout(tile: int):
+        """The layout of :func:`philox_keep`'s [64, tile // 32, 4, 4, 2] keep mask (row, a, j', j, e) of 64 rows and the
+        keys 32a + 8j' + 2j + e of a tile of ``tile`` keys: reshaped to [64, tile] it is the accumulator layout of a
+        4-warp wgmma (NVMMA v3, warps_per_cta [4, 1]; thread (warp w, lane 4r + q) holds rows 16w + r, 16w + r + 8 and
+        keys 8k + 2q + e), so the mask reaches the scores without a layout conversion. Slicing away a and e gives
+        the layout in which the Philox rounds run once per group 4a + j of 8 keys (lane q: the groups j = q);
+        slicing away a and e the one the keep bytes cross the quad of lanes in (a warp shuffle)."""
+        regs = [[0, 0, 0, 0, 1], [8, 0, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0]]
+        regs += [[0, 1 << i, 0, 0, 0] for i in range((tile // 32).bit_length() - 1)]
+        lanes = [[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]]
+        return gl.DistributedLinearLayout(regs, lanes, [[16, 0, 0, 0, 0], [32, 0, 0, 0, 0]], [], [64, tile // 32, 4, 4, 2])
+
+    @gluon.jit
+    def philox_rounds(c0, c1, c2, c3, k0, k1):
+        """PHILOX_ROUNDS rounds of Philox4x32 on uint32 counters (c0, c1, c2, c3), key (k0, k1): the rounds and
+        constants of triton.language.random.philox_impl (what tl.philox runs in the tl.dot kernels)."""
+        for _ in gl.static_range(_PHILOX_ROUNDS):
+            _c0 = c0
+            _c2 = c2
+            c0 = gl.umulhi(_c2, 0xCD9E8D57) ^ c1 ^ k0
+            c2 = gl.umulhi(_c0, 0xD2511F53) ^ c3 ^ k1
+            c1 = _c2 * 0xCD9E8D57
+            c3 = _c0 * 0xD2511F53
+            k0 = k0 + 0x9E3779B9
+            k1 = k1 + 0xBB67AE85
+        return c0, c1, c2, c3
+
+    @gluon.jit
+    def philox_keep(first_row, G, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, A: gl.constexpr,
+                    L5: gl.constexpr):
+        """The keep mask of attention dropout for the 64 query rows first_row … and the key columns start_n … start_n +
+        32·A − 1 (start_n a multiple of 8), as the words :func:`keep_bits` turns into the [64, 32·A] bool mask in the
+        layout of a 4-warp wgmma accumulator (L5 = :func:`keep_layout`): the scheme of kernels/reference.dropout_keep_mask and kernels/_triton_utils.dropout_keep,
+        the tl.dot kernels' mask, bit for bit — one Philox4x32 call (:func:`philox_rounds`) per group g of 8 keys of
+        row i, counters (i·G + g mod 2³², bh, offset, i·G + g div 2³²), key seed_hi·2³² + seed_lo; key c of the group
+        is kept iff the 16-bit half c mod 2 (0: low) of output word c // 2 is >= drop_thr. G = ⌈n_k / 8⌉; seeds,
+        offset as int32 bit patterns (dropout_args).
+
+        Each group's call runs once, in lane q = g mod 4 of the quad of lanes that holds the row (A·2 calls a thread);
+        its 8 keep bits go into byte g // 4 of that lane's word, and one warp shuffle per (row, source lane) hands
+        every lane of the quad the words of the other three, from which it takes the bits of its own keys. No shared
+        memory: with the mask converted through it, ptxas of Triton 3.6 serialized every wgmma of the forward
+        (C7513)."""
+        Lsh: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(4, L5))  # (row, j', j): the shuffle
+        Lg: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(4, L5))  # (row, a, j): the groups 4a + j
+        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, Lg)))
+        a_g = gl.arange(0, A, layout=gl.SliceLayout(0, gl.SliceLayout(2, Lg)))
+        j_g = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, Lg)))
+        row_c = gl.expand_dims(gl.expand_dims((first_row + rows).to(gl.int64) * G, 1), 2)
+        col_g = gl.expand_dims(gl.expand_dims(start_n // 8 + 4 * a_g, 0), 2) + gl.expand_dims(gl.expand_dims(j_g, 0), 1)
+        grp = row_c + col_g.to(gl.int64)
+        c0 = grp.to(gl.uint32)
+        c3 = (grp >> 32).to(gl.uint32)
+        zero = c0 * 0
+        x0, x1, x2, x3 = philox_rounds(c0, zero + bh.to(gl.uint32), zero + drop_off.to(gl.uint32, bitcast=True), c3,
+                                       seed_lo.to(gl.uint32, bitcast=True), seed_hi.to(gl.uint32, bitcast=True))
+        # Compared in the high 16 bits, as dropout_keep: high half x >> 16 >= thr iff x >= thr << 16.
+        thr = drop_thr.to(gl.uint32) << 16
+        byte = (((x0 << 16) >= thr).to(gl.uint32) | ((x0 >= thr).to(gl.uint32) << 1)
+                | (((x1 << 16) >= thr).to(gl.uint32) << 2) | ((x1 >= thr).to(gl.uint32) << 3)
+                | (((x2 << 16) >= thr).to(gl.uint32) << 4) | ((x2 >= thr).to(gl.uint32) << 5)
+                | (((x3 << 16) >= thr).to(gl.uint32) << 6) | ((x3 >= thr).to(gl.uint32) << 7))
+        # Lane q's word: byte a of it for its group 4a + q (a in registers: no exchange).
+        word = gl.sum(byte << (8 * gl.expand_dims(gl.expand_dims(a_g, 0), 2)).to(gl.uint32), axis=1)
+        word = gl.convert_layout(word, gl.SliceLayout(1, Lsh))  # the same placement (row, j)
+        jp = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, Lsh)))
+        rows_s = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, Lsh)))
+        # Lane 4r + j reads, for each j', lane 4r + j''s word (r = row mod 8 in the warp's 16 rows).
+        src = gl.expand_dims(4 * (rows_s % 8)[:, None] + jp[None, :], 2)
+        words = gl.expand_dims(word, 1)
+        words, src = gl.broadcast(words, src)
+        return gl.inline_asm_elementwise(_SHFL_IDX, "=r,r,r", [words, src], dtype=gl.uint32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def keep_bits(got, A: gl.constexpr, L5: gl.constexpr):
+        """The [64, 32·A] keep mask (layout: L5 reshaped, a wgmma accumulator's) from :func:`philox_keep`'s words: key
+        32a + 8j' + 2j + e is bit 8a + 2j + e of lane j''s word, as lane j got it. Kept apart from the Philox rounds so
+        that only the words (8 registers a thread) stay live from where the rounds run to where the mask is used."""
+        a5 = gl.arange(0, A, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5)))))
+        j5 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, L5)))))
+        e5 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L5)))))
+        a5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(a5, 0), 2), 3), 4)
+        j5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(j5, 0), 1), 2), 4)
+        e5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(e5, 0), 1), 2), 3)
+        got = gl.expand_dims(gl.expand_dims(got, 1), 4)
+        keep = ((got >> (8 * a5 + 2 * j5 + e5).to(gl.uint32)) & 1) != 0
+        return gl.reshape(keep, [64, 32 * A])
+
+    def keep_layout_t(rows: int):
+        """The layouts of :func:`philox_keep_t`: the mask's, over [4, 2, 8, rows // 32, 4, 4, 2] = (w, rh, r, kh, klo, q,
+        e) for the key 16w + 8rh + r of 64 keys and the query row 32kh + 8klo + 2q + e of ``rows`` — reshaped to [64,
+        rows] the accumulator layout of a 4-warp wgmma over [keys, queries] (thread (warp w, lane 4r + q) holds keys
+        16w + r, 16w + r + 8 and queries 8k + 2q + e) —, and the Philox rounds', over [4, 2, rows // 32, 8, 4] = (w,
+        rh, kh, r, q): the group of keys 16w + 8rh … + 7 of query row 32kh + 8(r >> 1) + 2q + (r & 1) in lane 4r + q,
+        each group once (the 8 lanes that hold a group's keys share its rounds out)."""
+        kh = [[0, 0, 0, 1, 0, 0, 0]] if rows > 32 else []
+        mask = gl.DistributedLinearLayout(
+            [[0, 0, 0, 0, 0, 0, 1], [0, 1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 2, 0, 0]] + kh,
+            [[0, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 2, 0], [0, 0, 1, 0, 0, 0, 0], [0, 0, 2, 0, 0, 0, 0], [0, 0, 4, 0, 0, 0, 0]],
+            [[1, 0, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0, 0]], [], [4, 2, 8, rows // 32, 4, 4, 2])
+        rounds = gl.DistributedLinearLayout(
+            [[0, 1, 0, 0, 0]] + ([[0, 0, 1, 0, 0]] if rows > 32 else []),
+            [[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 0, 4, 0]],
+            [[1, 0, 0, 0, 0], [2, 0, 0, 0, 0]], [], [4, 2, rows // 32, 8, 4])
+        return mask, rounds
+
+    @gluon.jit
+    def philox_keep_t(first_row, G, key0, bh, seed_lo, seed_hi, drop_off, drop_thr, KH: gl.constexpr, L7: gl.constexpr,
+                      LP: gl.constexpr):
+        """:func:`philox_keep` transposed: the keep mask of the 64 keys key0 … (a multiple of 8) and the 32·KH query rows
+        first_row … (dropout counter rows: packed rows when packed) as the words :func:`keep_bits_t` turns into the
+        [64 keys, 32·KH queries] mask in a 4-warp wgmma accumulator's layout (L7, LP: :func:`keep_layout_t`) — the
+        same Philox calls and bits as kernels/reference.dropout_keep_mask, one call per (query row, group of 8 keys) in
+        one of the 8 lanes that hold the group's keys; its 8 keep bits in a byte of that lane's word, and 8 warp
+        shuffles a thread hand every lane the words of the other seven (lanes 4r' + q, same q)."""
+        Lsh: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, L7))  # (w, r, klo, q, e): the shuffle
+        w_ = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LP)))))
+        rh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LP)))))
+        kh = gl.arange(0, KH, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, LP)))))
+        r_ = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, LP)))))
+        q_ = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LP)))))
+        w5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(w_, 1), 2), 3), 4)
+        rh5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(rh, 0), 2), 3), 4)
+        kh5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(kh, 0), 1), 3), 4)
+        r5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(r_, 0), 1), 2), 4)
+        q5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(q_, 0), 1), 2), 3)
+        query = first_row + 32 * kh5 + 8 * (r5 >> 1) + 2 * q5 + (r5 & 1)
+        grp = query.to(gl.int64) * G + (key0 // 8 + 2 * w5 + rh5).to(gl.int64)
+        c0 = grp.to(gl.uint32)
+        c3 = (grp >> 32).to(gl.uint32)
+        zero = c0 * 0
+        x0, x1, x2, x3 = philox_rounds(c0, zero + bh.to(gl.uint32), zero + drop_off.to(gl.uint32, bitcast=True), c3,
+                                       seed_lo.to(gl.uint32, bitcast=True), seed_hi.to(gl.uint32, bitcast=True))
+        thr = drop_thr.to(gl.uint32) << 16
+        byte = (((x0 << 16) >= thr).to(gl.uint32) | ((x0 >= thr).to(gl.uint32) << 1)
+                | (((x1 << 16) >= thr).to(gl.uint32) << 2) | ((x1 >= thr).to(gl.uint32) << 3)
+                | (((x2 << 16) >= thr).to(gl.uint32) << 4) | ((x2 >= thr).to(gl.uint32) << 5)
+                | (((x3 << 16) >= thr).to(gl.uint32) << 6) | ((x3 >= thr).to(gl.uint32) << 7))
+        # Lane 4r + q's word: byte rh + 2kh for its group (rh, kh) (registers: no exchange).
+        word = gl.sum(gl.sum(byte << (8 * (rh5 + 2 * kh5)).to(gl.uint32), axis=2), axis=1)  # (w, r, q)
+        word = gl.convert_layout(word, gl.SliceLayout(2, gl.SliceLayout(4, Lsh)))  # the same placement
+        klo = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, Lsh)))))
+        qs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, Lsh)))))
+        e_ = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, Lsh)))))
+        klo5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(klo, 0), 1), 3), 4)
+        qs5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qs, 0), 1), 2), 4)
+        e5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(e_, 0), 1), 2), 3)
+        # Register (klo, e) of lane 4r + q reads lane 4(e + 2klo) + q's word: the one whose groups are query row
+        # … + 8klo + 2q + e.
+        src = 4 * (e5 + 2 * klo5) + qs5
+        words = gl.expand_dims(gl.expand_dims(word, 2), 4)
+        words, src = gl.broadcast(words, src)
+        return gl.inline_asm_elementwise(_SHFL_IDX, "=r,r,r", [words, src], dtype=gl.uint32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def keep_bits_t(got, KH: gl.constexpr, L7: gl.constexpr):
+        """The [64 keys, 32·KH queries] keep mask from :func:`philox_keep_t`'s words: key 16w + 8rh + r of query row
+        32kh + 8klo + 2q + e is bit r of byte rh + 2kh of the word got from lane 4(e + 2klo) + q."""
+        rh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5, gl.SliceLayout(6, L7)))))))
+        r_ = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5, gl.SliceLayout(6, L7)))))))
+        kh = gl.arange(0, KH, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, gl.SliceLayout(5, gl.SliceLayout(6, L7)))))))
+        rh7 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(rh, 0), 2), 3), 4), 5), 6)
+        r7 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(r_, 0), 1), 3), 4), 5), 6)
+        kh7 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(kh, 0), 1), 2), 4), 5), 6)
+        got = gl.expand_dims(gl.expand_dims(got, 1), 3)
+        keep = ((got >> (8 * (rh7 + 2 * kh7) + r7).to(gl.uint32)) & 1) != 0
+        return gl.reshape(keep, [64, 32 * KH])
+
     # Sliding windows (row i sees keys i − wl … i + wr), shared with kernels/attention_bwd_hopper.py.
     @gluon.jit
     def window_tiles(first, count, before, after, N_CTX, TILE: gl.constexpr):
@@ -280,14 +460,16 @@ if GLUON_ERROR is None:
         return (keys >= rows - wl) & (keys <= rows + wr)
 
     @gluon.jit
-    def _softmax(s, m_i, l_i, offs_m, start_n, diag_from, c, causal, sc, cap, wl, wr, kend, HEAD_DIM: gl.constexpr,
-                 dtype: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, KEYMASK: gl.constexpr):
+    def _softmax(s, m_i, l_i, offs_m, start_n, diag_from, c, causal, sc, cap, wl, wr, kend, keep,
+                 HEAD_DIM: gl.constexpr, dtype: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
+                 KEYMASK: gl.constexpr, DROPOUT: gl.constexpr):
         """One key block of the online softmax: with SOFTCAP the capped logits z = cap·tanh(τ s/cap) replace the
         scores; mask them on and past the diagonal (rows from ``diag_from``), or with WINDOW outside the sliding
         window row − wl <= key <= row + wr, and with KEYMASK the keys from ``kend`` on (the next sequence's or head's,
         or key padding);
-        update the row max m and sum l. Returns (P̃ as the A operand of P̃·V, the factor α that rescales the
-        accumulator (in its row layout), m, l)."""
+        update the row max m and sum l. With DROPOUT the A operand is P̃ ∘ M (M from ``keep``, :func:`_tile_keep`), m and
+        l stay the undropped P's, as the tl.dot forward's. Returns (P̃ as the A operand of P̃·V, the factor α that rescales the accumulator (in its row layout),
+        m, l)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -316,7 +498,25 @@ if GLUON_ERROR is None:
         alpha = gl.exp2((m_i - m_use) * c)
         p = gl.exp2((s - m_use[:, None]) * c)
         l_i = l_i * alpha + gl.sum(p, axis=1)
+        if DROPOUT:
+            p = gl.where(gl.convert_layout(keep_bits(keep, 4, _KEEP_LAYOUT), s_layout), p, 0.0)
         return gl.convert_layout(p.to(dtype), p_layout), gl.convert_layout(alpha, row_o), m_new, l_i
+
+    _KEEP_LAYOUT = gl.constexpr(keep_layout(128))
+
+    @gluon.jit
+    def _tile_keep(drow, DG, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, DROPOUT: gl.constexpr):
+        """With DROPOUT the keep mask of a consumer's 64 rows (dropout counter rows drow …) and the key tile at start_n
+        as :func:`philox_keep`'s words (:func:`_softmax` takes the bits); else 0 (unused). Drawn at the top of each step,
+        before its S wgmma is issued (of three placements of the whole mask — there, after that issue, in the softmax —
+        the one ptxas of Triton 3.6 spilled least with); with only the words live from there to the softmax, d 128
+        compiles without spills with Triton 3.6 (6 / 8 STL full / causal with 3.9)."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, _BLOCK_N, 16])
+        if DROPOUT:
+            return philox_keep(drow, DG, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, 4, _KEEP_LAYOUT)
+        else:
+            return 0
 
     @gluon.jit
     def sequence_span(CU, b, N_CTX, VARLEN: gl.constexpr):
@@ -341,12 +541,15 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _consumer_tile(q_smem, k_smem, v_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, O, M,
                        LOG2L, half: gl.constexpr, i, it, o_row, row0, o_col, o_stride, lo, hi, seqlen, kend, c, causal,
-                       sc, cap, wl, wr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, EDGES: gl.constexpr,
-                       KEYMASK: gl.constexpr):
+                       sc, cap, wl, wr, drow, DG, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
+                       SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, EDGES: gl.constexpr, KEYMASK: gl.constexpr,
+                       DROPOUT: gl.constexpr):
         """One tile of a consumer: its 64 query rows (``half``) of the block at row0 against the key tiles [lo, hi),
         the K/V rings from position i on, the Q buffer in its it-th use (released once the last S is computed); o, m,
-        log2l stored (M, LOG2L point at the (batch, head)'s statistics, o_row at the block's first row of o). Returns
-        the ring position after the tile."""
+        log2l stored (M, LOG2L point at the (batch, head)'s statistics, o_row at the block's first row of o). DROPOUT:
+        the block's first row has dropout counter row drow (its packed row), o is scaled by drop_scale = 1/(1 − p̂)
+        after the division by the undropped l, as the tl.dot forward does. Returns the ring position after the
+        tile."""
         HEAD_DIM: gl.constexpr = o_desc.block_type.shape[1]
         dtype: gl.constexpr = o_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -381,19 +584,22 @@ if GLUON_ERROR is None:
         s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_empty.index(st), count=1)
-        p16, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, lo_h, first, c, causal, sc, cap, wl, wr, kend, HEAD_DIM,
-                                        dtype, SOFTCAP, WINDOW, KEYMASK)
+        drow_h = drow + half * _HALF_M  # this half's first row in the dropout counters
+        keep = _tile_keep(drow_h, DG, lo_h, bh, seed_lo, seed_hi, drop_off, drop_thr, DROPOUT)
+        p16, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, lo_h, first, c, causal, sc, cap, wl, wr, kend, keep,
+                                        HEAD_DIM, dtype, SOFTCAP, WINDOW, KEYMASK, DROPOUT)
         for start_n in range(lo_h + _BLOCK_N, last + _BLOCK_N, _BLOCK_N):  # tile j = i + 1 at start_n
             st = i % _NUM_STAGES
             nx = (i + 1) % _NUM_STAGES
+            keep = _tile_keep(drow_h, DG, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, DROPOUT)
             mbarrier.wait(k_ready.index(nx), ((i + 1) // _NUM_STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(nx).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(st), (i // _NUM_STAGES) & 1)
             acc = warpgroup_mma(p16, v_smem.index(st), acc * alpha[:, None], is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j (P̃_{j-1}·V_{j-1} may still run)
             mbarrier.arrive(k_empty.index(nx), count=1)
-            p16, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n, first, c, causal, sc, cap, wl, wr, kend,
-                                            HEAD_DIM, dtype, SOFTCAP, WINDOW, KEYMASK)
+            p16, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n, first, c, causal, sc, cap, wl, wr, kend, keep,
+                                            HEAD_DIM, dtype, SOFTCAP, WINDOW, KEYMASK, DROPOUT)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(st), count=1)
             i += 1
@@ -408,6 +614,8 @@ if GLUON_ERROR is None:
             release_unread(k_ready, k_empty, v_ready, v_empty, i)
             i += 1
         o = acc / gl.convert_layout(l_i, row_o)[:, None]
+        if DROPOUT:
+            o = o * drop_scale  # 1/(1 − p̂) on the fp32 output, after the undropped normalizer l (as the tl.dot forward)
         if EDGES:  # rows past the sequence's end are the next sequence's (or head's): masked stores, not a TMA tile
             rows_o = half * _HALF_M + gl.arange(0, _HALF_M, layout=row_o)
             offs_o = ((o_row + rows_o).to(gl.int64)[:, None] * o_stride + o_col
@@ -426,10 +634,13 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _consume(t, i, it, q_smem, k_smem, v_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, O,
-                 M, LOG2L, CU, SEQLENS, H, N_CTX, M_BLOCKS, PER, causal, c, sc, cap, wl, wr, half: gl.constexpr,
-                 SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, EDGES: gl.constexpr, KEYMASK: gl.constexpr,
-                 VARLEN: gl.constexpr, KEYPAD: gl.constexpr):
-        """A consumer's share of tile t (:func:`tile_span`, :func:`_consumer_tile`). Returns (i, it) after the tile."""
+                 M, LOG2L, CU, SEQLENS, H, N_CTX, M_BLOCKS, PER, causal, c, sc, cap, wl, wr, DG, seed_lo, seed_hi,
+                 drop_off, drop_thr, drop_scale, half: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
+                 EDGES: gl.constexpr, KEYMASK: gl.constexpr, VARLEN: gl.constexpr, KEYPAD: gl.constexpr,
+                 DROPOUT: gl.constexpr):
+        """A consumer's share of tile t (:func:`tile_span`, :func:`_consumer_tile`). Returns (i, it) after the tile.
+        Dropout counters (kernels/reference.dropout_keep_mask): row start + row0 + r of the TMA view's batch row b (the
+        packed row when VARLEN, where b = 0) and bh = b·H + h (h when packed), DG = ⌈n_k / 8⌉ (of total_k when packed)."""
         HEAD_DIM: gl.constexpr = o_desc.block_type.shape[1]
         b, h, start, row0, seqlen, lo, hi, kend = tile_span(t, M_BLOCKS, PER, H, N_CTX, causal, CU, SEQLENS, wl, wr,
                                                             WINDOW, VARLEN, KEYPAD)
@@ -438,55 +649,64 @@ if GLUON_ERROR is None:
             # o is (batch, seqlen, nheads, headdim) contiguous
             i = _consumer_tile(q_smem, k_smem, v_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                                O, M + stats, LOG2L + stats, half, i, it, b * N_CTX + start + row0, row0, h * HEAD_DIM,
-                               H * HEAD_DIM, lo, hi, seqlen, kend, c, causal, sc, cap, wl, wr, SOFTCAP, WINDOW, EDGES,
-                               KEYMASK)
+                               H * HEAD_DIM, lo, hi, seqlen, kend, c, causal, sc, cap, wl, wr, start + row0, DG, b * H + h,
+                               seed_lo, seed_hi, drop_off, drop_thr, drop_scale, SOFTCAP, WINDOW, EDGES, KEYMASK,
+                               DROPOUT)
             it += 1
         return i, it
 
-    def _partition(half: int, softcap: bool, window: bool, edges: bool, varlen: bool = False, keypad: bool = False):
+    def _partition(half: int, softcap: bool, window: bool, edges: bool, varlen: bool = False, keypad: bool = False,
+                   dropout: bool = False):
         """A consumer partition of gl.warp_specialize for one half of the rows: :func:`_consume` for each of the
         program's tiles (persistent: items p, p + P, … of PER tiles each) or for tile p, with SOFTCAP, WINDOW, EDGES
-        (sequence ends inside tiles), VARLEN and key padding (keys from ``kend`` on masked) compiled in: constexpr
-        arguments do not survive gl.warp_specialize, closure constants do."""
+        (sequence ends inside tiles), VARLEN, key padding (keys from ``kend`` on masked) and DROPOUT compiled in:
+        constexpr arguments do not survive gl.warp_specialize, closure constants do."""
         HALF, SOFTCAP, WINDOW = gl.constexpr(half), gl.constexpr(softcap), gl.constexpr(window)
         EDGES, KEYMASK = gl.constexpr(edges), gl.constexpr(edges or keypad)
-        VARLEN, KEYPAD = gl.constexpr(varlen), gl.constexpr(keypad)
-        PERSISTENT = gl.constexpr(persistent(window, varlen, keypad))
+        VARLEN, KEYPAD, DROPOUT = gl.constexpr(varlen), gl.constexpr(keypad), gl.constexpr(dropout)
+        PERSISTENT = gl.constexpr(persistent(window, varlen, keypad, dropout))
 
         @gluon.jit
         def consumer(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, O, M, LOG2L, CU,
-                     SEQLENS, H, N_CTX, M_BLOCKS, TILES, PER, causal, c, sc, cap, wl, wr):
+                     SEQLENS, H, N_CTX, M_BLOCKS, TILES, PER, causal, c, sc, cap, wl, wr, DG, seed_lo, seed_hi, drop_off,
+                     drop_thr, drop_scale):
             HEAD_DIM: gl.constexpr = o_desc.block_type.shape[1]
             o_smem = gl.allocate_shared_memory(o_desc.dtype, [_HALF_M, HEAD_DIM], o_desc.layout)
             args = (q_smem, k_smem, v_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, O, M,
-                    LOG2L, CU, SEQLENS, H, N_CTX, M_BLOCKS, PER, causal, c, sc, cap, wl, wr)
+                    LOG2L, CU, SEQLENS, H, N_CTX, M_BLOCKS, PER, causal, c, sc, cap, wl, wr, DG, seed_lo, seed_hi, drop_off,
+                    drop_thr, drop_scale)
             i = 0  # K/V ring position
             it = 0  # tiles done (the Q buffer's phase)
             if PERSISTENT:
                 for item in range(gl.program_id(0) * PER, TILES, gl.num_programs(0) * PER):
                     for t in range(item, gl.minimum(item + PER, TILES)):
-                        i, it = _consume(t, i, it, *args, HALF, SOFTCAP, WINDOW, EDGES, KEYMASK, VARLEN, KEYPAD)
+                        i, it = _consume(t, i, it, *args, HALF, SOFTCAP, WINDOW, EDGES, KEYMASK, VARLEN, KEYPAD,
+                                         DROPOUT)
             else:
-                _consume(gl.program_id(0), i, it, *args, HALF, SOFTCAP, WINDOW, EDGES, KEYMASK, VARLEN, KEYPAD)
+                _consume(gl.program_id(0), i, it, *args, HALF, SOFTCAP, WINDOW, EDGES, KEYMASK, VARLEN, KEYPAD, DROPOUT)
             tma.store_wait(pendings=0)
 
         return consumer
 
     @functools.lru_cache(maxsize=None)
-    def _kernel_for(softcap: bool, window: bool, varlen: bool = False, edges: bool = False, keypad: bool = False):
+    def _kernel_for(softcap: bool, window: bool, varlen: bool = False, edges: bool = False, keypad: bool = False,
+                    dropout: bool = False):
         """The forward kernel, with or without the logit softcap, the sliding window, packed sequences (varlen),
-        sequence ends inside tiles (edges: a seqlen that is not a multiple of 128; implied by varlen) and right key
-        padding (keypad: batch row b's keys from SEQLENS[b] on masked, not with window or varlen)."""
+        sequence ends inside tiles (edges: a seqlen that is not a multiple of 128; implied by varlen), right key
+        padding (keypad: batch row b's keys from SEQLENS[b] on masked, not with window or varlen) and attention
+        dropout (the P̃·V operand is P̃ ∘ M, :func:`philox_keep`; o scaled by 1/(1 − p̂))."""
         if keypad and (window or varlen):
             raise ValueError("keypad: not with window or varlen")
         edges = edges or varlen
-        consumer0, consumer1 = (_partition(half, softcap, window, edges, varlen, keypad) for half in (0, 1))
-        loader = _loader_for(window, varlen, keypad)
+        consumer0, consumer1 = (_partition(half, softcap, window, edges, varlen, keypad, dropout) for half in (0, 1))
+        loader = _loader_for(window, varlen, keypad, dropout)
 
-        @gluon.jit
+        # The dropout key, offset and threshold change from call to call: not specialized (a value of 1 or a multiple
+        # of 16 would compile another kernel), as the tl.dot kernels' do_not_specialize.
+        @gluon.jit(do_not_specialize=DROPOUT_SCALARS)
         def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, M, LOG2L, CU, SEQLENS, K, V, c, H, GROUP, N_CTX,
                                M_BLOCKS, TILES, PER, causal, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, k_cols, v_cols,
-                               sc, cap, wl, wr):
+                               sc, cap, wl, wr, DG, seed_lo, seed_hi, drop_off, drop_thr, drop_scale):
             # Persistent variants: program p runs items p, p + P, … of PER tiles each, of the TILES = M_BLOCKS · (batch
             # or sequences) · H tiles (:func:`tile_span`, :func:`schedule`; P = the grid); the others tile p. Tile (row, col) of a
             # tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch); (batch, seqlen, heads,
@@ -495,7 +715,9 @@ if GLUON_ERROR is None:
             # 128 reads the next batch row's or head's rows (masked). VARLEN: b is the sequence, the tensors are
             # packed (1, total, heads, headdim) views (N_CTX = total), its rows start at CU[b], and m, log2l are
             # (nheads, total). KEYPAD: keys [0, SEQLENS[b]) of batch row b are valid; K, V point at k, v, whose 2-D
-            # views have k_cols, v_cols columns (for the loader's descriptors of them).
+            # views have k_cols, v_cols columns (for the loader's descriptors of them). Dropout (unused without it):
+            # DG = ⌈n_k / 8⌉ dropout groups a row, the Philox key, offset and threshold, drop_scale = 1/(1 − p̂)
+            # (:func:`dropout_kernel_args`).
             HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
             dtype: gl.constexpr = q_desc.dtype
             q_smem = gl.allocate_shared_memory(dtype, [2, _HALF_M, HEAD_DIM], q_desc.layout)
@@ -509,7 +731,8 @@ if GLUON_ERROR is None:
             v_ready, v_empty = ring_barriers(_NUM_STAGES)
 
             consumer_args = (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, O, M,
-                             LOG2L, CU, SEQLENS, H, N_CTX, M_BLOCKS, TILES, PER, causal, c, sc, cap, wl, wr)
+                             LOG2L, CU, SEQLENS, H, N_CTX, M_BLOCKS, TILES, PER, causal, c, sc, cap, wl, wr, DG, seed_lo,
+                             seed_hi, drop_off, drop_thr, drop_scale)
             gl.warp_specialize([
                 (consumer0, consumer_args),
                 (consumer1, consumer_args),
@@ -539,6 +762,12 @@ def enabled() -> bool:
     return os.environ.get("GPROJ_HOPPER_FWD", "1") != "0"
 
 
+def dropout_enabled() -> bool:
+    """GPROJ_HOPPER_DROPOUT=0 keeps the calls with dropout (only those) on the ``tl.dot`` kernels, forward and backward
+    (for A/B timing of the Gluon dropout variants and as an escape hatch)."""
+    return os.environ.get("GPROJ_HOPPER_DROPOUT", "1") != "0"
+
+
 def _tma_view(x: torch.Tensor):
     """The 2-D TMA view of x (batch, seqlen, heads, headdim) — its (shape, strides) — and the (rb, rh, ch) that
     locate its tiles, or None. Served memory orders: (batch, seqlen, heads, headdim) contiguous (view
@@ -556,8 +785,8 @@ def _tma_view(x: torch.Tensor):
 
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether this forward serves the (already validated, dense) inputs; the caller checks the rest (no dropout,
-    key padding only without a window).
+    """Whether this forward serves the (already validated, dense) inputs; the caller checks the rest (key padding
+    only without a window).
 
     Args:
         q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), as
@@ -636,7 +865,8 @@ def _descriptors(q, k, v, o):
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, softcap: float = 0.0,
             window: tuple[int, int] | None = None, cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0,
-            seqlens_k: torch.Tensor | None = None):
+            seqlens_k: torch.Tensor | None = None, dropout_p: float = 0.0, dropout_seed: int = 0,
+            dropout_offset: int = 0):
     """FMA-safe attention forward on Hopper; call only where :func:`serves` is True.
 
     Args:
@@ -655,6 +885,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
             padding, keys j >= seqlens_k[b] of batch row b masked (and with ``causal``); not with ``window`` or packed
             sequences. The padded keys' values are never read into o (the loads come from device-made TMA
             descriptors that end at seqlens_k[b]: :func:`launch`).
+        dropout_p, dropout_seed, dropout_offset: attention dropout (0: off, the kernel without it) with the keep mask
+            of kernels/reference.dropout_keep_mask (packed: over the packed rows, keys within each sequence), as
+            attention_fwd.forward: O = (P ∘ M) V / l / (1 − p̂); m and log2l are the undropped P's.
 
     Returns:
         o (batch, seqlen, nheads, headdim) in q's dtype; m, log2l (batch, nheads, seqlen) fp32: the row max
@@ -673,17 +906,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     keypad = seqlens_k is not None
     m_blocks = triton.cdiv(max_seqlen if packed else n, BLOCK_M)
     rows = (cu_seqlens.numel() - 1 if packed else b) * h
-    per, tiles, programs = schedule(m_blocks, rows, window is not None, packed, keypad, q.device)
-    kernel = _kernel_for(softcap > 0, window is not None, packed, n % BLOCK_M != 0, keypad)
+    per, tiles, programs = schedule(m_blocks, rows, window is not None, packed, keypad, q.device, dropout_p > 0)
+    kernel = _kernel_for(softcap > 0, window is not None, packed, n % BLOCK_M != 0, keypad, dropout_p > 0)
     # k_cols, v_cols: the widths of k's and v's 2-D TMA views, as their descriptors have them
     launch(kernel, (programs,), q.device, keypad, *descs, o, m, log2l, cu_seqlens if packed else m,
            seqlens_k if keypad else m, k, v, c, h, h // hk, n, m_blocks, tiles, per, int(bool(causal)), *where,
-           descs[1].shape[1], descs[2].shape[1], *feature_args(softmax_scale, softcap, window))
+           descs[1].shape[1], descs[2].shape[1], *feature_args(softmax_scale, softcap, window),
+           *dropout_kernel_args(dropout_p, dropout_seed, dropout_offset, n))
     return o, m, log2l
 
 
 def schedule(m_blocks: int, rows: int, window: bool, packed: bool, keypad: bool,
-             device: torch.device) -> tuple[int, int, int]:
+             device: torch.device, dropout: bool = False) -> tuple[int, int, int]:
     """(PER, TILES, programs): how the forward runs ``m_blocks`` query blocks of ``rows`` (batch rows or sequences) ·
     heads. Where the kernel is persistent (:func:`persistent`: dense inputs, causal or not, softcap or not) items of
     PER = 2 tile slots, each head's slots an even number (m_blocks rounded up; :func:`tile_span`: a causal head's
@@ -691,7 +925,7 @@ def schedule(m_blocks: int, rows: int, window: bool, packed: bool, keypad: bool,
     over them (on a device that is not CUDA, one per item); elsewhere, or with GPROJ_FWD_PERSISTENT=0 (for A/B timing),
     one tile per program, heaviest first, balanced by the block scheduler. Measured on an H200: benchmarks/NOTES.md,
     run 33."""
-    if os.environ.get("GPROJ_FWD_PERSISTENT", "1") == "0" or not persistent(window, packed, keypad):
+    if os.environ.get("GPROJ_FWD_PERSISTENT", "1") == "0" or not persistent(window, packed, keypad, dropout):
         return 1, m_blocks * rows, m_blocks * rows
     items = (m_blocks + m_blocks % 2) * rows // 2
     return 2, 2 * items, items if device.type != "cuda" else min(items, _sm_count(device))
@@ -719,8 +953,9 @@ def launch(kernel, grid, device: torch.device, keypad: bool, *args) -> None:
 
 
 def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple[str, ...] = (), softcap: bool = False,
-                 window: bool = False, varlen: bool = False, edges: bool = False, keypad: bool = False):
-    """Compile the kernel (its softcap, window, packed-sequence and / or key-padding variant) for sm_90 without a GPU
+                 window: bool = False, varlen: bool = False, edges: bool = False, keypad: bool = False,
+                 dropout: bool = False):
+    """Compile the kernel (its softcap, window, packed-sequence, key-padding and / or dropout variant) for sm_90 without a GPU
     (Triton's ahead-of-time path), as CI does.
 
     ``ones`` names integer arguments compiled as the constant 1, as Triton specializes them at launch
@@ -737,9 +972,23 @@ def compile_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, ones: tuple
            "V": pointer_type(dtype), "c": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "M_BLOCKS": "i32",
            "TILES": "i32", "PER": "i32", "causal": "i32",
            **{f"{t}_{w}": "i32" for t in "qkv" for w in ("rb", "rh", "ch")}, "k_cols": "i32", "v_cols": "i32",
-           "sc": "fp32", "cap": "fp32", "wl": "i32", "wr": "i32"}
-    return aot_compile_sm90(_kernel_for(bool(softcap), bool(window), bool(varlen), bool(edges), bool(keypad)), sig,
-                            {arg: 1 for arg in ones})
+           "sc": "fp32", "cap": "fp32", "wl": "i32", "wr": "i32", **DROPOUT_SIGNATURE}
+    return aot_compile_sm90(_kernel_for(bool(softcap), bool(window), bool(varlen), bool(edges), bool(keypad),
+                                        bool(dropout)), sig, {arg: 1 for arg in ones})
+
+
+#: The signature types of :func:`dropout_kernel_args`, as the kernels take them.
+DROPOUT_SIGNATURE = {"DG": "i32", "seed_lo": "i32", "seed_hi": "i32", "drop_off": "i32", "drop_thr": "i32",
+                     "drop_scale": "fp32"}
+
+
+def dropout_kernel_args(dropout_p: float, seed: int, offset: int, n_k: int) -> tuple:
+    """The Gluon kernels' dropout arguments (DG, seed_lo, seed_hi, drop_off, drop_thr, drop_scale): DG = ⌈n_k / 8⌉
+    groups of 8 keys a query row (n_k: seqlen_k, or total_k when packed) and the rest as
+    kernels/_triton_utils.dropout_args gives them to the tl.dot kernels (zeros and 1.0 without dropout, unused)."""
+    drop = dropout_args(dropout_p, seed, offset)
+    return ((int(n_k) + 7) // 8, drop["seed_lo"], drop["seed_hi"], drop["drop_off"], drop["drop_thr"],
+            float(drop["drop_scale"]))
 
 
 def feature_args(softmax_scale: float, softcap: float, window) -> tuple[float, float, int, int]:

@@ -166,7 +166,13 @@ class _Launcher:
     (dict(fix="gproj", window_size=(64, 0)), True, True, True),
     (dict(fix="none", window_size=(100, 37), softcap=30.0), True, True, False),
     (dict(fix="gproj_uniform", window_size=(64, 0)), False, False, None),  # the in-kernel uniform direction
-    (dict(fix="gproj", dropout_p=0.1, dropout_seed=1), False, False, None),
+    (dict(fix="gproj", dropout_p=0.1, dropout_seed=1), True, True, True),  # dropout: both Gluon passes
+    (dict(fix="none", dropout_p=0.2, dropout_seed=2**40 + 7, dropout_offset=3), True, True, False),
+    (dict(fix="gproj", dropout_p=0.1, dropout_seed=1, window_size=(64, 0), softcap=30.0), True, True, True),
+    (dict(fix="gproj", dropout_p=0.1, seqlens_k=torch.tensor([256, 200])), True, True, True),
+    (dict(fix="gproj", dropout_p=0.1, dk_fold=True), True, False, False),  # the fold: tl.dot dK/dV, as without
+    (dict(fix="gproj", dropout_p=0.1, env="0"), False, False, True),  # GPROJ_HOPPER_DROPOUT=0: all on tl.dot
+    (dict(fix="gproj", env="0"), True, True, True),  # which leaves calls without dropout alone
     (dict(fix="gproj", seqlens_k=torch.tensor([256, 200])), True, True, True),  # key padding: both Gluon passes
     (dict(fix="none", seqlens_k=torch.tensor([256, 200]), window_size=(-1, 0)), True, True, False),  # causal + padding
     (dict(fix="none", seqlens_k=torch.tensor([256, 200]), window_size=(64, 0)), False, False, None),  # not with a window
@@ -180,8 +186,11 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
     seen = {}
 
     def fake_dq_pass(q, k, v, do, o, m, log2l, delta, dq, c, tau, causal, r=None, qr=None, softcap=0.0, window=None,
-                     seqlens_k=None, descriptors=None):
+                     seqlens_k=None, descriptors=None, **drop):
         seen["descriptors"] = descriptors
+        # the call's own dropout arguments, only with dropout
+        assert drop == ({name: kwargs.get(name, 0) for name in ("dropout_p", "dropout_seed", "dropout_offset")}
+                        if "dropout_p" in kwargs else {})
         seen["dq"] = ("gluon", qr is not None, r is not None)
         assert softcap == kwargs.get("softcap", 0.0) and window == expected_window
         assert_seqlens(seqlens_k)
@@ -192,8 +201,10 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
         def __getitem__(self, grid):
             return lambda *a, **meta: seen.__setitem__("dq", ("tl.dot", meta["STORE_QR"], meta["GPROJ"]))
 
-    def fake_dkdv(q, k, v, do, m, log2l, delta, qr, *args, seqlens_k=None, descriptors=None):
+    def fake_dkdv(q, k, v, do, m, log2l, delta, qr, *args, seqlens_k=None, descriptors=None, **drop):
         seen["qr"] = qr
+        assert drop == ({name: kwargs.get(name, 0) for name in ("dropout_p", "dropout_seed", "dropout_offset")}
+                        if "dropout_p" in kwargs else {})
         assert descriptors == {} and (seen.get("descriptors") is descriptors or seen["dq"][0] == "tl.dot")  # one dict
         assert args[-2:] == (kwargs.get("softcap", 0.0), expected_window)  # the softcap and the window, last
         assert_seqlens(seqlens_k)
@@ -209,6 +220,8 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
     expected_window = {(64, 0): (64, 0), (100, 37): (100, 0)}.get(kwargs.get("window_size"))
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # supports()' CPU condition; no kernel below really launches
+    kwargs = dict(kwargs)
+    monkeypatch.setenv("GPROJ_HOPPER_DROPOUT", kwargs.pop("env", "1"))
     monkeypatch.setattr(HB, "on_sm90", lambda x: True)  # the real predicate, off the GPU
     monkeypatch.setattr(HB, "dkdv", fake_dkdv)
     monkeypatch.setattr(HB, "dq_pass", fake_dq_pass)
@@ -217,7 +230,6 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
     torch.manual_seed(0)
     b, n, h, d = 2, 256, 2, 128
     q, k, v, do = (torch.randn(b, n, h, d, dtype=torch.bfloat16) for _ in range(4))
-    kwargs = dict(kwargs)
     o = torch.randn(b, n, h, d, dtype=kwargs.pop("o_dtype", torch.bfloat16))
     m = torch.zeros(b, h, n)
     log2l = torch.full((b, h, n), 8.0)
@@ -290,9 +302,9 @@ def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj, soft
     dk, dv, key_sums = HB.dkdv(q, k, v, do, m, log2l, delta, qr, 1.0, 0.1, False, torch.float32, torch.bfloat16, True,
                                cap, window)
     assert launched == [(n // 128, b * h), (n // HB.BLOCK_N, b * hk)]
-    # (GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN, EDGES, KEYPAD) of each launch
-    assert variants == [(gproj, not softcap, softcap, softcap, False, False, False),
-                        (gproj, False, softcap, softcap, False, False, False)]
+    # (GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN, EDGES, KEYPAD, DROPOUT) of each launch
+    assert variants == [(gproj, not softcap, softcap, softcap, False, False, False, False),
+                        (gproj, False, softcap, softcap, False, False, False, False)]
     assert dk.dtype == torch.float32 and dv.dtype == torch.bfloat16 and dk.shape == dv.shape == k.shape
     assert key_sums.shape == (b, hk, d) and key_sums.dtype == torch.float64
 
@@ -335,7 +347,7 @@ def test_packed_launches_one_program_row_per_sequence_and_head(monkeypatch):
     class Launcher:
         def __init__(self, name, kernel_for, variant):
             self.name, self.names = name, kernel_for(*variant).arg_names
-            assert variant[4:] == (True, True, False)  # the packed variant, with its sequence edges
+            assert variant[4:] == (True, True, False, False)  # the packed variant, with its sequence edges
 
         def __getitem__(self, grid):
             def launch(*args, num_warps):
@@ -444,7 +456,7 @@ def test_key_padding_launches_the_keypad_variants_with_the_key_lengths(monkeypat
     edges = n % 128 != 0
     dq_variant, dq_grid, dq_args = launched["_dq_kernel_for"]
     dkdv_variant, dkdv_grid, dkdv_args = launched["_dkdv_kernel_for"]
-    assert dq_variant == (True, True, False, False, False, edges, True) == dkdv_variant
+    assert dq_variant == (True, True, False, False, False, edges, True, False) == dkdv_variant
     assert dq_grid == (2, b * h) and dkdv_grid == (2, b * hk)
     assert dq_args["SEQLENS"] is seqlens_k and dkdv_args["SEQLENS"] is seqlens_k
     assert dq_args["K"] is k and dq_args["V"] is v and (dq_args["k_cols"], dq_args["v_cols"]) == (hk * d, d)
@@ -499,3 +511,65 @@ def test_the_two_passes_of_a_backward_share_their_tma_descriptors(monkeypatch):
         assert dq_args["o_desc"] is not dkdv_args["qr_desc"]
         if shared is not None:
             assert len(shared) == 6  # q, do, o, k, v, −ρ∘Q
+
+
+@pytest.mark.parametrize("which", ["dq", "dkdv"])
+@pytest.mark.parametrize("gproj, causal, features", [
+    (False, False, {}), (True, True, {}), (True, False, {"head_dim": 64}), (False, True, {"softcap": True}),
+    (True, False, {"window": True, "varlen": True, "edges": True}), (True, True, {"keypad": True}),
+], ids=["none", "gproj-causal", "gproj-d64", "none-causal-softcap", "gproj-packed-window", "gproj-causal-keypad"])
+def test_dropout_variants_compile_for_sm90_with_the_philox_rounds(which, gproj, causal, features):
+    """Both passes' dropout variants (bf16): the same Hopper paths (wgmma chained, TMA, register split) and wgmma count
+    as without dropout, and the Philox rounds compiled in — unsigned 32-bit multiplies-high (or the mul.wide that
+    fuses a round's two multiplies) — exactly where asked for. Whether the mask is the forward's needs the GPU
+    (benchmarks/gpu_check.py --cases hopper_dropout)."""
+    compile_ = HB.compile_dq_sm90 if which == "dq" else HB.compile_sm90
+    softcap = features.pop("softcap", False)
+    kernel = compile_(torch.bfloat16, gproj, causal, None, (), softcap, dropout=True, **features)
+    plain = compile_(torch.bfloat16, gproj, causal, None, (), softcap, **features)
+    if which == "dq":
+        assert_hopper_kernel(kernel, 2 * ((4 if softcap else 6) if gproj else 3))
+    else:
+        assert_hopper_kernel(kernel, 2 * (5 if gproj else 4))
+
+    def mulhi(k):
+        return k.asm["ptx"].count("mul.hi.u32") + k.asm["ptx"].count("mul.wide.u32")
+
+    # one Philox call per (query row, 8 keys): 2 (softcap: 1) calls a thread per 64-row tile in each of the two consumers
+    assert mulhi(kernel) - mulhi(plain) >= 2 * HF.PHILOX_ROUNDS
+    assert mulhi(plain) < 2 * HF.PHILOX_ROUNDS
+    assert "shfl.sync.idx.b32" in kernel.asm["ptx"]  # the keep bytes handed around each row's (or key group's) lanes
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_dropout_launches_both_passes_with_the_forward_mask_arguments(monkeypatch, packed):
+    """dq_pass and dkdv with dropout, on CPU tensors: the dropout variant of both kernels, every parameter one
+    argument, and the mask's arguments those of the tl.dot kernels (kernels/_triton_utils.dropout_args) with
+    DG = ⌈n_k / 8⌉ (packed: of total_k), so that both passes regenerate the forward's mask."""
+    launched = {}
+
+    class Launcher:
+        def __init__(self, name, kernel_for, variant):
+            self.name, self.variant, self.names = name, variant, kernel_for(*variant).arg_names
+
+        def __getitem__(self, grid):
+            def launch(*args, num_warps):
+                assert len(args) == len(self.names), (len(args), self.names)
+                launched[self.name] = (self.variant, dict(zip(self.names, args)))
+            return launch
+
+    for name in ("_dq_kernel_for", "_dkdv_kernel_for"):
+        monkeypatch.setattr(HB, name, lambda *variant, name=name, real=getattr(HB, name): Launcher(name, real, variant))
+    b, n, h, hk, d = (1, 300, 4, 2, 128) if packed else (2, 256, 4, 2, 128)
+    q, do, o, qr = (_t(b, n, h, d) for _ in range(4))
+    k, v = _t(b, n, hk, d), _t(b, n, hk, d)
+    m, log2l, delta, r = (torch.zeros(b, h, n) for _ in range(4))
+    extra = dict(cu_seqlens=torch.tensor([0, 40, 300], dtype=torch.int32), max_seqlen=260) if packed else {}
+    drop = dict(dropout_p=0.1, dropout_seed=2**40 + 7, dropout_offset=3)
+    HB.dq_pass(q, k, v, do, o, m, log2l, delta, torch.empty(b, n, h, d), 1.0, 0.1, True, r, qr, **extra, **drop)
+    HB.dkdv(q, k, v, do, m, log2l, delta, qr, 1.0, 0.1, True, torch.bfloat16, torch.bfloat16, False, **extra, **drop)
+    for name in ("_dq_kernel_for", "_dkdv_kernel_for"):
+        variant, args = launched[name]
+        assert variant[-1] is True and variant[4] == packed
+        assert [args[a] for a in ("DG", "seed_lo", "seed_hi", "drop_off", "drop_thr")] == [(n + 7) // 8, 7, 256, 3, 6554]
+        assert args["drop_scale"] == pytest.approx(1 / 0.9, rel=1e-4)

@@ -31,6 +31,32 @@ def test_compiles_for_sm90_with_wgmma_tma_and_register_split(head_dim, dtype, on
     assert_softcap_code(kernel.asm["ptx"], softcap)
 
 
+@pytest.mark.parametrize("head_dim, dtype, ones, features", [
+    (128, torch.bfloat16, (), {}),
+    (128, torch.float16, ("causal",), {}),
+    (64, torch.bfloat16, ("causal", "H", "GROUP"), {}),
+    (128, torch.bfloat16, ("causal",), {"varlen": True, "edges": True}),
+    (128, torch.bfloat16, (), {"softcap": True, "window": True}),
+    (64, torch.bfloat16, ("causal",), {"keypad": True, "edges": True}),
+], ids=["d128", "d128-fp16-causal", "d64-causal-1head", "packed-causal", "softcap-window", "d64-keypad-edges"])
+def test_dropout_variant_compiles_for_sm90_with_the_philox_rounds(head_dim, dtype, ones, features):
+    """The dropout variant: the same Hopper paths (wgmma chained, TMA, register split, shared memory within sm_90's),
+    and the Philox rounds compiled in — unsigned 32-bit multiplies-high (PHILOX_ROUNDS × 2 per call, 8 calls a thread
+    per tile) — exactly where asked for (the kernel without dropout has none). Whether they draw the tl.dot kernels'
+    mask needs the GPU (benchmarks/gpu_check.py --cases hopper_dropout)."""
+    kernel = H.compile_sm90(head_dim, dtype, ones, dropout=True, **features)
+    plain = H.compile_sm90(head_dim, dtype, ones, **features)
+    assert_hopper_kernel(kernel, 4)
+    # mul.hi.u32, or mul.wide.u32 where LLVM fuses a round's mul.hi and mul.lo of the same operands (the kernel without
+    # dropout has a few of its own where it divides by a constant: packed, edges)
+    def mulhi(k):
+        return k.asm["ptx"].count("mul.hi.u32") + k.asm["ptx"].count("mul.wide.u32")
+
+    assert mulhi(kernel) - mulhi(plain) >= 2 * 8 * H.PHILOX_ROUNDS
+    assert mulhi(plain) < 2 * H.PHILOX_ROUNDS
+    assert kernel.metadata.shared >= plain.metadata.shared
+
+
 def _qkv(b=2, n=256, h=4, hk=2, d=128, dtype=torch.bfloat16):
     return (torch.zeros(b, n, h, d, dtype=dtype), torch.zeros(b, n, hk, d, dtype=dtype),
             torch.zeros(b, n, hk, d, dtype=dtype))
@@ -134,25 +160,29 @@ def test_tma_tiles_address_the_tensor(layout):
     ({"window_size": (-1, 3)}, False, False),
     ({"softcap": 5.0}, False, False),
     ({"softcap": 5.0}, True, True),
-    ({"dropout_p": 0.1}, True, None),
+    ({"dropout_p": 0.1, "dropout_seed": 2**40 + 7, "dropout_offset": 3}, True, True),
+    ({"dropout_p": 0.2, "dropout_seed": 5, "window_size": (4, 0), "softcap": 5.0}, False, False),
     ({"seqlens_k": torch.tensor([100, 128], dtype=torch.int32)}, False, False),
+    ({"seqlens_k": torch.tensor([100, 128], dtype=torch.int32), "dropout_p": 0.1, "dropout_seed": 9}, True, True),
     ({"seqlens_k": torch.tensor([100, 128], dtype=torch.int32), "window_size": (4, 0)}, False, None),
+    ({"seqlens_k": torch.tensor([100, 128], dtype=torch.int32), "window_size": (4, 0), "dropout_p": 0.1}, False, None),
     ({"cu_seqlens_q": torch.tensor([0, 128, 256], dtype=torch.int32), "max_seqlen_q": 128,
       "cu_seqlens_k": torch.tensor([0, 128, 256], dtype=torch.int32), "max_seqlen_k": 128}, False, None),
 ], ids=["dense", "causal", "window (-1, 0)", "window (-1, -1) causal", "left window", "right window", "softcap",
-        "softcap causal", "dropout", "seqlens_k", "seqlens_k with a window", "packed"])
+        "softcap causal", "dropout", "dropout with a window and softcap", "seqlens_k", "seqlens_k with dropout",
+        "seqlens_k with a window", "seqlens_k with a window and dropout", "packed"])
 def test_forward_dispatch_sends_only_dense_inputs_to_the_gluon_kernel(monkeypatch, kwargs, causal, gluon_causal):
-    """attention_fwd.forward hands a dense call to the Gluon kernel (where serves() says it can) only without
-    dropout and without key padding and a window together — which that kernel does not implement —, with the causal
-    flag the window spelling implies (gluon_causal; None: the tl.dot kernel runs instead), the softcap, the window
-    bounds and the key lengths."""
+    """attention_fwd.forward hands a dense call to the Gluon kernel (where serves() says it can) unless it has key
+    padding and a window together — which that kernel does not implement —, with the causal flag the window spelling
+    implies (gluon_causal; None: the tl.dot kernel runs instead), the softcap, the window bounds, the key lengths and
+    the dropout arguments (given only with dropout: the kernel without it is the one compiled without its code)."""
     from lightning_gproj.kernels import attention_fwd as F
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # F.supports' CPU condition; nothing below launches a kernel
     calls = []
     monkeypatch.setattr(H, "serves", lambda q, k, v: True)
-    monkeypatch.setattr(H, "forward", lambda q, k, v, scale, c, softcap, window, seqlens_k=None:
-                        calls.append(("gluon", c, softcap, window, seqlens_k)) or (q, None, None))
+    monkeypatch.setattr(H, "forward", lambda q, k, v, scale, c, softcap, window, seqlens_k=None, **drop:
+                        calls.append(("gluon", c, softcap, window, seqlens_k, drop)) or (q, None, None))
 
     class TlDot:
         def __getitem__(self, grid):
@@ -173,6 +203,8 @@ def test_forward_dispatch_sends_only_dense_inputs_to_the_gluon_kernel(monkeypatc
             assert calls[0][4].tolist() == kwargs["seqlens_k"].tolist()
         else:
             assert calls[0][4] is None
+        drop = {name: kwargs.get(name, 0) for name in ("dropout_p", "dropout_seed", "dropout_offset")}
+        assert calls[0][5] == (drop if "dropout_p" in kwargs else {})
 
 
 def test_benchmark_variants_still_apply_and_compile():
@@ -235,8 +267,8 @@ def test_forward_dispatch_sends_packed_sequences_to_the_gluon_kernel(monkeypatch
     calls = []
     monkeypatch.setattr(H, "serves_varlen", lambda q, k, v, varlen: True)
 
-    def fake(q, k, v, scale, causal, softcap, window, cu_seqlens=None, max_seqlen=0):
-        calls.append((q.shape, causal, window, cu_seqlens, max_seqlen))
+    def fake(q, k, v, scale, causal, softcap, window, cu_seqlens=None, max_seqlen=0, **drop):
+        calls.append((q.shape, causal, window, cu_seqlens, max_seqlen, drop))
         return torch.zeros(q.shape), torch.zeros(1, q.shape[2], q.shape[1]), torch.zeros(1, q.shape[2], q.shape[1])
 
     monkeypatch.setattr(H, "forward", fake)
@@ -244,21 +276,32 @@ def test_forward_dispatch_sends_packed_sequences_to_the_gluon_kernel(monkeypatch
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
     o, m, log2l = F.forward(q, k, v, 0.125, True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=200, max_seqlen_k=200,
                             window_size=(31, 0))
-    assert calls == [((1, 300, 4, 128), False, (31, 0), cu, 200)]
+    assert calls == [((1, 300, 4, 128), False, (31, 0), cu, 200, {})]
     assert o.shape == (300, 4, 128) and m.shape == log2l.shape == (4, 300)
+    # with dropout too (the packed rows' counters, kernels/attention_fwd_hopper._consume)
+    F.forward(q, k, v, 0.125, True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=200, max_seqlen_k=200,
+              dropout_p=0.1, dropout_seed=2**33, dropout_offset=4)
+    assert calls[1] == ((1, 300, 4, 128), True, None, cu, 200,
+                        {"dropout_p": 0.1, "dropout_seed": 2**33, "dropout_offset": 4})
 
 
-@pytest.mark.parametrize("n, packed, keypad, grid, variant", [
-    (256, False, False, (8,), (False, False, False, False, False)),  # 16 tiles in items of 2
-    (200, False, False, (8,), (False, False, False, True, False)),
-    (300, True, False, (16,), (False, False, True, True, False)),  # max_seqlen 200: 2 blocks; 2 sequences × 4 heads
-    (256, False, True, (16,), (False, False, False, False, True)),
-    (200, False, True, (16,), (False, False, False, True, True)),
-], ids=["multiple of 128", "edges", "packed", "key padding", "key padding, edges"])
-def test_forward_launches_the_edge_variant_where_seqlen_is_ragged(monkeypatch, n, packed, keypad, grid, variant):
+@pytest.mark.parametrize("n, packed, keypad, dropout, grid, variant", [
+    (256, False, False, False, (8,), (False, False, False, False, False, False)),  # 16 tiles in items of 2
+    (200, False, False, False, (8,), (False, False, False, True, False, False)),
+    (300, True, False, False, (16,), (False, False, True, True, False, False)),  # max_seqlen 200: 2 blocks; 2 seqs × 4 heads
+    (256, False, True, False, (16,), (False, False, False, False, True, False)),
+    (200, False, True, False, (16,), (False, False, False, True, True, False)),
+    (256, False, False, True, (16,), (False, False, False, False, False, True)),  # dropout: one tile per program
+    (200, False, True, True, (16,), (False, False, False, True, True, True)),
+    (300, True, False, True, (16,), (False, False, True, True, False, True)),
+], ids=["multiple of 128", "edges", "packed", "key padding", "key padding, edges", "dropout",
+        "dropout, key padding, edges", "dropout, packed"])
+def test_forward_launches_the_edge_variant_where_seqlen_is_ragged(monkeypatch, n, packed, keypad, dropout, grid,
+                                                                  variant):
     """forward up to the launch on CPU tensors: the grid covers every row (cdiv), the edge variant is compiled in
-    exactly where a block can end past the sequence, the key-padding variant exactly with seqlens_k, and every
-    kernel parameter gets one argument."""
+    exactly where a block can end past the sequence, the key-padding variant exactly with seqlens_k, the dropout
+    variant exactly with dropout_p > 0 (not persistent: one tile per program), and every kernel parameter gets one
+    argument."""
     launched = []
 
     real = H._kernel_for
@@ -271,6 +314,11 @@ def test_forward_launches_the_edge_variant_where_seqlen_is_ragged(monkeypatch, n
             def launch(*args, num_warps):
                 assert len(args) == len(self.names)
                 launched.append((g, self.v))
+                by_name = dict(zip(self.names, args))
+                if dropout:  # seed 2**40 + 7, offset 3, p 0.1: the tl.dot kernels' arguments (dropout_args)
+                    assert [by_name[a] for a in ("DG", "seed_lo", "seed_hi", "drop_off", "drop_thr")] == [
+                        (n + 7) // 8, 7, 256, 3, 6554]
+                    assert by_name["drop_scale"] == pytest.approx(1 / 0.9, rel=1e-4)
             return launch
 
     monkeypatch.setattr(H, "_kernel_for", Launcher)
@@ -278,7 +326,8 @@ def test_forward_launches_the_edge_variant_where_seqlen_is_ragged(monkeypatch, n
     q, k, v = (torch.zeros(b, n, h, 128, dtype=torch.bfloat16) for h in (4, 2, 2))
     cu = torch.tensor([0, 100, 300], dtype=torch.int32) if packed else None
     seqlens_k = torch.tensor([n, 17], dtype=torch.int32) if keypad else None
-    H.forward(q, k, v, 0.1, False, cu_seqlens=cu, max_seqlen=200 if packed else 0, seqlens_k=seqlens_k)
+    drop = dict(dropout_p=0.1, dropout_seed=2**40 + 7, dropout_offset=3) if dropout else {}
+    H.forward(q, k, v, 0.1, False, cu_seqlens=cu, max_seqlen=200 if packed else 0, seqlens_k=seqlens_k, **drop)
     assert launched == [(grid, variant)]
 
 

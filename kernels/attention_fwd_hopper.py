@@ -296,6 +296,24 @@ if GLUON_ERROR is None:
         return c0, c1, c2, c3
 
     @gluon.jit
+    def keep_byte(grp, bh, seed_lo, seed_hi, drop_off, drop_thr):
+        """The 8 keep bits of the groups of 8 keys with (int64) group counters ``grp`` (i·G + g), bit c for key c of the
+        group: one Philox call (:func:`philox_rounds`; counters (grp mod 2³², bh, offset, grp div 2³²), key seed_hi·2³² +
+        seed_lo) each, key c kept iff the 16-bit half c mod 2 (0: low) of output word c // 2 is >= drop_thr
+        (kernels/reference.dropout_keep_mask). uint32, in grp's layout."""
+        c0 = grp.to(gl.uint32)
+        c3 = (grp >> 32).to(gl.uint32)
+        zero = c0 * 0
+        x0, x1, x2, x3 = philox_rounds(c0, zero + bh.to(gl.uint32), zero + drop_off.to(gl.uint32, bitcast=True), c3,
+                                       seed_lo.to(gl.uint32, bitcast=True), seed_hi.to(gl.uint32, bitcast=True))
+        # Compared in the high 16 bits, as dropout_keep: high half x >> 16 >= thr iff x >= thr << 16.
+        thr = drop_thr.to(gl.uint32) << 16
+        return (((x0 << 16) >= thr).to(gl.uint32) | ((x0 >= thr).to(gl.uint32) << 1)
+                | (((x1 << 16) >= thr).to(gl.uint32) << 2) | ((x1 >= thr).to(gl.uint32) << 3)
+                | (((x2 << 16) >= thr).to(gl.uint32) << 4) | ((x2 >= thr).to(gl.uint32) << 5)
+                | (((x3 << 16) >= thr).to(gl.uint32) << 6) | ((x3 >= thr).to(gl.uint32) << 7))
+
+    @gluon.jit
     def philox_keep(first_row, G, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, A: gl.constexpr,
                     L5: gl.constexpr):
         """The keep mask of attention dropout for the 64 query rows first_row … and the key columns start_n … start_n +
@@ -319,17 +337,7 @@ if GLUON_ERROR is None:
         row_c = gl.expand_dims(gl.expand_dims((first_row + rows).to(gl.int64) * G, 1), 2)
         col_g = gl.expand_dims(gl.expand_dims(start_n // 8 + 4 * a_g, 0), 2) + gl.expand_dims(gl.expand_dims(j_g, 0), 1)
         grp = row_c + col_g.to(gl.int64)
-        c0 = grp.to(gl.uint32)
-        c3 = (grp >> 32).to(gl.uint32)
-        zero = c0 * 0
-        x0, x1, x2, x3 = philox_rounds(c0, zero + bh.to(gl.uint32), zero + drop_off.to(gl.uint32, bitcast=True), c3,
-                                       seed_lo.to(gl.uint32, bitcast=True), seed_hi.to(gl.uint32, bitcast=True))
-        # Compared in the high 16 bits, as dropout_keep: high half x >> 16 >= thr iff x >= thr << 16.
-        thr = drop_thr.to(gl.uint32) << 16
-        byte = (((x0 << 16) >= thr).to(gl.uint32) | ((x0 >= thr).to(gl.uint32) << 1)
-                | (((x1 << 16) >= thr).to(gl.uint32) << 2) | ((x1 >= thr).to(gl.uint32) << 3)
-                | (((x2 << 16) >= thr).to(gl.uint32) << 4) | ((x2 >= thr).to(gl.uint32) << 5)
-                | (((x3 << 16) >= thr).to(gl.uint32) << 6) | ((x3 >= thr).to(gl.uint32) << 7))
+        byte = keep_byte(grp, bh, seed_lo, seed_hi, drop_off, drop_thr)
         # Lane q's word: byte a of it for its group 4a + q (a in registers: no exchange).
         word = gl.sum(byte << (8 * gl.expand_dims(gl.expand_dims(a_g, 0), 2)).to(gl.uint32), axis=1)
         word = gl.convert_layout(word, gl.SliceLayout(1, Lsh))  # the same placement (row, j)
@@ -396,16 +404,7 @@ if GLUON_ERROR is None:
         q5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(q_, 0), 1), 2), 3)
         query = first_row + 32 * kh5 + 8 * (r5 >> 1) + 2 * q5 + (r5 & 1)
         grp = query.to(gl.int64) * G + (key0 // 8 + 2 * w5 + rh5).to(gl.int64)
-        c0 = grp.to(gl.uint32)
-        c3 = (grp >> 32).to(gl.uint32)
-        zero = c0 * 0
-        x0, x1, x2, x3 = philox_rounds(c0, zero + bh.to(gl.uint32), zero + drop_off.to(gl.uint32, bitcast=True), c3,
-                                       seed_lo.to(gl.uint32, bitcast=True), seed_hi.to(gl.uint32, bitcast=True))
-        thr = drop_thr.to(gl.uint32) << 16
-        byte = (((x0 << 16) >= thr).to(gl.uint32) | ((x0 >= thr).to(gl.uint32) << 1)
-                | (((x1 << 16) >= thr).to(gl.uint32) << 2) | ((x1 >= thr).to(gl.uint32) << 3)
-                | (((x2 << 16) >= thr).to(gl.uint32) << 4) | ((x2 >= thr).to(gl.uint32) << 5)
-                | (((x3 << 16) >= thr).to(gl.uint32) << 6) | ((x3 >= thr).to(gl.uint32) << 7))
+        byte = keep_byte(grp, bh, seed_lo, seed_hi, drop_off, drop_thr)
         # Lane 4r + q's word: byte rh + 2kh for its group (rh, kh) (registers: no exchange).
         word = gl.sum(gl.sum(byte << (8 * (rh5 + 2 * kh5)).to(gl.uint32), axis=2), axis=1)  # (w, r, q)
         word = gl.convert_layout(word, gl.SliceLayout(2, gl.SliceLayout(4, Lsh)))  # the same placement

@@ -424,12 +424,9 @@ def test_backward_keeps_key_sums_off_the_edge_variant(monkeypatch, n, grad_dtype
         B.backward(do, q, k, v, o, m, log2l, 128 ** -0.5, True, "gproj", grad_dtype=grad_dtype)
 
 
-@pytest.mark.parametrize("n", [256, 200], ids=["multiple of 128", "edges"])
-def test_key_padding_launches_the_keypad_variants_with_the_key_lengths(monkeypatch, n):
-    """dq_pass and dkdv with seqlens_k, on CPU tensors: the key-padding variant of both kernels, SEQLENS the key
-    lengths, the dQ pass given k and v themselves and their 2-D views' widths (for the descriptors it makes on the
-    device: (batch, seqlen, heads, headdim) memory has heads·headdim columns, (batch, heads, seqlen, headdim)
-    memory headdim), every kernel parameter given once."""
+def _record_launches(monkeypatch) -> dict:
+    """Replace both passes' kernel factories by recorders: each launch stores (variant, grid, {parameter: argument})
+    under the factory's name in the returned dict, after checking that every kernel parameter got one argument."""
     launched = {}
 
     class Launcher:
@@ -438,12 +435,22 @@ def test_key_padding_launches_the_keypad_variants_with_the_key_lengths(monkeypat
 
         def __getitem__(self, grid):
             def launch(*args, num_warps):
-                assert len(args) == len(self.names)
+                assert len(args) == len(self.names), (len(args), self.names)
                 launched[self.name] = (self.variant, grid, dict(zip(self.names, args)))
             return launch
 
     for name in ("_dq_kernel_for", "_dkdv_kernel_for"):
         monkeypatch.setattr(HB, name, lambda *variant, name=name, real=getattr(HB, name): Launcher(name, real, variant))
+    return launched
+
+
+@pytest.mark.parametrize("n", [256, 200], ids=["multiple of 128", "edges"])
+def test_key_padding_launches_the_keypad_variants_with_the_key_lengths(monkeypatch, n):
+    """dq_pass and dkdv with seqlens_k, on CPU tensors: the key-padding variant of both kernels, SEQLENS the key
+    lengths, the dQ pass given k and v themselves and their 2-D views' widths (for the descriptors it makes on the
+    device: (batch, seqlen, heads, headdim) memory has heads·headdim columns, (batch, heads, seqlen, headdim)
+    memory headdim), every kernel parameter given once."""
+    launched = _record_launches(monkeypatch)
     b, h, hk, d = 2, 4, 2, 128
     q, do, o, qr = (_t(b, n, h, d) for _ in range(4))
     k = _t(b, n, hk, d)
@@ -546,20 +553,7 @@ def test_dropout_launches_both_passes_with_the_forward_mask_arguments(monkeypatc
     """dq_pass and dkdv with dropout, on CPU tensors: the dropout variant of both kernels, every parameter one
     argument, and the mask's arguments those of the tl.dot kernels (kernels/_triton_utils.dropout_args) with
     DG = ⌈n_k / 8⌉ (packed: of total_k), so that both passes regenerate the forward's mask."""
-    launched = {}
-
-    class Launcher:
-        def __init__(self, name, kernel_for, variant):
-            self.name, self.variant, self.names = name, variant, kernel_for(*variant).arg_names
-
-        def __getitem__(self, grid):
-            def launch(*args, num_warps):
-                assert len(args) == len(self.names), (len(args), self.names)
-                launched[self.name] = (self.variant, dict(zip(self.names, args)))
-            return launch
-
-    for name in ("_dq_kernel_for", "_dkdv_kernel_for"):
-        monkeypatch.setattr(HB, name, lambda *variant, name=name, real=getattr(HB, name): Launcher(name, real, variant))
+    launched = _record_launches(monkeypatch)
     b, n, h, hk, d = (1, 300, 4, 2, 128) if packed else (2, 256, 4, 2, 128)
     q, do, o, qr = (_t(b, n, h, d) for _ in range(4))
     k, v = _t(b, n, hk, d), _t(b, n, hk, d)
@@ -569,7 +563,7 @@ def test_dropout_launches_both_passes_with_the_forward_mask_arguments(monkeypatc
     HB.dq_pass(q, k, v, do, o, m, log2l, delta, torch.empty(b, n, h, d), 1.0, 0.1, True, r, qr, **extra, **drop)
     HB.dkdv(q, k, v, do, m, log2l, delta, qr, 1.0, 0.1, True, torch.bfloat16, torch.bfloat16, False, **extra, **drop)
     for name in ("_dq_kernel_for", "_dkdv_kernel_for"):
-        variant, args = launched[name]
+        variant, _, args = launched[name]
         assert variant[-1] is True and variant[4] == packed
         assert [args[a] for a in ("DG", "seed_lo", "seed_hi", "drop_off", "drop_thr")] == [(n + 7) // 8, 7, 256, 3, 6554]
         assert args["drop_scale"] == pytest.approx(1 / 0.9, rel=1e-4)

@@ -510,8 +510,6 @@ if GLUON_ERROR is None:
         before its S wgmma is issued (of three placements of the whole mask — there, after that issue, in the softmax —
         the one ptxas of Triton 3.6 spilled least with); with only the words live from there to the softmax, d 128
         compiles without spills with Triton 3.6 (6 / 8 STL full / causal with 3.9)."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, _BLOCK_N, 16])
         if DROPOUT:
             return philox_keep(drow, DG, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, 4, _KEEP_LAYOUT)
         else:

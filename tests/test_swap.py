@@ -694,6 +694,24 @@ def test_idempotent_and_unswap(dtype, tol, op_spy):
     assert len(op_spy.calls) == 2
 
 
+def test_swapping_again_with_another_fix_restarts_the_call_counts(op_spy):
+    """The calls summary names the current fix; its counts must be of calls under that fix (a second fit with another
+    fix used to add its calls to the first one's). The same fix keeps counting."""
+    model = TinyModel()
+    tokens = torch.randint(0, 11, (2, 7))
+    report = swap_attention(model, fix="gproj")
+    model(tokens)
+    assert [s.served for s in report.sites.values()] == [1, 1]
+    again = swap_attention(model, fix="gproj")
+    model(tokens)
+    assert [s.served for s in again.sites.values()] == [2, 2]
+    other = swap_attention(model, fix="none")
+    assert [s.served for s in other.sites.values()] == [0, 0]
+    model(tokens)
+    assert [s.served for s in other.sites.values()] == [1, 1]
+    assert other.calls_table().splitlines()[0].startswith("GProj attention calls (fix='none')")
+
+
 def test_activation_checkpointing_recomputes_through_the_op(op_spy):
     torch.manual_seed(0)
 

@@ -173,7 +173,8 @@ def swap_attention(
     Returns:
         a :class:`SwapReport`. Idempotent: swapping a swapped model re-applies this call's
         arguments (``fix``, ``include``, ...) without wrapping anything twice, keeps each module's
-        :class:`Site` (call counts) and reports "already swapped".
+        :class:`Site` (its call counts, restarted from 0 when ``fix`` changes, so that the calls summary
+        counts only calls made under the fix it names) and reports "already swapped".
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``include``/``exclude`` are not None,
@@ -200,6 +201,9 @@ def swap_attention(
     # exactly the structure of swapping once, whatever arguments either call had.
     previous = _sites(model)
     unswap_attention(model)
+    for site in previous.values():
+        if site.fix != fix:  # counts are of calls under the site's fix: a new fix starts them again
+            site.served, site.fallbacks = 0, {}
 
     known_flash = flash_attn.originals()
     hf_reasons = _swap_hf_models(modules, not_selected)

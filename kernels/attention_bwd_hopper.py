@@ -169,6 +169,14 @@ if GLUON_ERROR is None:
         HEAD_DIM: gl.constexpr = k.shape[1]
         ROWS: gl.constexpr = q.shape[0]
         dtype: gl.constexpr = k.dtype
+        # The dropout mask's layouts for ROWS query rows (64, or 32 in softcap's half tiles): keep_layout_t(ROWS)
+        KH: gl.constexpr = ROWS // 32
+        if ROWS == 64:
+            KEEP_T: gl.constexpr = _KEEP_T64
+            ROUNDS_T: gl.constexpr = _ROUNDS_T64
+        else:
+            KEEP_T: gl.constexpr = _KEEP_T32
+            ROUNDS_T: gl.constexpr = _ROUNDS_T32
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, ROWS, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -202,17 +210,11 @@ if GLUON_ERROR is None:
         if DROPOUT:  # the Philox rounds here, after Sᵀ's wait (fewer spills than before the GEMMs are issued: Triton
             # 3.6, d 128, 47 / 60 spill stores full / causal for fix none, 87 / 116 gproj, against 59 / 58 and 87 / 130);
             # the mask's bits taken where they are used
-            if ROWS == 64:
-                words = philox_keep_t(drow, DG, key0, bh, seed_lo, seed_hi, drop_off, drop_thr, 2, _KEEP_T64, _ROUNDS_T64)
-            else:
-                words = philox_keep_t(drow, DG, key0, bh, seed_lo, seed_hi, drop_off, drop_thr, 1, _KEEP_T32, _ROUNDS_T32)
+            words = philox_keep_t(drow, DG, key0, bh, seed_lo, seed_hi, drop_off, drop_thr, KH, KEEP_T, ROUNDS_T)
         pr = pT.to(dtype)  # rounding point: P̃
         p16 = gl.convert_layout(pr, a_layout)
         if DROPOUT:  # dV += (P̃ ∘ M)ᵀ dO; the mask in the scores' own placement (keep_layout_t)
-            if ROWS == 64:
-                keepT = gl.convert_layout(keep_bits_t(words, 2, _KEEP_T64), s_layout)
-            else:
-                keepT = gl.convert_layout(keep_bits_t(words, 1, _KEEP_T32), s_layout)
+            keepT = gl.convert_layout(keep_bits_t(words, KH, KEEP_T), s_layout)
             dv = warpgroup_mma(gl.convert_layout(gl.where(keepT, pr, 0.0).to(dtype), a_layout), do, dv, is_async=True)
         else:
             dv = warpgroup_mma(p16, do, dv, is_async=True)
@@ -237,10 +239,7 @@ if GLUON_ERROR is None:
             # a copy of the words that the compiler cannot merge with the first: the mask itself (a register per
             # score) live across the wait spilled
             words = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [words], dtype=gl.uint32, is_pure=False, pack=1)
-            if ROWS == 64:
-                keepT = gl.convert_layout(keep_bits_t(words, 2, _KEEP_T64), s_layout)
-            else:
-                keepT = gl.convert_layout(keep_bits_t(words, 1, _KEEP_T32), s_layout)
+            keepT = gl.convert_layout(keep_bits_t(words, KH, KEEP_T), s_layout)
             dpT = gl.where(keepT, dpT * drop_scale, 0.0)
         ds16 = gl.convert_layout((pT * (dpT - di[None, :])).to(dtype), a_layout)  # rounding point: dS̃ (X̃)
         dk = warpgroup_mma(ds16, q, dk, is_async=True)
@@ -515,6 +514,12 @@ if GLUON_ERROR is None:
         HEAD_DIM: gl.constexpr = q.shape[1]
         KEYS: gl.constexpr = k.shape[0]
         dtype: gl.constexpr = q.dtype
+        # The dropout mask's layout for KEYS keys (64, or 32 in softcap's half tiles): keep_layout(KEYS)
+        A: gl.constexpr = KEYS // 32
+        if KEYS == 64:
+            KEEP: gl.constexpr = _KEEP_64
+        else:
+            KEEP: gl.constexpr = _KEEP_32
         # The smallest normal number of the operand dtype (fp16 2⁻¹⁴; bf16: fp32's), for softcap's r and direction.
         TINY16: gl.constexpr = 6.103515625e-05 if dtype == gl.float16 else 1.1754943508222875e-38
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -527,10 +532,7 @@ if GLUON_ERROR is None:
         sum_a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=sum_layout, k_width=2)
         zero = gl.zeros([_DQ_HALF_M, KEYS], gl.float32, layout=s_layout)
         if DROPOUT:  # the Philox rounds before the GEMMs are issued; the mask's bits taken where dP' is formed
-            if KEYS == 64:
-                words = philox_keep(drow, DG, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, 2, _KEEP_64)
-            else:
-                words = philox_keep(drow, DG, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, 1, _KEEP_32)
+            words = philox_keep(drow, DG, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, A, KEEP)
         s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(do, v.permute((1, 0)), zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
@@ -580,11 +582,7 @@ if GLUON_ERROR is None:
         else:
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
         if DROPOUT:  # dP' = M ∘ dP / (1 − p̂); dS = P ∘ (dP' − D) with the undropped P still sums to zero per row
-            if KEYS == 64:
-                keep = keep_bits(words, 2, _KEEP_64)
-            else:
-                keep = keep_bits(words, 1, _KEEP_32)
-            dp = gl.where(gl.convert_layout(keep, s_layout), dp * drop_scale, 0.0)  # the same placement (keep_layout)
+            dp = gl.where(gl.convert_layout(keep_bits(words, A, KEEP), s_layout), dp * drop_scale, 0.0)  # the same placement (keep_layout)
         dp = dp - di[:, None]
         ds = p * dp
         x = ds

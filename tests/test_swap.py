@@ -712,6 +712,70 @@ def test_swapping_again_with_another_fix_restarts_the_call_counts(op_spy):
     assert other.calls_table().splitlines()[0].startswith("GProj attention calls (fix='none')")
 
 
+class SharedLayers(nn.Module):
+    """ALBERT-style sharing: one SDPA block held as ``shared`` and as ``blocks.0``, run twice; one
+    nn.MultiheadAttention held as ``mha`` and as ``blocks.1.attn``, run once."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = Block(SDPAAttention(32, 4, is_causal=True))
+        self.mha = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.blocks = nn.ModuleList([self.shared, Block(self.mha)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.shared(x)
+
+
+def test_a_module_at_two_paths_is_swapped_and_reported_once(op_spy):
+    """Each module was listed (and counted in the calls summary) once per path it is reachable at."""
+    torch.manual_seed(0)
+    model = SharedLayers()
+    swapped = copy.deepcopy(model)
+    report = swap_attention(swapped)
+    assert [(r.module_path, r.replacement is not None) for r in report.rows] == [("shared.attn", True), ("mha", True)]
+    assert report.aliases == {"shared.attn": ["blocks.0.attn"], "mha": ["blocks.1.attn"]}
+    assert list(report.sites) == ["shared.attn", "mha"]
+    table = report.table().splitlines()
+    assert table[0] == "GProj attention swap (fix='gproj'): 2 swapped, 0 left alone"
+    assert table[3].startswith("shared.attn (also: blocks.0.attn) | SDPAAttention: F.scaled_dot_product_attention |")
+    _assert_close(model, swapped, [torch.randn(2, 6, 32)], 2e-5)
+    assert [c["stats_name"] for c in op_spy.calls] == ["shared.attn", "mha", "shared.attn"]
+    assert [(s.served, s.fallback_count) for s in report.sites.values()] == [(2, 0), (1, 0)]
+    calls = report.calls_table().splitlines()
+    assert calls[0] == "GProj attention calls (fix='gproj'): 2 swapped modules"
+    assert [[cell.strip() for cell in line.split(" | ")] for line in calls[3:]] == [
+        ["shared.attn (also: blocks.0.attn)", "2", "0"], ["mha (also: blocks.1.attn)", "1", "0"]]
+
+    again = swap_attention(swapped, catch_all=True)  # the catch-all walk too
+    assert [(r.module_path, r.reason) for r in again.rows] == [
+        ("shared.attn", "already swapped"), ("mha", again.rows[1].reason), ("", "calls are named after this module")]
+    assert again.sites["shared.attn"] is report.sites["shared.attn"]
+
+
+@pytest.mark.parametrize("catch_all", [False, True])
+def test_a_module_at_two_paths_is_selected_at_one_and_excluded_at_any(catch_all, op_spy):
+    """include may name any of a shared module's paths; exclude at any path leaves it alone (before, each
+    path got its own row, and a module swapped at one path was reported left alone at the other)."""
+    torch.manual_seed(0)
+    model = SharedLayers()
+    swapped = copy.deepcopy(model)
+    report = swap_attention(swapped, include="blocks.1", catch_all=catch_all)
+    rows = [(r.module_path, r.replacement is not None) for r in report.rows if r.module_path in ("shared.attn", "mha")]
+    assert rows == [("shared.attn", False), ("mha", True)]
+    assert isinstance(swapped.mha, GProjMultiheadAttention)
+
+    report = swap_attention(swapped, exclude="blocks.0", catch_all=catch_all)
+    left = [r for r in report.rows if r.module_path == "shared.attn"]
+    assert [(r.replacement, r.reason) for r in left] == [(None, "excluded by pattern 'blocks.0' (at blocks.0.attn)")]
+    assert "shared.attn" not in report.sites and "blocks.0.attn" not in report.sites
+    assert len(report.rows) == len({r.module_path for r in report.rows})
+    op_spy.calls.clear()
+    _assert_close(model, swapped, [torch.randn(2, 6, 32)], 2e-5)
+    assert [c["stats_name"] for c in op_spy.calls] == ["mha"]
+
+
 def test_activation_checkpointing_recomputes_through_the_op(op_spy):
     torch.manual_seed(0)
 

@@ -20,7 +20,7 @@ from torch import nn
 from . import flash_attn, hf, mha, sdpa
 from ._common import (
     FIXES, GProjFallbackError, GProjFallbackWarning, Site, SwapRow, check_ds_format, check_fix, check_patterns,
-    display_path, selection_reason,
+    display_path, shared_selection_reason,
 )
 
 __all__ = [
@@ -53,12 +53,15 @@ class SwapReport:
     replacement_or_None, reason)`` per attention module found (and per catch-all region).
 
     ``sites`` maps module paths to their live :class:`Site` (calls served, fallbacks by reason).
+    A module reachable at several paths (held under two names, tied layers) has one row and one site,
+    at its first path in ``model.named_modules()``; ``aliases`` maps that path to the others.
     """
 
     fix: str
     catch_all: bool = False
     rows: list[SwapRow] = field(default_factory=list)
     sites: dict[str, Site] = field(default_factory=dict)
+    aliases: dict[str, list[str]] = field(default_factory=dict)
     #: True when a ``transformers`` model was found (its attention goes through the registry, so the
     #: note about SDPA calls from helpers does not apply).
     registry: bool = False
@@ -66,6 +69,11 @@ class SwapReport:
     #: reports ``mode="sdpa_registry"``); ``mode_note`` says why a swap serves when another mode was asked for.
     mode: str = "swap"
     mode_note: str = ""
+
+    def shown(self, path: str) -> str:
+        """``path`` as the tables show it: ``<root>`` for the root, other paths of the same module after it."""
+        also = self.aliases.get(path)
+        return display_path(path) + (f" (also: {', '.join(also)})" if also else "")
 
     @property
     def swapped(self) -> list[SwapRow]:
@@ -92,7 +100,7 @@ class SwapReport:
         if self.reconverted:
             return f"GProj attention swap (fix={self.fix!r}): model already converted ({len(self.rows)} modules)"
         header = ("module", "original", "replacement")
-        rows = [(display_path(r.module_path), r.original, r.replacement or "left alone") for r in self.rows]
+        rows = [(self.shown(r.module_path), r.original, r.replacement or "left alone") for r in self.rows]
         notes = [r.reason for r in self.rows]
         if not rows:
             rows = [("-", "no attention found", "-")]
@@ -118,7 +126,7 @@ class SwapReport:
         head = f"GProj attention calls (fix={self.fix!r}): {len(sites)} swapped module{'s' if len(sites) != 1 else ''}"
         if idle:
             head += f", {len(idle)} served no call (the run used their original attention)"
-        rows = [(display_path(p), str(s.served), str(s.fallback_count)) for p, s in sites.items()]
+        rows = [(self.shown(p), str(s.served), str(s.fallback_count)) for p, s in sites.items()]
         notes = ["fell back: " + "; ".join(f"{reason} ({n}×)" for reason, n in s.fallbacks.items()) if s.fallbacks else ""
                  for s in sites.values()]
         return "\n".join([head, *_columns(("module", "served", "fell back"), rows, notes)])
@@ -195,7 +203,12 @@ def swap_attention(
     report = SwapReport(fix=fix, catch_all=catch_all)
     replacement = f"gproj_attn_func(fix={fix!r}" + ("" if ds_format == "bf16" else f", ds_format={ds_format!r}") + ")"
     modules = dict(model.named_modules(remove_duplicate=False))
-    not_selected = {path: selection_reason(path, include, exclude) for path in modules}
+    # a module held at several paths is swapped and reported once, at its first path
+    paths: dict[int, list[str]] = {}
+    for path, module in modules.items():
+        paths.setdefault(id(module), []).append(path)
+    first = {path: paths[id(module)][0] for path, module in modules.items()}
+    not_selected = {path: shared_selection_reason(paths[id(module)], include, exclude) for path, module in modules.items()}
 
     # Undo any earlier swap first (keeping its sites, so counts survive): swapping twice then yields
     # exactly the structure of swapping once, whatever arguments either call had.
@@ -210,6 +223,8 @@ def swap_attention(
     report.registry = bool(hf_reasons)
 
     for path, module in modules.items():
+        if first[path] != path:
+            continue
         reason = not_selected[path]
         old = previous.get(path)
         again = ["already swapped"] if old is not None and not old.keep else []
@@ -261,7 +276,11 @@ def swap_attention(
             report.rows.append(SwapRow(path, original, f"{replacement} via TorchFunctionMode", "; ".join(again)))
 
     if catch_all:
-        _swap_catch_all(modules, not_selected, fix, report, previous)
+        _swap_catch_all(modules, first, not_selected, fix, report, previous)
+    for row in report.rows:
+        others = paths[id(modules[row.module_path])][1:]
+        if others:
+            report.aliases[row.module_path] = others
     for site in report.sites.values():
         site.strict = strict
         site.ds_format = ds_format
@@ -301,16 +320,17 @@ def _is_attention_class(module: nn.Module) -> bool:
     return "attention" in name or "attn" in name
 
 
-def _swap_catch_all(modules, not_selected, fix, report, previous) -> None:
+def _swap_catch_all(modules, first, not_selected, fix, report, previous) -> None:
     """Wrap the topmost selected modules (catch-all), the innermost selected modules whose class
     name says attention (so that their calls carry their own path as ``stats_name``), and the
     topmost unselected modules below a selected one (keep), so that SDPA calls from anywhere in the
-    selected region reach the op and nothing outside it does."""
+    selected region reach the op and nothing outside it does. ``first``: each path's module's first
+    path, where it is swapped and reported."""
     reported = {row.module_path for row in report.rows}
     named = [
         path for path, module in modules.items()
-        if not_selected[path] is None and path not in report.sites and _is_attention_class(module)
-        and not isinstance(module, nn.MultiheadAttention)
+        if first[path] == path and not_selected[path] is None and path not in report.sites
+        and _is_attention_class(module) and not isinstance(module, nn.MultiheadAttention)
     ]
     innermost = [p for p in named if not any(q.startswith(p + ".") or (p == "" and q) for q in named)]
     for path in innermost:
@@ -326,7 +346,8 @@ def _swap_catch_all(modules, not_selected, fix, report, previous) -> None:
         parent = _parent(path)
         parent_selected = parent is not None and not_selected[parent] is None
         selected = not_selected[path] is None
-        if selected and not parent_selected and path not in report.sites:
+        if selected and not parent_selected and first[path] not in report.sites:
+            path = first[path]
             old = previous.get(path)
             report.sites[path] = sdpa.swap_module(module, path, fix, site=old)
             again = "already swapped; " if old is not None and not old.keep else ""
@@ -336,12 +357,13 @@ def _swap_catch_all(modules, not_selected, fix, report, previous) -> None:
                 again + "calls are named after this module",
             ))
         elif not selected and parent_selected:
-            sdpa.swap_module(module, path, fix, keep=True)
-            if path not in reported:
+            sdpa.swap_module(module, first[path], fix, keep=True)
+            if first[path] not in reported:
+                reported.add(first[path])
                 report.rows.append(SwapRow(
-                    path, type(module).__name__, None, f"{not_selected[path]}; SDPA calls inside keep the original"
+                    first[path], type(module).__name__, None, f"{not_selected[path]}; SDPA calls inside keep the original"
                 ))
-        elif isinstance(module, nn.MultiheadAttention) and path not in report.sites:
+        elif isinstance(module, nn.MultiheadAttention) and first[path] not in report.sites:
             # a left-alone MultiheadAttention calls SDPA internally: keep it on the original
             sdpa.swap_module(module, path, fix, keep=True)
 

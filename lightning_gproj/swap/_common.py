@@ -110,6 +110,22 @@ def selection_reason(
     return None
 
 
+def shared_selection_reason(
+    paths: Sequence[str], include: Optional[Sequence[str]], exclude: Optional[Sequence[str]]
+) -> Optional[str]:
+    """:func:`selection_reason` of one module reachable at several ``paths`` (held under two names, tied
+    layers), which is swapped at all of them or at none: selected when one path is included and none is
+    excluded. One path: the same as :func:`selection_reason`."""
+    reasons = [selection_reason(path, include, None) for path in paths]
+    if None not in reasons:
+        return reasons[0]
+    for path in paths:
+        reason = selection_reason(path, None, exclude)
+        if reason is not None:
+            return reason if path == paths[0] else f"{reason} (at {display_path(path)})"
+    return None
+
+
 class Guard:
     """Re-entrancy depth: while positive, GProj modes let SDPA through untouched. Raised while a mode
     serves a call (the op's internals, the fallback call itself) and while a swapped module runs its

@@ -254,7 +254,10 @@ if GLUON_ERROR is None:
                   drop_off, drop_thr, drop_scale):
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
         # The score tiles' layout ([keys, queries]): 64 query rows, with softcap 32 (each tile in two halves).
-        if SOFTCAP:
+        # Dropout at d 128 too: at full width its mask words next to the dk, dv accumulators spilled 47–116 stores (Triton
+        # 3.6), in halves 0–18, and the backward ran 25–27% faster with GProj (benchmarks/NOTES.md, run 35).
+        HALVES: gl.constexpr = SOFTCAP or (DROPOUT and HEAD_DIM > 64)
+        if HALVES:
             ROWS: gl.constexpr = _SUB_M
         else:
             ROWS: gl.constexpr = _BLOCK_M
@@ -298,7 +301,7 @@ if GLUON_ERROR is None:
                 if visit:
                     drow = drow0 + start_m  # the tile's first query row in the dropout counters (packed: packed row)
                     bh = bh0 + g  # query head h0 + g's c1
-                    if SOFTCAP:  # two halves of 32 rows: the tanh's tiles fit the registers only at half width
+                    if HALVES:  # two halves of 32 rows: the tanh's tiles fit the registers only at half width
                         for sub in gl.static_range(2):
                             dk, dv = _dkdv_tile(k, v, q.slice(sub * _SUB_M, _SUB_M), do.slice(sub * _SUB_M, _SUB_M),
                                                 qr.slice(sub * _SUB_M, _SUB_M), dk, dv, keys, key0, rows + sub * _SUB_M,
@@ -531,6 +534,10 @@ if GLUON_ERROR is None:
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         sum_a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=sum_layout, k_width=2)
         zero = gl.zeros([_DQ_HALF_M, KEYS], gl.float32, layout=s_layout)
+        if KEYS == _DQ_BLOCK_N:  # the e0 tile's rows are alike: a half tile sums with its first KEYS
+            e0 = e0_smem
+        else:
+            e0 = e0_smem.slice(0, KEYS)
         if DROPOUT:  # the Philox rounds before the GEMMs are issued; the mask's bits taken where dP' is formed
             words = philox_keep(drow, DG, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, A, KEEP)
         s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -565,7 +572,7 @@ if GLUON_ERROR is None:
                 ps += gl.sum(pw.to(gl.float32) * inv_g, axis=1)
             else:
                 pk = warpgroup_mma(gl.convert_layout(p16, a_layout), k, pk, is_async=True)
-                ps = warpgroup_mma(gl.convert_layout(p16, sum_a_layout), e0_smem, ps, is_async=True)
+                ps = warpgroup_mma(gl.convert_layout(p16, sum_a_layout), e0, ps, is_async=True)
         if SOFTCAP:
             # The operand X = dZ∘g = (P∘g)∘(dP − D) (kernels/reference.py): P∘g formed before the wait, so that
             # one tile, not P and g, stays live across it. gproj keeps P itself where 1/g is not finite (there X̃ is
@@ -601,7 +608,7 @@ if GLUON_ERROR is None:
                 r += gl.sum(gl.where(live & (gl.abs(x16) >= TINY16), x16, ds) * gl.where(live, inv_g, 1.0), axis=1)
                 dq, pk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, pk))
             else:
-                r = warpgroup_mma(gl.convert_layout(ds16, sum_a_layout), e0_smem, r, is_async=True)
+                r = warpgroup_mma(gl.convert_layout(ds16, sum_a_layout), e0, r, is_async=True)
                 dq, pk, r, ps = warpgroup_mma_wait(num_outstanding=0, deps=(dq, pk, r, ps))
         else:
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
@@ -615,7 +622,9 @@ if GLUON_ERROR is None:
                      drop_off, drop_thr, drop_scale, half):
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         # The score tiles' layout: 64 keys, with softcap 32 (each K/V tile in two halves, see the loop).
-        if SOFTCAP:
+        # GProj with dropout at d 128 too: at full width it spilled 108–113 stores (Triton 3.6), in halves 10–18 (run 35).
+        HALVES: gl.constexpr = SOFTCAP or (DROPOUT and GPROJ and HEAD_DIM > 64)
+        if HALVES:
             KEYS: gl.constexpr = _DQ_HALF_N
         else:
             KEYS: gl.constexpr = _DQ_BLOCK_N
@@ -673,7 +682,7 @@ if GLUON_ERROR is None:
             if WINDOW:  # a tile none of these rows sees is released unread
                 visit = window_sees(first, _DQ_HALF_M, start_n, _DQ_BLOCK_N, wl, wr)
             if visit:
-                if SOFTCAP:  # two halves of 32 keys: the tanh's tiles (g, 1/g, P∘g) fit the registers only at half width
+                if HALVES:  # two halves of 32 keys: the tanh's tiles (g, 1/g, P∘g) fit the registers only at half width
                     for sub in gl.static_range(2):
                         dq, pk, r, ps = _dq_tile(q, do, k.slice(sub * _DQ_HALF_N, _DQ_HALF_N),
                                                  v.slice(sub * _DQ_HALF_N, _DQ_HALF_N), e0_smem, dq, pk, r, ps, m, l2, di, rows,

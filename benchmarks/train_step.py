@@ -27,8 +27,11 @@ none, gproj, cudnn, ...), so that drift over the process (clocks, temperature) f
 ratio to cudnn is then the median over rounds of each round's ratio, and every round's ratios are kept
 (``ratio_rounds``). Run 18 saw the cuDNN arm alone move 1.3% between device calls.
 
+``--attention-dropout P`` sets the Llama's ``attention_dropout`` (default 0): every arm then trains with attention
+dropout P (issue 16), the cudnn arm on cuDNN's or, where cuDNN refuses the call, flash's SDPA kernel.
+
 Usage: python benchmarks/train_step.py [--out PATH] [--configs a,b] [--arms a,b] [--warmup N] [--steps N]
-                                      [--profile-steps N] [--rounds R]
+                                      [--profile-steps N] [--rounds R] [--attention-dropout P]
        python benchmarks/train_step.py --smoke --out PATH   (CPU, a 2-layer hidden-64 Llama, a few steps)
 Writes PATH (default benchmarks/results/train_step_latest.json). ``--smoke`` times nothing meaningful
 (CPU, SDPA's default backend for the cudnn arm, the op's PyTorch reference for the others); it lets a
@@ -129,7 +132,7 @@ def make_callback(timer: StepTimer):
     return _Cb()
 
 
-def make_module(cfg: dict, sdpa_backend, seed: int, device: str):
+def make_module(cfg: dict, sdpa_backend, seed: int, device: str, attention_dropout: float = 0.0):
     import transformers
     L = _lightning()
 
@@ -141,7 +144,8 @@ def make_module(cfg: dict, sdpa_backend, seed: int, device: str):
                 self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
                     vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
                     num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
-                    num_key_value_heads=cfg["heads"], max_position_embeddings=cfg["seq"], attn_implementation="sdpa"))
+                    num_key_value_heads=cfg["heads"], max_position_embeddings=cfg["seq"], attn_implementation="sdpa",
+                    attention_dropout=attention_dropout))
 
         def training_step(self, batch, batch_idx):
             (ids,) = batch
@@ -159,7 +163,7 @@ def make_module(cfg: dict, sdpa_backend, seed: int, device: str):
 
 
 def run_arm(cfg_name: str, cfg: dict, arm: str, warmup: int, steps: int, smoke: bool, seed: int = 0,
-            profile_steps: int = 0, profile_path: str | None = None) -> dict:
+            profile_steps: int = 0, profile_path: str | None = None, attention_dropout: float = 0.0) -> dict:
     """Train ``warmup + steps (+ profile_steps)`` steps of one arm; the timing summary of the ``steps``
     after the warm-up (profiled steps, if any, come after them and are not timed)."""
     from torch.utils.data import DataLoader, TensorDataset
@@ -167,13 +171,15 @@ def run_arm(cfg_name: str, cfg: dict, arm: str, warmup: int, steps: int, smoke: 
     cuda = not smoke
     fix = ARMS[arm]
     row = {"config": cfg_name, "arm": arm, **cfg, "head_dim": cfg["hidden"] // cfg["heads"],
-           "warmup_steps": warmup, "timed_steps": steps}
+           "attention_dropout": attention_dropout, "warmup_steps": warmup, "timed_steps": steps}
     try:
         backend = None
         if fix is None and cuda:
             from torch.nn.attention import SDPBackend
             backend = SDPBackend.CUDNN_ATTENTION
-        module = make_module(cfg, backend, seed, "cuda" if cuda else "cpu")
+            if attention_dropout > 0:  # cuDNN first, flash where cuDNN refuses dropout
+                backend = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+        module = make_module(cfg, backend, seed, "cuda" if cuda else "cpu", attention_dropout)
         g = torch.Generator().manual_seed(seed + 1)
         total = warmup + steps + (profile_steps if profile_path else 0)
         n = total * cfg["batch"]
@@ -262,9 +268,13 @@ def main(argv=None):
                          "OUT.profile_CONFIG_ARM.txt")
     ap.add_argument("--rounds", type=int, default=1, help="run the arms this many times, alternating their order")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny Llama: checks the script, times nothing")
+    ap.add_argument("--attention-dropout", type=float, default=0.0,
+                    help="the Llama's attention_dropout (every arm trains with it), in [0, 1)")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    if not 0.0 <= args.attention_dropout < 1.0:
+        ap.error(f"--attention-dropout must be in [0, 1), got {args.attention_dropout}")
     table = SMOKE_CONFIGS if args.smoke else CONFIGS
     configs = args.configs.split(",") if args.configs else list(table)
     arms = args.arms.split(",")
@@ -285,7 +295,7 @@ def main(argv=None):
                 prof = (f"{os.path.splitext(args.out)[0]}.profile_{c}_{arm}.txt"
                         if args.profile_steps and rnd == 0 else None)
                 row = run_arm(c, table[c], arm, warmup, steps, args.smoke, profile_steps=args.profile_steps if prof else 0,
-                              profile_path=prof)
+                              profile_path=prof, attention_dropout=args.attention_dropout)
                 row["round"] = rnd
                 res["results"].append(row)
                 print(f"[{time.time() - t0:.0f}s] {c} {arm} round {rnd}: " + (row["error"] if "error" in row else

@@ -164,3 +164,18 @@ def test_fidelity_rejects_bad_window():
     for bad in ("256", "a,0", "-2,0", "1,2,3"):
         with pytest.raises(Exception, match="--window"):
             fidelity.parse_window(bad)
+
+
+def test_train_step_attention_dropout_reaches_every_arm(tmp_path):
+    """--attention-dropout: every arm trains the Llama with attention dropout (the first loss moves off the
+    dropout-free run's, same seed and tokens), and each row records it."""
+    losses = {}
+    for p in (0.0, 0.5):
+        out = tmp_path / f"drop{p}.json"
+        _run(["benchmarks/train_step.py", "--smoke", "--out", str(out), "--arms", "cudnn,gproj",
+              "--attention-dropout", str(p)], tmp_path)
+        rows = json.loads(out.read_text())["results"]
+        assert [r["attention_dropout"] for r in rows] == [p, p] and not any("error" in r for r in rows)
+        losses[p] = {r["arm"]: r["loss_first"] for r in rows}
+    for arm in ("cudnn", "gproj"):
+        assert abs(losses[0.5][arm] - losses[0.0][arm]) > 1e-3, (arm, losses)

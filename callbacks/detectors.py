@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import re
 import statistics
 from typing import Optional
 
@@ -181,7 +182,9 @@ class DetectorConfig:
             object.__setattr__(self, name, value)
 
         put("window", check_int("window", self.window, 2))
-        put("warmup", check_int("warmup", self.warmup, 1, self.window))
+        put("warmup", check_int("warmup", self.warmup, 1))
+        if self.warmup > self.window:
+            raise ValueError(f"`warmup` ({self.warmup}) must not exceed `window` ({self.window})")
         put("warn_ratio", _check_threshold("warn_ratio", self.warn_ratio, 1.0))
         put("critical_ratio", _check_threshold("critical_ratio", self.critical_ratio, 1.0))
         put("cusum_warn", _check_threshold("cusum_warn", self.cusum_warn, 0.0))
@@ -213,7 +216,20 @@ def as_config(name: str, value: object, base: DetectorConfig | None = None) -> D
         unknown = sorted(set(value) - {f.name for f in dataclasses.fields(DetectorConfig)})
         if unknown:
             raise ValueError(f"`{name}` has unknown fields {unknown}; accepted: the fields of DetectorConfig")
-        return dataclasses.replace(base or DetectorConfig(), **value)
+        base = base or DetectorConfig()
+        try:
+            return dataclasses.replace(base, **value)
+        except ValueError as exc:
+            # Name the argument, and the fields the message names that the mapping did not set: a field
+            # left out keeps the monitor's default, which may contradict the new values (e.g. window 50
+            # under GradNormMonitor's default warmup 100).
+            kept = [f for f in dict.fromkeys(re.findall(r"`(\w+)`", str(exc))) if f not in value and hasattr(base, f)]
+            note = ""
+            if kept:
+                defaults = ", ".join(f"{f}={getattr(base, f)!r}" for f in kept)
+                note = (f" ({defaults}: the default this mapping keeps, since it does not set "
+                        f"{'it' if len(kept) == 1 else 'them'}; set {' and '.join(kept)} too)")
+            raise ValueError(f"`{name}`: {exc}{note}") from None
     raise ValueError(f"`{name}` must be a DetectorConfig or a dict of its fields, got {value!r}")
 
 

@@ -23,7 +23,7 @@ Definitions (issue 4):
 * false alarms = number of alerts in the healthy twin (all steps).
 
 ``--config`` takes a JSON object ``{"GradNormMonitor": {...}, "ZeroSumMonitor": {...}}`` of keyword
-arguments (detector settings as ``{"detector": {"window": 50, ...}}``, the fields of
+arguments (detector settings as ``{"detector": {"window": 50, "warmup": 50}}``, the fields of
 :class:`~lightning_gproj.callbacks.DetectorConfig`), so settings can be tuned offline and then used
 online unchanged.
 """

@@ -190,7 +190,8 @@ class GProjFabricPlugin(fabric_precision.Precision):
             ``mode="sdpa_registry"`` (fp32 attention never reaches the flash backend).
         TypeError: ``base`` is not a Fabric ``Precision`` subclass (a Trainer precision is refused:
             use :class:`~lightning_gproj.GProjPlugin` with the Trainer); bad ``include``/``exclude``;
-            ``catch_all``/``strict`` not bools.
+            ``catch_all``/``strict`` not bools; a keyword argument the base's constructor refuses (e.g. a
+            misspelt ``fixx=``: the message names it and lists the plugin's own arguments).
 
     Example::
 
@@ -252,14 +253,26 @@ class GProjFabricPlugin(fabric_precision.Precision):
         self.ds_format = check_ds_format(ds_format)
         self._gproj_init(fix, include, exclude, catch_all, strict, mode)
         base_cls = self._gproj_base
-        if issubclass(base_cls, self._gproj_lightning.MixedPrecision):
-            self._gproj_follow_device = device is None
-            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-            base_cls.__init__(self, precision, device, **base_kwargs)
-        elif "precision" in inspect.signature(base_cls.__init__).parameters:
-            base_cls.__init__(self, precision, **base_kwargs)
-        else:
-            base_cls.__init__(self, **base_kwargs)
+        try:
+            if issubclass(base_cls, self._gproj_lightning.MixedPrecision):
+                self._gproj_follow_device = device is None
+                device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+                base_cls.__init__(self, precision, device, **base_kwargs)
+            elif "precision" in inspect.signature(base_cls.__init__).parameters:
+                base_cls.__init__(self, precision, **base_kwargs)
+            else:
+                base_cls.__init__(self, **base_kwargs)
+        except TypeError as exc:
+            if not base_kwargs:
+                raise
+            # e.g. a misspelt argument: with precision="32-true" the base is Precision, whose constructor is
+            # object's ("object.__init__() takes exactly one argument", naming neither the argument nor us)
+            own = ", ".join(p for p in inspect.signature(GProjFabricPlugin.__init__).parameters if p not in ("self", "base_kwargs"))
+            raise TypeError(
+                f"{self._gproj_root().__name__} got keyword argument(s) {sorted(base_kwargs)} that are not its own "
+                f"({own}); other keywords go to the base precision {base_cls.__name__}'s constructor, which refused "
+                f"them: {exc}"
+            ) from None
         if getattr(self, "precision", None) != precision:
             raise ValueError(
                 f"`precision={precision!r}` is not what the base {base_cls.__name__} runs "

@@ -1,7 +1,8 @@
 """``python -m lightning_gproj.report LOGDIR``: a PNG dashboard of a run's monitors.
 
 Panels (log-scale where the values are positive): training loss; global gradient norm (with its
-baseline median); zero-sum violation (median and max per layer); leak ratio (op and probe, per layer);
+baseline median); zero-sum violation (median and max per layer); leak ratio (op, probe, and the leak
+``fix="gproj"`` removed, per layer);
 mean-key norm (per layer); C2 residual and key-bias gradient ratio (per layer). Alerts (the
 ``alert/{signal}`` metrics the monitors log) are marked on every panel as vertical lines, orange for
 warn and red for critical.
@@ -30,7 +31,8 @@ Series = dict[str, dict[int, float]]
 #: Panels: (title, y label, metric-name suffixes after "{zero-sum prefix}/{layer}/").
 _LAYER_PANELS = (
     ("Zero-sum violation", "ρ (median —, max ··)", ("violation_median", "violation_max")),
-    ("Leak ratio", "λ (op —, probe ··)", ("leak_ratio", "probe_leak_ratio")),
+    # leak_removed_ratio: the λ a fix="gproj" run logs in place of leak_ratio (the leak GProj removed)
+    ("Leak ratio", "λ (op —, probe ··, removed by gproj --)", ("leak_ratio", "probe_leak_ratio", "leak_removed_ratio")),
     ("Mean-key norm", "‖k̄‖", ("mean_key_norm",)),
     ("C2 residual / key-bias gradient", "‖Σ dK‖/‖dK‖ —, ‖∇b_k‖/‖∇W_k‖ ··", ("c2_residual", "key_bias_grad_ratio")),
 )
@@ -171,7 +173,7 @@ def render(series: Series, out: str | os.PathLike, *, grad_prefix: str = "grad_n
         plot(ax, series[keys.metric(grad_prefix, "baseline_median")], "baseline median", ":")
     ax.set_title("Gradient norm (after unscaling, before clipping)")
     for ax, (name, ylabel, stats) in zip(axes[2:], _LAYER_PANELS):
-        for stat, style in zip(stats, ("-", ":")):
+        for stat, style in zip(stats, ("-", ":", "--")):
             for layer, values in sorted(layer_series(series, zero_sum_prefix, stat).items()):
                 plot(ax, values, f"{layer} {stat}", style)
         ax.set_title(name)

@@ -143,6 +143,24 @@ def test_detector_ignores_non_finite_values_and_rejects_bad_arguments():
             ChangeDetector(DetectorConfig(**kwargs))
 
 
+
+def test_a_partial_detector_mapping_that_contradicts_a_kept_default_names_the_argument_and_the_default():
+    # GradNormMonitor's default warmup is 100: {"window": 50} alone keeps it, and warmup > window. The
+    # error named `warmup` only (the user never set it) and neither the argument nor where 100 came from.
+    with pytest.raises(ValueError) as err:
+        GradNormMonitor(detector={"window": 50})
+    assert re.fullmatch(r"`detector`: `warmup` \(100\) must not exceed `window` \(50\) \(warmup=100: the default "
+                        r"this mapping keeps.*set warmup too\)", str(err.value))
+    with pytest.raises(ValueError, match=r"^`loss_detector`: `warn_ratio` \(1\.5\) must not exceed `critical_ratio` "
+                                         r"\(1\.2\) \(warn_ratio=1\.5: the default"):
+        GradNormMonitor(loss_detector={"critical_ratio": 1.2})
+    with pytest.raises(ValueError, match=r"^`detector`: `warmup` \(30\) must not exceed `window` \(20\) \(window=20: "):
+        ZeroSumMonitor(detector={"warmup": 30})  # ZERO_SUM_DETECTOR's window is 20
+    with pytest.raises(ValueError, match=r"^`loss_detector`: `warn_ratio` must be None or a finite number > 1, got 0.5$"):
+        GradNormMonitor(loss_detector={"warn_ratio": 0.5})  # a field the mapping sets: no default to name
+    monitor = GradNormMonitor(detector={"window": 50, "warmup": 50})  # both set: accepted
+    assert (monitor.detector.window, monitor.detector.warmup, monitor.detector.warn_ratio) == (50, 50, 4.0)
+
 def test_zero_sum_observe_groups_layers_and_names_the_strongest():
     zs = ZeroSumMonitor(detector=DetectorConfig(window=10, warmup=3, warn_ratio=3.0, critical_ratio=10.0, cusum_warn=None),
                         print_summary=False)

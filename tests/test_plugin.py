@@ -227,6 +227,20 @@ def test_bad_arguments(kwargs, error, match):
         GProjPlugin(**kwargs)
 
 
+@pytest.mark.parametrize("plugin", [GProjPlugin, GProjFabricPlugin])
+@pytest.mark.parametrize("precision, base", [("32-true", "Precision"), ("64-true", "DoublePrecision"),
+                                             ("bf16-true", "HalfPrecision"), ("bf16-mixed", "MixedPrecision")])
+def test_a_misspelt_argument_is_named_with_the_plugins_own_arguments(plugin, precision, base):
+    # Extra keywords go to the base precision's constructor; with "32-true" / "64-true" that is object's, whose
+    # message ("object.__init__() takes exactly one argument") named neither the argument nor the plugin.
+    with pytest.raises(TypeError) as err:
+        plugin(precision, fixx="none")
+    message = str(err.value)
+    assert message.startswith(f"{plugin.__name__} got keyword argument(s) ['fixx'] that are not its own (precision, fix, "
+                              f"include, exclude, catch_all, base, device, attention_dtype, ds_format, strict, mode); "
+                              f"other keywords go to the base precision {base}'s constructor, which refused them: "), message
+
+
 @pytest.mark.parametrize("alias, unified", [("bf16", "bf16-mixed"), (16, "16-mixed"), ("16", "16-mixed"), (32, "32-true"),
                                             ("32", "32-true"), (64, "64-true"), ("64", "64-true")])
 def test_lightning_legacy_precision_aliases_are_accepted(alias, unified):

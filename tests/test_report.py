@@ -95,6 +95,20 @@ def test_dashboard_from_a_real_run(tmp_path, capsys):
     assert "1 alert(s)" in capsys.readouterr().out
 
 
+def test_leak_panel_shows_the_leak_a_gproj_run_removed(tmp_path):
+    # A fix="gproj" run (the README demo) logs leak_removed_ratio, not leak_ratio: the panel read "not logged".
+    values = {0: 4.0e-3, 10: 6.5e-3, 20: 5.0e-3}
+    series = {"gproj/blocks.0.attn/leak_removed_ratio": dict(values), "grad_norm/global": {0: 1.0, 10: 0.9, 20: 0.8}}
+    fig = render(series, tmp_path / "dash.png")
+    leak_ax = fig.axes[3]
+    assert leak_ax.get_title() == "Leak ratio"
+    lines = [ln for ln in leak_ax.get_lines() if not ln.get_label().startswith("_")]
+    assert [ln.get_label() for ln in lines] == ["blocks.0.attn leak_removed_ratio"] and lines[0].get_linestyle() == "--"
+    assert list(lines[0].get_xdata()) == [0, 10, 20]
+    np.testing.assert_array_equal(lines[0].get_ydata(), [4.0e-3, 6.5e-3, 5.0e-3])
+    assert "not logged" not in [t.get_text() for t in leak_ax.texts]
+
+
 def test_clear_errors(tmp_path, monkeypatch, capsys):
     for version in (0, 1):
         d = tmp_path / "two" / f"version_{version}"

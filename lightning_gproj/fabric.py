@@ -159,7 +159,9 @@ class GProjFabricPlugin(fabric_precision.Precision):
             or ``"bf16"``: every swapped module runs the op with ``fix`` on q, k, v cast to bf16 (output
             cast back, gradients returned in the inputs' dtype) whatever the base precision: BF16
             attention numerics in an otherwise fp32 model, e.g. ``"32-true"`` on a CPU without bf16
-            instructions, where bf16-mixed runs every linear layer ~20× slower (README demo).
+            instructions, where bf16-mixed runs every linear layer ~20× slower (README demo). The key
+            gradient is then rounded through bf16 as under bf16-mixed, so its C2 residual
+            ‖Σ_j dK_j‖/‖dK‖ reads ~1e-3 (as bf16-mixed's does), not the ~1e-7 of fp32 inputs through the op.
         ds_format: ``"bf16"`` (default), ``"e4m3"`` or ``"e5m2"``: how the op's backward rounds dS
             before the dQ/dK GEMMs (:func:`lightning_gproj.gproj_attn_func`); the FP8 significands are
             an accelerant for stress tests (docs/reproduction.md) and for FP8 research.

@@ -2,6 +2,9 @@
 
     ncu --clock-control none --kernel-name regex:"hopper|bprop|dgrad" --section SpeedOfLight \
         --section WarpStateStats python3 benchmarks/profile_bwd.py [--shape B,H,N,d] [--causal] [--methods gproj,none,cudnn]
+        [--dropout P]
+
+``--dropout P``: our methods with attention dropout P (issue 16: where dropout's time goes); cuDNN without.
 
 Each method runs twice (the first call compiles); profile the second with ncu's --launch-skip, or read both.
 """
@@ -18,6 +21,7 @@ def main():
     ap.add_argument("--shape", default="1,16,8192,128", help="B,H,N,d (default 1,16,8192,128)")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--methods", default="none,cudnn", help="comma list of gproj, none, cudnn")
+    ap.add_argument("--dropout", type=float, default=0.0, help="attention dropout of our methods (default 0)")
     args = ap.parse_args()
     b, h, n, d = (int(x) for x in args.shape.split(","))
     torch.manual_seed(0)
@@ -31,7 +35,7 @@ def main():
                     o = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=args.causal)
                 o.transpose(1, 2).backward(do)
             else:
-                gproj_attn_func(q, k, v, causal=args.causal, fix=method).backward(do)
+                gproj_attn_func(q, k, v, causal=args.causal, fix=method, dropout_p=args.dropout).backward(do)
             torch.cuda.synchronize()
         print(method, "done", flush=True)
 

@@ -149,7 +149,8 @@ class GProjFabricPlugin(fabric_precision.Precision):
             (``MixedPrecision``, ``HalfPrecision``, ``Precision`` or ``DoublePrecision``). Fabric's
             classes here (``lightning.fabric.plugins.precision``), the Trainer's for
             :class:`~lightning_gproj.GProjPlugin`.
-        device: ``torch.autocast`` device for ``MixedPrecision``. Default None: the device type of
+        device: ``torch.autocast`` device for ``MixedPrecision`` (other bases refuse it: ValueError).
+            Default None: the device type of
             the converted module's parameters at each forward (the accelerator's); before
             conversion (and for the ``"16-mixed"`` grad scaler) ``"cuda"`` if available, else ``"cpu"``.
         attention_dtype: None (default: swapped attention runs the op with ``fix`` in the dtype it is
@@ -188,8 +189,9 @@ class GProjFabricPlugin(fabric_precision.Precision):
 
     Raises:
         ValueError: unknown ``precision``, ``fix``, ``attention_dtype``, ``ds_format`` or ``mode``, a bad
-            ``device``, a ``precision`` the base does not take, or an ``attention_dtype`` with
-            ``mode="sdpa_registry"`` (fp32 attention never reaches the flash backend).
+            ``device`` (or any with a base that is not mixed precision), a ``precision`` the base does not
+            take, or an ``attention_dtype`` with ``mode="sdpa_registry"`` (fp32 attention never reaches the
+            flash backend).
         TypeError: ``base`` is not a Fabric ``Precision`` subclass (a Trainer precision is refused:
             use :class:`~lightning_gproj.GProjPlugin` with the Trainer); bad ``include``/``exclude``;
             ``catch_all``/``strict`` not bools; a keyword argument the base's constructor refuses (e.g. a
@@ -255,6 +257,11 @@ class GProjFabricPlugin(fabric_precision.Precision):
         self.ds_format = check_ds_format(ds_format)
         self._gproj_init(fix, include, exclude, catch_all, strict, mode)
         base_cls = self._gproj_base
+        if device is not None and not issubclass(base_cls, self._gproj_lightning.MixedPrecision):
+            raise ValueError(
+                f"`device` is the autocast device of a mixed precision; precision={precision!r} (base "
+                f"{base_cls.__name__}) autocasts nothing: leave `device` None, got {device!r}"
+            )
         try:
             if issubclass(base_cls, self._gproj_lightning.MixedPrecision):
                 self._gproj_follow_device = device is None

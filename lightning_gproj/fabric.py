@@ -189,7 +189,7 @@ class GProjFabricPlugin(fabric_precision.Precision):
 
     Raises:
         ValueError: unknown ``precision``, ``fix``, ``attention_dtype``, ``ds_format`` or ``mode``, a bad
-            ``device`` (or any with a base that is not mixed precision), a ``precision`` the base does not
+            ``device`` (or any with a base that is not ``MixedPrecision``), a ``precision`` the base does not
             take, or an ``attention_dtype`` with ``mode="sdpa_registry"`` (fp32 attention never reaches the
             flash backend).
         TypeError: ``base`` is not a Fabric ``Precision`` subclass (a Trainer precision is refused:
@@ -259,8 +259,8 @@ class GProjFabricPlugin(fabric_precision.Precision):
         base_cls = self._gproj_base
         if device is not None and not issubclass(base_cls, self._gproj_lightning.MixedPrecision):
             raise ValueError(
-                f"`device` is the autocast device of a mixed precision; precision={precision!r} (base "
-                f"{base_cls.__name__}) autocasts nothing: leave `device` None, got {device!r}"
+                f"`device` sets the autocast device of a MixedPrecision base; base {base_cls.__name__} "
+                f"(precision={precision!r}) takes none: leave `device` None, got {device!r}"
             )
         try:
             if issubclass(base_cls, self._gproj_lightning.MixedPrecision):

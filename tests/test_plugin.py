@@ -220,9 +220,9 @@ def test_plugin_pickles_and_names_its_base():
         (dict(device="tpu"), ValueError, r"`device` must be None or a device type torch.autocast accepts .*got 'tpu'"),
         (dict(device="cuda:0"), ValueError, "`device` must be None"),
         (dict(device=0), ValueError, "`device` must be None"),
-        (dict(precision="32-true", device="cpu"), ValueError, r"`device` is the autocast device of a mixed precision; "
-         r"precision='32-true' \(base Precision\) autocasts nothing"),
-        (dict(precision="bf16-true", device="cuda"), ValueError, r"precision='bf16-true' \(base HalfPrecision\)"),
+        (dict(precision="32-true", device="cpu"), ValueError, r"`device` sets the autocast device of a MixedPrecision "
+         r"base; base Precision \(precision='32-true'\) takes none"),
+        (dict(precision="bf16-true", device="cuda"), ValueError, r"base HalfPrecision \(precision='bf16-true'\)"),
     ],
 )
 def test_bad_arguments(kwargs, error, match):

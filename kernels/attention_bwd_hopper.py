@@ -33,7 +33,8 @@ past it are masked in the dQ pass and not stored by the dK/dV pass; no key sums)
 and masks past it; the dK/dV pass masks P there, zeroes the padded keys' dk rows and stores dk = dv = 0 for a block of
 padding without running its partitions), attention dropout (both passes regenerate the forward's keep mask M with its
 Philox calls, kernels/attention_fwd_hopper.philox_keep / philox_keep_t, and use it as the tl.dot kernels do: dP' = M ∘
-dP / (1 − p̂), dV += (P̃ ∘ M)ᵀ dO scaled by 1/(1 − p̂) at the store; D, dS's P and GProj's direction undropped); do and
+dP / (1 − p̂), dV += (P̃ ∘ M)ᵀ dO scaled by 1/(1 − p̂) at the store; D, dS's P and GProj's direction undropped; at head
+dim 128 the dK/dV pass and GProj's dQ pass take each score tile in two halves of 32, as with softcap); do and
 o in any strides (copied when not in a served order). Gradients in 16-bit or fp32;
 with an fp32 dk the per-64-key sums Σ_j dk_j of the stored values, for the C2 projection
 (kernels/reference.project_key_sum_). ``GPROJ_HOPPER_BWD=0`` keeps every call on the tl.dot kernels.

@@ -33,7 +33,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import re
 import statistics
 from typing import Optional
 
@@ -184,7 +183,7 @@ class DetectorConfig:
         put("window", check_int("window", self.window, 2))
         put("warmup", check_int("warmup", self.warmup, 1))
         if self.warmup > self.window:
-            raise ValueError(f"`warmup` ({self.warmup}) must not exceed `window` ({self.window})")
+            raise _Conflict(f"`warmup` ({self.warmup}) must not exceed `window` ({self.window})", ("warmup", "window"))
         put("warn_ratio", _check_threshold("warn_ratio", self.warn_ratio, 1.0))
         put("critical_ratio", _check_threshold("critical_ratio", self.critical_ratio, 1.0))
         put("cusum_warn", _check_threshold("cusum_warn", self.cusum_warn, 0.0))
@@ -199,11 +198,19 @@ class DetectorConfig:
                           ("slope_warn", "slope_critical")):
             lo, hi = getattr(self, low), getattr(self, high)
             if lo is not None and hi is not None and lo > hi:
-                raise ValueError(f"`{low}` ({lo:g}) must not exceed `{high}` ({hi:g})")
+                raise _Conflict(f"`{low}` ({lo:g}) must not exceed `{high}` ({hi:g})", (low, high))
         put("ema_decay", check_float(
             "ema_decay", self.ema_decay, above=0.0, below=1.0, accepted="a number in the open interval (0, 1)"
         ))
         put("floor", check_float("floor", self.floor, above=-1e-300, accepted="a finite number >= 0"))
+
+
+class _Conflict(ValueError):
+    """Two fields of a :class:`DetectorConfig` that contradict each other (``fields``), each valid alone."""
+
+    def __init__(self, message: str, fields: tuple[str, str]) -> None:
+        super().__init__(message)
+        self.fields = fields
 
 
 def as_config(name: str, value: object, base: DetectorConfig | None = None) -> DetectorConfig:
@@ -220,10 +227,10 @@ def as_config(name: str, value: object, base: DetectorConfig | None = None) -> D
         try:
             return dataclasses.replace(base, **value)
         except ValueError as exc:
-            # Name the argument, and the fields the message names that the mapping did not set: a field
-            # left out keeps the monitor's default, which may contradict the new values (e.g. window 50
-            # under GradNormMonitor's default warmup 100).
-            kept = [f for f in dict.fromkeys(re.findall(r"`(\w+)`", str(exc))) if f not in value and hasattr(base, f)]
+            # Name the argument, and the conflicting fields the mapping did not set: a field left out keeps
+            # the monitor's default, which may contradict the new values (e.g. window 50 under
+            # GradNormMonitor's default warmup 100).
+            kept = [f for f in getattr(exc, "fields", ()) if f not in value]
             note = ""
             if kept:
                 defaults = ", ".join(f"{f}={getattr(base, f)!r}" for f in kept)

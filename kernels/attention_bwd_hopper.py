@@ -302,7 +302,7 @@ if GLUON_ERROR is None:
                 if visit:
                     drow = drow0 + start_m  # the tile's first query row in the dropout counters (packed: packed row)
                     bh = bh0 + g  # query head h0 + g's c1
-                    if HALVES:  # two halves of 32 rows: the tanh's tiles fit the registers only at half width
+                    if HALVES:  # two halves of 32 rows: the tanh's tiles or the dropout mask fit the registers only so
                         for sub in gl.static_range(2):
                             dk, dv = _dkdv_tile(k, v, q.slice(sub * _SUB_M, _SUB_M), do.slice(sub * _SUB_M, _SUB_M),
                                                 qr.slice(sub * _SUB_M, _SUB_M), dk, dv, keys, key0, rows + sub * _SUB_M,
@@ -683,7 +683,8 @@ if GLUON_ERROR is None:
             if WINDOW:  # a tile none of these rows sees is released unread
                 visit = window_sees(first, _DQ_HALF_M, start_n, _DQ_BLOCK_N, wl, wr)
             if visit:
-                if HALVES:  # two halves of 32 keys: the tanh's tiles (g, 1/g, P∘g) fit the registers only at half width
+                if HALVES:  # two halves of 32 keys: the tanh's tiles (g, 1/g, P∘g) or GProj's with the dropout mask fit
+                    # the registers only at half width
                     for sub in gl.static_range(2):
                         dq, pk, r, ps = _dq_tile(q, do, k.slice(sub * _DQ_HALF_N, _DQ_HALF_N),
                                                  v.slice(sub * _DQ_HALF_N, _DQ_HALF_N), e0_smem, dq, pk, r, ps, m, l2, di, rows,

@@ -257,13 +257,14 @@ class GProjFabricPlugin(fabric_precision.Precision):
         self.ds_format = check_ds_format(ds_format)
         self._gproj_init(fix, include, exclude, catch_all, strict, mode)
         base_cls = self._gproj_base
-        if device is not None and not issubclass(base_cls, self._gproj_lightning.MixedPrecision):
+        mixed = issubclass(base_cls, self._gproj_lightning.MixedPrecision)
+        if device is not None and not mixed:
             raise ValueError(
                 f"`device` sets the autocast device of a MixedPrecision base; base {base_cls.__name__} "
                 f"(precision={precision!r}) takes none: leave `device` None, got {device!r}"
             )
         try:
-            if issubclass(base_cls, self._gproj_lightning.MixedPrecision):
+            if mixed:
                 self._gproj_follow_device = device is None
                 device = device or ("cuda" if torch.cuda.is_available() else "cpu")
                 base_cls.__init__(self, precision, device, **base_kwargs)

@@ -365,7 +365,7 @@ def _swap_catch_all(modules, first, not_selected, fix, report, previous) -> None
                 ))
         elif isinstance(module, nn.MultiheadAttention) and first[path] not in report.sites:
             # a left-alone MultiheadAttention calls SDPA internally: keep it on the original
-            sdpa.swap_module(module, path, fix, keep=True)
+            sdpa.swap_module(module, first[path], fix, keep=True)
 
 
 def _sites(model: nn.Module) -> dict[str, Site]:

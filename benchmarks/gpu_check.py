@@ -326,7 +326,7 @@ def hopper_keypad_check(dev, softcap=0.0):
 #: hopper_dropout: (B, N, H, Hk, d, causal, dtype, p) — d 128 and 64, bf16 and fp16, GQA, N 1024 and a ragged 1000.
 HOPPER_DROPOUT = [(2, 1024, 8, 2, 128, False, torch.bfloat16, 0.1), (2, 1024, 8, 2, 128, True, torch.bfloat16, 0.2),
                   (1, 1000, 4, 4, 128, True, torch.float16, 0.1), (2, 1000, 8, 2, 64, False, torch.bfloat16, 0.2),
-                  (1, 1024, 4, 1, 64, True, torch.float16, 0.1)]
+                  (1, 1024, 4, 1, 64, True, torch.float16, 0.1), (2, 1024, 8, 2, 128, False, torch.bfloat16, 0.6)]
 
 
 def hopper_dropout_check(dev, seed=2**40 + 12345, offset=7, shapes=None, n_mixed=1000):

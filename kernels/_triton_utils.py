@@ -413,7 +413,7 @@ def _i32(x: int) -> int:
 
 def dropout_args(dropout_p: float, seed: int, offset: int) -> dict:
     """Kernel arguments of attention dropout: DROPOUT (constexpr; False is the kernels' code without
-    dropout), the 64-bit Philox key as two 32-bit halves, the counter offset, the 16-bit keep threshold
+    dropout), the 64-bit Philox key as two 32-bit halves, the counter offset, the 8-bit keep threshold
     (kernels/reference.dropout_threshold) and the scale 1/(1 − p̂) of the kept weights
     (kernels/reference.dropout_scale). The integers go in as int32 bit patterns (the kernels
     reinterpret them as uint32), so every seed gives the same argument types."""
@@ -431,32 +431,39 @@ _PHILOX_ROUNDS = tl.constexpr(PHILOX_ROUNDS)
 
 @triton.jit
 def dropout_groups(n_k):
-    """Groups of 8 keys per query row, ⌈n_k / 8⌉ (G of kernels/reference.dropout_keep_mask)."""
-    return (n_k + 7) // 8
+    """Groups of 16 keys per query row, ⌈n_k / 16⌉ (G of kernels/reference.dropout_keep_mask)."""
+    return (n_k + 15) // 16
+
+
+@triton.jit
+def _keep_pair(xa, xb, b: tl.constexpr, thr):
+    """Byte b of the words xa and xb against the 8-bit threshold, joined (xa's first)."""
+    return tl.join(((xa >> (8 * b)) & 255) >= thr, ((xb >> (8 * b)) & 255) >= thr)
 
 
 @triton.jit
 def dropout_keep(row_base, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, BLOCK_N: tl.constexpr):
     """Keep mask of attention dropout, [rows, BLOCK_N] bool, for query rows with group counters
-    ``row_base`` = i·G (int64, G = ⌈n_k / 8⌉) and the key columns start_n + [0, BLOCK_N): the scheme of
+    ``row_base`` = i·G (int64, G = ⌈n_k / 16⌉) and the key columns start_n + [0, BLOCK_N): the scheme of
     kernels/reference.dropout_keep_mask. One Philox4x32 call (kernels/reference.PHILOX_ROUNDS rounds;
     counters (i·G + g mod 2³², bh, offset, i·G + g div 2³²), key seed_hi·2³² + seed_lo) per group
-    g = j // 8 of 8 keys; key c = j mod 8 of the group is kept iff the 16-bit half c mod 2 (0: low) of
-    output word c // 2 is >= the 16-bit threshold ``drop_thr``. ``start_n`` must be a multiple of 8
+    g = j // 16 of 16 keys; key c = j mod 16 of the group is kept iff byte c mod 4 (0: the lowest) of
+    output word c // 4 is >= the 8-bit threshold ``drop_thr``. ``start_n`` must be a multiple of 16
     (every caller's is a multiple of BLOCK_N), so a tile holds whole groups."""
-    tl.static_assert(BLOCK_N % 8 == 0)
-    grp = row_base[:, None] + (start_n // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.int64)[None, :]
+    tl.static_assert(BLOCK_N % 16 == 0)
+    grp = row_base[:, None] + (start_n // 16 + tl.arange(0, BLOCK_N // 16)).to(tl.int64)[None, :]
     c0 = grp.to(tl.uint32)
     c3 = (grp >> 32).to(tl.uint32)
     zero = c0 * 0
     seed = (seed_hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
     x0, x1, x2, x3 = tl.philox(seed, c0, zero + bh.to(tl.uint32), zero + drop_off.to(tl.uint32, bitcast=True), c3,
                                n_rounds=_PHILOX_ROUNDS)
-    # Compared in the high 16 bits: high half x >> 16 >= thr iff x >= thr << 16, low half iff x << 16 >= thr << 16.
-    thr = drop_thr.to(tl.uint32) << 16
-    k0, k1, k2, k3 = (x0 << 16) >= thr, x0 >= thr, (x1 << 16) >= thr, x1 >= thr
-    k4, k5, k6, k7 = (x2 << 16) >= thr, x2 >= thr, (x3 << 16) >= thr, x3 >= thr
-    # Each tl.join appends an axis of 2; after three levels place (a1, a2, a3) (a1 the innermost join's
-    # axis) lands at flat index 4·a1 + 2·a2 + a3 of its group, so the bit-reversed join order puts k_c at c.
-    keep = tl.join(tl.join(tl.join(k0, k4), tl.join(k2, k6)), tl.join(tl.join(k1, k5), tl.join(k3, k7)))
+    thr = drop_thr.to(tl.uint32)
+    # Each tl.join appends an axis of 2, so the last join is the fastest-varying place: joined innermost over word
+    # bit 1, then word bit 0, then byte bit 1, then byte bit 0, place 8·(m >> 1) + 4·(m & 1) + 2·(b >> 1) + (b & 1)
+    # = 4m + b of a group holds byte b of word m — key c = 4m + b, as the reference spends them.
+    keep = tl.join(tl.join(tl.join(_keep_pair(x0, x2, 0, thr), _keep_pair(x1, x3, 0, thr)),
+                           tl.join(_keep_pair(x0, x2, 2, thr), _keep_pair(x1, x3, 2, thr))),
+                   tl.join(tl.join(_keep_pair(x0, x2, 1, thr), _keep_pair(x1, x3, 1, thr)),
+                           tl.join(_keep_pair(x0, x2, 3, thr), _keep_pair(x1, x3, 3, thr))))
     return tl.reshape(keep, [row_base.shape[0], BLOCK_N])

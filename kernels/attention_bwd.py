@@ -45,7 +45,7 @@ dK/dV pass skips key blocks wholly past it and zeroes the rows of padded keys be
 Attention dropout (``dropout_p`` > 0, a constexpr variant DROPOUT; without it the kernels are the code
 above): both passes regenerate the forward's Philox keep mask M per tile (kernels/_triton_utils.dropout_keep,
 the counters of kernels/reference.dropout_keep_mask; the dK/dV pass builds the [queries, keys] tile and
-transposes it), dP' = M ∘ dP/(1 − p̂) replaces dP (p̂ the drop probability of the 16-bit keep test,
+transposes it), dP' = M ∘ dP/(1 − p̂) replaces dP (p̂ the drop probability of the 8-bit keep test,
 kernels/reference.dropout_scale), dV += (P̃ ∘ M)ᵀ·dO is scaled by 1/(1 − p̂) before its store, and
 everything else — D, dS = P ∘ (dP' − D) with the undropped P, r, the GProj direction P̃ — is unchanged:
 dS's rows still sum to zero (kernels/reference.py).
@@ -464,7 +464,7 @@ def _dkdv_kernel(
     # (autotuning) never count.
     KS += pid_bh.to(tl.int64) * stride_ks + pid_n * HEAD_DIM
     # Dropout counters, as in attention_fwd._fwd_kernel: query row drow0 + i has group counters
-    # (drow0 + i)·DG + g, DG = ⌈N_K / 8⌉ (packed: of total_k, rows packed, keys within the sequence).
+    # (drow0 + i)·DG + g, DG = ⌈N_K / 16⌉ (packed: of total_k, rows packed, keys within the sequence).
     DG = dropout_groups(N_K)
     drow0 = 0
     if IS_VARLEN:
@@ -693,7 +693,7 @@ def backward(
             and softcap apply within each sequence (bottom-right aligned per sequence).
         dropout_p, dropout_seed, dropout_offset: as the forward ran with: both passes regenerate its
             keep mask M (constexpr DROPOUT), dV = ((P̃ ∘ M)/(1 − p̂))ᵀ dO, dP' = M ∘ dP/(1 − p̂) (p̂: p
-            rounded by the 16-bit keep test, kernels/reference.dropout_scale),
+            rounded by the 8-bit keep test, kernels/reference.dropout_scale),
             dS = P ∘ (dP' − D) with the undropped P, whose rows still sum to zero
             (kernels/reference.py); r and the GProj direction P̃ are unchanged.
 

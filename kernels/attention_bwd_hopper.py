@@ -85,8 +85,8 @@ if GLUON_ERROR is None:
     _BLOCK_M = gl.constexpr(TILE_ROWS)
     _SUB_M = gl.constexpr(TILE_ROWS // 2)  # query rows of a softcap half tile
     # The dropout keep masks' layouts over [keys, queries] (kernels/attention_fwd_hopper.keep_layout_t), 64 and 32 rows.
-    _KEEP_T64, _ROUNDS_T64 = (gl.constexpr(x) for x in keep_layout_t(64))
-    _KEEP_T32, _ROUNDS_T32 = (gl.constexpr(x) for x in keep_layout_t(32))
+    _KEEP_T64 = gl.constexpr(keep_layout_t(64))
+    _KEEP_T32 = gl.constexpr(keep_layout_t(32))
     _NUM_STAGES = gl.constexpr(2)
 
     @gluon.jit
@@ -170,14 +170,12 @@ if GLUON_ERROR is None:
         HEAD_DIM: gl.constexpr = k.shape[1]
         ROWS: gl.constexpr = q.shape[0]
         dtype: gl.constexpr = k.dtype
-        # The dropout mask's layouts for ROWS query rows (64, or 32 in softcap's half tiles): keep_layout_t(ROWS)
+        # The dropout mask's layout for ROWS query rows (64, or 32 in the half tiles): keep_layout_t(ROWS)
         KH: gl.constexpr = ROWS // 32
         if ROWS == 64:
             KEEP_T: gl.constexpr = _KEEP_T64
-            ROUNDS_T: gl.constexpr = _ROUNDS_T64
         else:
             KEEP_T: gl.constexpr = _KEEP_T32
-            ROUNDS_T: gl.constexpr = _ROUNDS_T32
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, ROWS, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -211,7 +209,7 @@ if GLUON_ERROR is None:
         if DROPOUT:  # the Philox rounds here, after Sᵀ's wait (fewer spills than before the GEMMs are issued: Triton
             # 3.6, d 128, 47 / 60 spill stores full / causal for fix none, 87 / 116 gproj, against 59 / 58 and 87 / 130);
             # the mask's bits taken where they are used
-            words = philox_keep_t(drow, DG, key0, bh, seed_lo, seed_hi, drop_off, drop_thr, KH, KEEP_T, ROUNDS_T)
+            words = philox_keep_t(drow, DG, key0, bh, seed_lo, seed_hi, drop_off, drop_thr, KH, KEEP_T)
         pr = pT.to(dtype)  # rounding point: P̃
         p16 = gl.convert_layout(pr, a_layout)
         if DROPOUT:  # dV += (P̃ ∘ M)ᵀ dO; the mask in the scores' own placement (keep_layout_t)

@@ -21,8 +21,8 @@ them the kernel is the same code as before. So are sliding windows (WINDOW: each
 only the key blocks its rows' windows touch, masking the two edge ranges) and logit softcapping
 (SOFTCAP: the capped logits z = cap·tanh(τ s/cap) replace s, and m is their row max, so the row's
 maximum still gets exactly exp2(0)), and attention dropout (DROPOUT: the P·V operand is P̃ ∘ M with
-the Philox keep mask of kernels/reference.dropout_keep_mask, one Philox call per 8 keys of a row, and o
-is scaled by 1/(1 − p̂) at the end, p̂ the drop probability of the 16-bit keep test).
+the Philox keep mask of kernels/reference.dropout_keep_mask, one Philox call per 16 keys of a row, and o
+is scaled by 1/(1 − p̂) at the end, p̂ the drop probability of the 8-bit keep test).
 
 On an sm_90 GPU, dense inputs with seqlen_q = seqlen_k >= 128 (causal, windows, softcap, dropout and key padding
 without a window included) and packed sequences that share one cu_seqlens between queries and keys (>= 128 tokens in
@@ -135,7 +135,7 @@ def _fwd_kernel(
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    # Dropout counters (kernels/reference.dropout_keep_mask): row i's groups of 8 keys start at i·G,
+    # Dropout counters (kernels/reference.dropout_keep_mask): row i's groups of 16 keys start at i·G,
     # G = ⌈N_K / 8⌉; packed, i is the packed row, G that of total_k and bh = h (keys count from the
     # sequence's first, so key tiles start on a group boundary).
     drop_rows = offs_m.to(tl.int64) * dropout_groups(N_K)
@@ -270,7 +270,7 @@ def forward(
         dropout_p, dropout_seed, dropout_offset: attention dropout (0: off, the kernel without it), the
             mask of :func:`lightning_gproj.kernels.reference.dropout_keep_mask` (packed: over the packed
             query rows and each sequence's own keys): O = (P ∘ M) V / (1 − p̂), p̂ = p rounded to a
-            multiple of 2⁻¹⁶ (kernels/reference.dropout_scale); m and log2l are the undropped P's.
+            multiple of 2⁻⁸ (kernels/reference.dropout_scale); m and log2l are the undropped P's.
 
     Returns:
         o: (batch, seqlen_q, nheads, headdim) (packed: (total_q, nheads, headdim)), q's dtype, contiguous.

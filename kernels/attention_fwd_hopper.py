@@ -31,7 +31,7 @@ change nothing unless they are inf or NaN, as in any FlashAttention kernel), rig
 with a window: tiles past a batch row's last key are skipped, the last one masked, and its K/V tiles come through
 TMA descriptors made on the device that end at that key, so the padded values, NaN or inf included, are never read
 into a product), attention dropout (the P̃·V operand is P̃ ∘ M with the Philox keep mask of
-kernels/reference.dropout_keep_mask, bit for bit the tl.dot kernels' — :func:`philox_keep`: one Philox call per 8 keys
+kernels/reference.dropout_keep_mask, bit for bit the tl.dot kernels' — :func:`philox_keep`: one Philox call per 16 keys
 of a row, run by one lane of the quad that holds the row in the wgmma accumulator, the keep bits handed to the other
 three by warp shuffles —, o scaled by 1/(1 − p̂); m and log2l of the undropped P; one tile per program:
 :func:`persistent`). Speed on the H200: benchmarks/NOTES.md (runs 18, 21, 24, 26; with dropout run 34).
@@ -269,16 +269,21 @@ if GLUON_ERROR is None:
     _SHFL_IDX = gl.constexpr("shfl.sync.idx.b32 $0, $1, $2, 31, -1;")
 
     def keep_layout(tile: int):
-        """The layout of :func:`philox_keep`'s [64, tile // 32, 4, 4, 2] keep mask (row, a, j', j, e) of 64 rows and the
-        keys 32a + 8j' + 2j + e of a tile of ``tile`` keys: reshaped to [64, tile] it is the accumulator layout of a
-        4-warp wgmma (NVMMA v3, warps_per_cta [4, 1]; thread (warp w, lane 4r + q) holds rows 16w + r, 16w + r + 8 and
-        keys 8k + 2q + e), so the mask reaches the scores without a layout conversion. Slicing away a and e gives
-        the layout in which the Philox rounds run once per group 4a + j of 8 keys (lane q: the groups j = q);
-        slicing away a and e the one the keep bytes cross the quad of lanes in (a warp shuffle)."""
-        regs = [[0, 0, 0, 0, 1], [8, 0, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0]]
-        regs += [[0, 1 << i, 0, 0, 0] for i in range((tile // 32).bit_length() - 1)]
-        lanes = [[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]]
-        return gl.DistributedLinearLayout(regs, lanes, [[16, 0, 0, 0, 0], [32, 0, 0, 0, 0]], [], [64, tile // 32, 4, 4, 2])
+        """The layout of :func:`keep_bits`'s [64, U, AL, 2, 2, 4, 2] keep mask (row, u, a, jh, k', q, e) of 64 rows and
+        the keys 64u + 32a + 16jh + 8k' + 2q + e of a tile of ``tile`` keys (U = max(1, tile // 64), AL = min(2,
+        tile // 32)): reshaped to [64, tile] it is the accumulator layout of a 4-warp wgmma (NVMMA v3, warps_per_cta [4,
+        1]; thread (warp w, lane 4r + q) holds rows 16w + r, 16w + r + 8 and keys 8k + 2q + e), so the mask reaches the
+        scores without a layout conversion. Its slices place the Philox rounds (row, u, q: lane q runs the calls of its
+        rows' groups q mod 4 + 4u of 16 keys) and the quad exchange (row, a, jh, q: lane q receives the word of lane
+        2a + jh, the one that drew the group 2a + jh mod 4)."""
+        U, AL = max(1, tile // 64), min(2, tile // 32)
+        regs = [[0, 0, 0, 0, 0, 0, 1], [8, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 0, 0, 0]]
+        regs += [[0, 0, 1, 0, 0, 0, 0]] if AL == 2 else []
+        regs += [[0, 1, 0, 0, 0, 0, 0]] if U == 2 else []
+        lanes = [[0, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 2, 0], [1, 0, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0, 0],
+                 [4, 0, 0, 0, 0, 0, 0]]
+        return gl.DistributedLinearLayout(regs, lanes, [[16, 0, 0, 0, 0, 0, 0], [32, 0, 0, 0, 0, 0, 0]], [],
+                                          [64, U, AL, 2, 2, 4, 2])
 
     @gluon.jit
     def philox_rounds(c0, c1, c2, c3, k0, k1):
@@ -295,144 +300,195 @@ if GLUON_ERROR is None:
             k1 = k1 + 0xBB67AE85
         return c0, c1, c2, c3
 
+    _KEEP_BYTE_ASM = gl.constexpr("{ .reg .b32 t; or.b32 t, $1, 0x80808080; sub.u32 t, t, $2; "
+                                  "lop3.b32 $0, $1, t, $3, 0xE8; }")
+
     @gluon.jit
-    def keep_byte(grp, bh, seed_lo, seed_hi, drop_off, drop_thr):
-        """The 8 keep bits of the groups of 8 keys with (int64) group counters ``grp`` (i·G + g), bit c for key c of the
-        group: one Philox call (:func:`philox_rounds`; counters (grp mod 2³², bh, offset, grp div 2³²), key seed_hi·2³² +
-        seed_lo) each, key c kept iff the 16-bit half c mod 2 (0: low) of output word c // 2 is >= drop_thr
-        (kernels/reference.dropout_keep_mask). uint32, in grp's layout."""
+    def keep_msbs(x, tlo, hi):
+        """The keep test of the 4 random bytes of a Philox word at once: bit 7 of byte b of the result is 1 iff byte b
+        of x >= the 8-bit threshold thr, given tlo = (thr mod 128)·0x01010101 and hi = ~0 if thr < 128 else 0. With
+        x's byte = 128h + l and t = (l | 128) − thr mod 128 (no borrow crosses a byte: l | 128 >= 128 > thr mod 128),
+        bit 7 of t is l >= thr mod 128, so byte >= thr iff h | t₇ (thr < 128) or h & t₇ (thr >= 128): the majority
+        function of (h, t₇, hi), one LOP3. The other bits are garbage."""
+        return gl.inline_asm_elementwise(_KEEP_BYTE_ASM, "=r,r,r,r", [x, tlo, hi], dtype=gl.uint32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
+    def keep_word(grp, bh, seed_lo, seed_hi, drop_off, drop_thr, u):
+        """The 16 keep bits of the groups of 16 keys with (int64) group counters ``grp`` (i·G + g): one Philox call
+        (:func:`philox_rounds`; counters (grp mod 2³², bh, offset, grp div 2³²), key seed_hi·2³² + seed_lo) each; key
+        c = 4m + b of the group (byte b of output word m) kept iff that byte >= drop_thr (kernels/reference.
+        dropout_keep_mask), its bit at 8b + 7 − m − 4u of the result (u, a tensor broadcast with grp: the call's place
+        in its lane's word, 0 or 1). uint32, in grp's layout."""
         c0 = grp.to(gl.uint32)
         c3 = (grp >> 32).to(gl.uint32)
         zero = c0 * 0
         x0, x1, x2, x3 = philox_rounds(c0, zero + bh.to(gl.uint32), zero + drop_off.to(gl.uint32, bitcast=True), c3,
                                        seed_lo.to(gl.uint32, bitcast=True), seed_hi.to(gl.uint32, bitcast=True))
-        # Compared in the high 16 bits, as dropout_keep: high half x >> 16 >= thr iff x >= thr << 16.
-        thr = drop_thr.to(gl.uint32) << 16
-        return (((x0 << 16) >= thr).to(gl.uint32) | ((x0 >= thr).to(gl.uint32) << 1)
-                | (((x1 << 16) >= thr).to(gl.uint32) << 2) | ((x1 >= thr).to(gl.uint32) << 3)
-                | (((x2 << 16) >= thr).to(gl.uint32) << 4) | ((x2 >= thr).to(gl.uint32) << 5)
-                | (((x3 << 16) >= thr).to(gl.uint32) << 6) | ((x3 >= thr).to(gl.uint32) << 7))
+        thr = drop_thr.to(gl.uint32)
+        tlo = zero + (thr & 127) * 0x01010101
+        hi = zero + ((thr >> 7) - 1)  # ~0 if thr < 128, else 0
+        s = (4 * u).to(gl.uint32)
+        msb = 0x80808080
+        return (((keep_msbs(x0, tlo, hi) & msb) >> s) | ((keep_msbs(x1, tlo, hi) & msb) >> (s + 1))
+                | ((keep_msbs(x2, tlo, hi) & msb) >> (s + 2)) | ((keep_msbs(x3, tlo, hi) & msb) >> (s + 3)))
+
+    _ROTR_ASM = gl.constexpr("shf.r.wrap.b32 $0, $1, $1, $2;")
+
+    @gluon.jit
+    def rotr(x, n):
+        """x rotated right by n (uint32; n taken mod 32), broadcast together."""
+        x, n = gl.broadcast(x, n.to(gl.uint32))
+        return gl.inline_asm_elementwise(_ROTR_ASM, "=r,r,r", [x, n], dtype=gl.uint32, is_pure=True, pack=1)
 
     @gluon.jit
     def philox_keep(first_row, G, start_n, bh, seed_lo, seed_hi, drop_off, drop_thr, A: gl.constexpr,
-                    L5: gl.constexpr):
+                    L7: gl.constexpr):
         """The keep mask of attention dropout for the 64 query rows first_row … and the key columns start_n … start_n +
-        32·A − 1 (start_n a multiple of 8), as the words :func:`keep_bits` turns into the [64, 32·A] bool mask in the
-        layout of a 4-warp wgmma accumulator (L5 = :func:`keep_layout`): the scheme of kernels/reference.dropout_keep_mask and kernels/_triton_utils.dropout_keep,
-        the tl.dot kernels' mask, bit for bit — one Philox4x32 call (:func:`philox_rounds`) per group g of 8 keys of
-        row i, counters (i·G + g mod 2³², bh, offset, i·G + g div 2³²), key seed_hi·2³² + seed_lo; key c of the group
-        is kept iff the 16-bit half c mod 2 (0: low) of output word c // 2 is >= drop_thr. G = ⌈n_k / 8⌉; seeds,
-        offset as int32 bit patterns (dropout_args).
+        32·A − 1 (start_n a multiple of 32·A), as the words :func:`keep_bits` turns into the [64, 32·A] bool mask in the
+        layout of a 4-warp wgmma accumulator (L7 = :func:`keep_layout`): the scheme of kernels/reference.dropout_keep_mask
+        and kernels/_triton_utils.dropout_keep, the tl.dot kernels' mask, bit for bit — one Philox4x32 call
+        (:func:`philox_rounds`) per group g of 16 keys of row i, counters (i·G + g mod 2³², bh, offset, i·G + g div
+        2³²), key seed_hi·2³² + seed_lo; key c = 4m + b of the group is kept iff byte b of output word m is >= drop_thr.
+        G = ⌈n_k / 16⌉; seeds, offset as int32 bit patterns (dropout_args).
 
-        Each group's call runs once, in lane q = g mod 4 of the quad of lanes that holds the row (A·2 calls a thread);
-        its 8 keep bits go into byte g // 4 of that lane's word, and one warp shuffle per (row, source lane) hands
-        every lane of the quad the words of the other three, from which it takes the bits of its own keys. No shared
-        memory: with the mask converted through it, ptxas of Triton 3.6 serialized every wgmma of the forward
-        (C7513)."""
-        Lsh: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(4, L5))  # (row, j', j): the shuffle
-        Lg: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(4, L5))  # (row, a, j): the groups 4a + j
-        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, Lg)))
-        a_g = gl.arange(0, A, layout=gl.SliceLayout(0, gl.SliceLayout(2, Lg)))
-        j_g = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, Lg)))
-        row_c = gl.expand_dims(gl.expand_dims((first_row + rows).to(gl.int64) * G, 1), 2)
-        col_g = gl.expand_dims(gl.expand_dims(start_n // 8 + 4 * a_g, 0), 2) + gl.expand_dims(gl.expand_dims(j_g, 0), 1)
-        grp = row_c + col_g.to(gl.int64)
-        byte = keep_byte(grp, bh, seed_lo, seed_hi, drop_off, drop_thr)
-        # Lane q's word: byte a of it for its group 4a + q (a in registers: no exchange).
-        word = gl.sum(byte << (8 * gl.expand_dims(gl.expand_dims(a_g, 0), 2)).to(gl.uint32), axis=1)
-        word = gl.convert_layout(word, gl.SliceLayout(1, Lsh))  # the same placement (row, j)
-        jp = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, Lsh)))
-        rows_s = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, Lsh)))
-        # Lane 4r + j reads, for each j', lane 4r + j''s word (r = row mod 8 in the warp's 16 rows).
-        src = gl.expand_dims(4 * (rows_s % 8)[:, None] + jp[None, :], 2)
-        words = gl.expand_dims(word, 1)
+        Each group's call runs in lane q = g mod 4 of the quad of lanes that holds the row (with A = 1, in lanes q and
+        q + 2); its 16 keep bits, tested 4 at a time (:func:`keep_msbs`), go into that lane's word (:func:`keep_word`),
+        and one warp shuffle per (row, source lane) hands every lane of the quad the words of the others, from which it
+        takes the bits of its own keys. No shared memory: with the mask converted through it, ptxas of Triton 3.6
+        serialized every wgmma of the forward (C7513)."""
+        NL: gl.constexpr = 4 if A >= 2 else 2  # the lanes that draw (the others of A = 1 repeat lanes 0, 1)
+        Lx: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(4, gl.SliceLayout(6, L7)))  # (row, a, jh, q): the exchange
+        Lr: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(6, L7))))  # (row, u, q)
+        U: gl.constexpr = L7.shape[1]
+        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, Lr)))
+        u_r = gl.arange(0, U, layout=gl.SliceLayout(0, gl.SliceLayout(2, Lr)))
+        q_r = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, Lr)))
+        u3 = gl.expand_dims(gl.expand_dims(u_r, 0), 2)
+        grp = (gl.expand_dims(gl.expand_dims((first_row + rows).to(gl.int64) * G, 1), 2)
+               + (start_n // 16 + gl.expand_dims(gl.expand_dims(q_r % NL, 0), 1) + 4 * u3).to(gl.int64))
+        word = gl.sum(keep_word(grp, bh, seed_lo, seed_hi, drop_off, drop_thr, u3), axis=1)  # disjoint bits: the OR
+        word = gl.convert_layout(word, gl.SliceLayout(1, gl.SliceLayout(1, Lx)))  # the same placement (row, q)
+        AL: gl.constexpr = L7.shape[2]
+        a_x = gl.arange(0, AL, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, Lx))))
+        jh_x = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, Lx))))
+        q_x = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, Lx))))
+        rows_x = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, Lx))))
+        # Lane 4r + q reads, for each (a, jh), lane 4r + 2a + jh's word (r = row mod 8 in the warp's 16 rows).
+        src = (4 * gl.expand_dims(gl.expand_dims(gl.expand_dims(rows_x % 8, 1), 2), 3)
+               + gl.expand_dims(gl.expand_dims(gl.expand_dims(2 * a_x, 0), 2), 3)
+               + gl.expand_dims(gl.expand_dims(gl.expand_dims(jh_x, 0), 1), 3))
+        words = gl.expand_dims(gl.expand_dims(word, 1), 1)
         words, src = gl.broadcast(words, src)
-        return gl.inline_asm_elementwise(_SHFL_IDX, "=r,r,r", [words, src], dtype=gl.uint32, is_pure=True, pack=1)
+        got = gl.inline_asm_elementwise(_SHFL_IDX, "=r,r,r", [words, src], dtype=gl.uint32, is_pure=True, pack=1)
+        # Key 16g + 8k' + 2q + e (c = 8k' + 2q + e: byte 2(q & 1) + e of word 2k' + (q >> 1)) of the word's call u is
+        # bit 16(q & 1) + 8e + 7 − 2k' − (q >> 1) − 4u: rotated right by 16(q & 1) − (q >> 1), each key's bit is
+        # 8e + 7 − 2k' − 4u, the same in every lane.
+        q4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(q_x, 0), 1), 2)
+        return rotr(got, 16 * (q4 & 1) - (q4 >> 1))
 
     @gluon.jit
-    def keep_bits(got, A: gl.constexpr, L5: gl.constexpr):
-        """The [64, 32·A] keep mask (layout: L5 reshaped, a wgmma accumulator's) from :func:`philox_keep`'s words: key
-        32a + 8j' + 2j + e is bit 8a + 2j + e of lane j''s word, as lane j got it. Kept apart from the Philox rounds so
-        that only the words (8 registers a thread) stay live from where the rounds run to where the mask is used."""
-        a5 = gl.arange(0, A, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5)))))
-        j5 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, L5)))))
-        e5 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L5)))))
-        a5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(a5, 0), 2), 3), 4)
-        j5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(j5, 0), 1), 2), 4)
-        e5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(e5, 0), 1), 2), 3)
-        got = gl.expand_dims(gl.expand_dims(got, 1), 4)
-        keep = ((got >> (8 * a5 + 2 * j5 + e5).to(gl.uint32)) & 1) != 0
+    def keep_bits(got, A: gl.constexpr, L7: gl.constexpr):
+        """The [64, 32·A] keep mask (layout: L7 reshaped, a wgmma accumulator's) from :func:`philox_keep`'s words: key
+        64u + 32a + 16jh + 8k' + 2q + e is bit 8e + 7 − 2k' − 4u of the word got from lane 2a + jh. Kept apart from the
+        Philox rounds so that only the words (2A registers a thread) stay live from where the rounds run to where the
+        mask is used."""
+        U: gl.constexpr = L7.shape[1]
+        u7 = gl.arange(0, U, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5, gl.SliceLayout(6, L7)))))))
+        k7 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(5, gl.SliceLayout(6, L7)))))))
+        e7 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5, L7)))))))
+        u7 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(u7, 0), 2), 3), 4), 5), 6)
+        k7 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(k7, 0), 1), 2), 3), 5), 6)
+        e7 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(e7, 0), 1), 2), 3), 4), 5)
+        got = gl.expand_dims(gl.expand_dims(gl.expand_dims(got, 1), 4), 6)
+        keep = ((got >> (8 * e7 + 7 - 2 * k7 - 4 * u7).to(gl.uint32)) & 1) != 0
         return gl.reshape(keep, [64, 32 * A])
 
     def keep_layout_t(rows: int):
-        """The layouts of :func:`philox_keep_t`: the mask's, over [4, 2, 8, rows // 32, 4, 4, 2] = (w, rh, r, kh, klo, q,
-        e) for the key 16w + 8rh + r of 64 keys and the query row 32kh + 8klo + 2q + e of ``rows`` — reshaped to [64,
-        rows] the accumulator layout of a 4-warp wgmma over [keys, queries] (thread (warp w, lane 4r + q) holds keys
-        16w + r, 16w + r + 8 and queries 8k + 2q + e) —, and the Philox rounds', over [4, 2, rows // 32, 8, 4] = (w,
-        rh, kh, r, q): the group of keys 16w + 8rh … + 7 of query row 32kh + 8(r >> 1) + 2q + (r & 1) in lane 4r + q,
-        each group once (the 8 lanes that hold a group's keys share its rounds out)."""
+        """The layout of :func:`keep_bits_t`'s mask, over [4, 2, 8, rows // 32, 4, 4, 2] = (w, rh, r, kh, klo, q, e) for
+        the key 16w + 8rh + r of 64 keys and the query row 32kh + 8klo + 2q + e of ``rows`` — reshaped to [64, rows]
+        the accumulator layout of a 4-warp wgmma over [keys, queries] (thread (warp w, lane 4r + q) holds keys 16w + r,
+        16w + r + 8 and queries 8k + 2q + e). Its slices place the Philox rounds (w, r, q[, e]: lane 4r + q draws the
+        group of keys 16w … 16w + 15 for the query rows 8r + 2q + e, or with 32 rows the row 8(r >> 1) + 2q + (r & 1))
+        and the exchange."""
         kh = [[0, 0, 0, 1, 0, 0, 0]] if rows > 32 else []
-        mask = gl.DistributedLinearLayout(
+        return gl.DistributedLinearLayout(
             [[0, 0, 0, 0, 0, 0, 1], [0, 1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 2, 0, 0]] + kh,
             [[0, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 2, 0], [0, 0, 1, 0, 0, 0, 0], [0, 0, 2, 0, 0, 0, 0], [0, 0, 4, 0, 0, 0, 0]],
             [[1, 0, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0, 0]], [], [4, 2, 8, rows // 32, 4, 4, 2])
-        rounds = gl.DistributedLinearLayout(
-            [[0, 1, 0, 0, 0]] + ([[0, 0, 1, 0, 0]] if rows > 32 else []),
-            [[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 0, 4, 0]],
-            [[1, 0, 0, 0, 0], [2, 0, 0, 0, 0]], [], [4, 2, rows // 32, 8, 4])
-        return mask, rounds
 
     @gluon.jit
-    def philox_keep_t(first_row, G, key0, bh, seed_lo, seed_hi, drop_off, drop_thr, KH: gl.constexpr, L7: gl.constexpr,
-                      LP: gl.constexpr):
-        """:func:`philox_keep` transposed: the keep mask of the 64 keys key0 … (a multiple of 8) and the 32·KH query rows
+    def philox_keep_t(first_row, G, key0, bh, seed_lo, seed_hi, drop_off, drop_thr, KH: gl.constexpr, L7: gl.constexpr):
+        """:func:`philox_keep` transposed: the keep mask of the 64 keys key0 … (a multiple of 64) and the 32·KH query rows
         first_row … (dropout counter rows: packed rows when packed) as the words :func:`keep_bits_t` turns into the
-        [64 keys, 32·KH queries] mask in a 4-warp wgmma accumulator's layout (L7, LP: :func:`keep_layout_t`) — the
-        same Philox calls and bits as kernels/reference.dropout_keep_mask, one call per (query row, group of 8 keys) in
-        one of the 8 lanes that hold the group's keys; its 8 keep bits in a byte of that lane's word, and 8 warp
-        shuffles a thread hand every lane the words of the other seven (lanes 4r' + q, same q)."""
-        Lsh: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, L7))  # (w, r, klo, q, e): the shuffle
-        w_ = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LP)))))
-        rh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LP)))))
-        kh = gl.arange(0, KH, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, LP)))))
-        r_ = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, LP)))))
-        q_ = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LP)))))
-        w5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(w_, 1), 2), 3), 4)
-        rh5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(rh, 0), 2), 3), 4)
-        kh5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(kh, 0), 1), 3), 4)
-        r5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(r_, 0), 1), 2), 4)
-        q5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(q_, 0), 1), 2), 3)
-        query = first_row + 32 * kh5 + 8 * (r5 >> 1) + 2 * q5 + (r5 & 1)
-        grp = query.to(gl.int64) * G + (key0 // 8 + 2 * w5 + rh5).to(gl.int64)
-        byte = keep_byte(grp, bh, seed_lo, seed_hi, drop_off, drop_thr)
-        # Lane 4r + q's word: byte rh + 2kh for its group (rh, kh) (registers: no exchange).
-        word = gl.sum(gl.sum(byte << (8 * (rh5 + 2 * kh5)).to(gl.uint32), axis=2), axis=1)  # (w, r, q)
-        word = gl.convert_layout(word, gl.SliceLayout(2, gl.SliceLayout(4, Lsh)))  # the same placement
-        klo = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, Lsh)))))
-        qs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, Lsh)))))
-        e_ = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, Lsh)))))
-        klo5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(klo, 0), 1), 3), 4)
-        qs5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qs, 0), 1), 2), 4)
-        e5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(e_, 0), 1), 2), 3)
-        # Register (klo, e) of lane 4r + q reads lane 4(e + 2klo) + q's word: the one whose groups are query row
-        # … + 8klo + 2q + e.
-        src = 4 * (e5 + 2 * klo5) + qs5
-        words = gl.expand_dims(gl.expand_dims(word, 2), 4)
+        [64 keys, 32·KH queries] mask in a 4-warp wgmma accumulator's layout (L7: :func:`keep_layout_t`) — the same
+        Philox calls and bits as kernels/reference.dropout_keep_mask, one call per (query row, group of 16 keys: a
+        warp's) in one of the 8 lanes that hold the group's keys for that row (:func:`keep_word`, two calls a lane with
+        64 rows, one with 32), and 8 warp shuffles a thread hand every lane the words of the other seven (lanes 4r' + q,
+        same q)."""
+        Lr: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(2, gl.SliceLayout(1, L7)))  # (w, r, q, e)
+        w_ = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, Lr))))
+        r_ = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, Lr))))
+        q_ = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, Lr))))
+        w3 = gl.expand_dims(gl.expand_dims(w_, 1), 2)
+        r3 = gl.expand_dims(gl.expand_dims(r_, 0), 2)
+        q3 = gl.expand_dims(gl.expand_dims(q_, 0), 1)
+        g3 = (key0 // 16 + w3).to(gl.int64)
+        if KH == 2:  # lane 4r + q: the rows 8r + 2q + e, e = 0, 1 (its calls u = e)
+            e_ = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, Lr))))
+            e4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(e_, 0), 1), 2)
+            query = first_row + gl.expand_dims(8 * r3 + 2 * q3, 3) + e4
+            grp = query.to(gl.int64) * G + gl.expand_dims(g3, 3)
+            word = gl.sum(keep_word(grp, bh, seed_lo, seed_hi, drop_off, drop_thr, e4), axis=3)  # disjoint bits: the OR
+        else:  # lane 4r + q: the row 8(r >> 1) + 2q + (r & 1)
+            query = first_row + 8 * (r3 >> 1) + 2 * q3 + (r3 & 1)
+            word = keep_word(query.to(gl.int64) * G + g3, bh, seed_lo, seed_hi, drop_off, drop_thr, 0 * r3)
+        if KH == 2:  # register (kh, klo) reads lane 4(4kh + klo) + q: the rows 8(4kh + klo) + 2q + e
+            Lx: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(6, L7))  # (w, r, kh, klo, q)
+            word = gl.convert_layout(word, gl.SliceLayout(2, gl.SliceLayout(3, Lx)))  # the same placement (w, r, q)
+            kh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, Lx)))))
+            klo = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, Lx)))))
+            qs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, Lx)))))
+            src = (4 * (4 * gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(kh, 0), 1), 3), 4)
+                        + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(klo, 0), 1), 2), 4))
+                   + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qs, 0), 1), 2), 3))
+            words = gl.expand_dims(gl.expand_dims(word, 2), 3)
+            rr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, Lx)))))
+            rr = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(rr, 0), 2), 3), 4)
+        else:  # register (klo, e) reads lane 4(2klo + e) + q: the row 8klo + 2q + e
+            Lx: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, L7))  # (w, r, klo, q, e)
+            word = gl.convert_layout(word, gl.SliceLayout(2, gl.SliceLayout(4, Lx)))  # the same placement (w, r, q)
+            klo = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, Lx)))))
+            qs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, Lx)))))
+            e_ = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, Lx)))))
+            src = (4 * (2 * gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(klo, 0), 1), 3), 4)
+                        + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(e_, 0), 1), 2), 3))
+                   + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qs, 0), 1), 2), 4))
+            words = gl.expand_dims(gl.expand_dims(word, 2), 4)
+            rr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, Lx)))))
+            rr = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(rr, 0), 2), 3), 4)
         words, src = gl.broadcast(words, src)
-        return gl.inline_asm_elementwise(_SHFL_IDX, "=r,r,r", [words, src], dtype=gl.uint32, is_pure=True, pack=1)
+        got = gl.inline_asm_elementwise(_SHFL_IDX, "=r,r,r", [words, src], dtype=gl.uint32, is_pure=True, pack=1)
+        # Key 16w + r + 8rh (c = r + 8rh: byte r & 3 of word (r >> 2) + 2rh) of the word's call u is bit 8(r & 3) + 7 −
+        # (r >> 2) − 2rh − 4u: rotated right by 8(r & 3) − (r >> 2) (r: the receiving lane's), each key's bit is
+        # 7 − 2rh − 4u in every lane.
+        return rotr(got, 8 * (rr & 3) - (rr >> 2))
 
     @gluon.jit
     def keep_bits_t(got, KH: gl.constexpr, L7: gl.constexpr):
         """The [64 keys, 32·KH queries] keep mask from :func:`philox_keep_t`'s words: key 16w + 8rh + r of query row
-        32kh + 8klo + 2q + e is bit r of byte rh + 2kh of the word got from lane 4(e + 2klo) + q."""
+        32kh + 8klo + 2q + e is bit 7 − 2rh − 4e of the word got from lane 4(4kh + klo) + q (64 rows), or bit 7 − 2rh
+        of the word got from lane 4(2klo + e) + q (32 rows)."""
         rh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5, gl.SliceLayout(6, L7)))))))
-        r_ = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5, gl.SliceLayout(6, L7)))))))
-        kh = gl.arange(0, KH, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, gl.SliceLayout(5, gl.SliceLayout(6, L7)))))))
         rh7 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(rh, 0), 2), 3), 4), 5), 6)
-        r7 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(r_, 0), 1), 3), 4), 5), 6)
-        kh7 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(kh, 0), 1), 2), 4), 5), 6)
-        got = gl.expand_dims(gl.expand_dims(got, 1), 3)
-        keep = ((got >> (8 * (rh7 + 2 * kh7) + r7).to(gl.uint32)) & 1) != 0
+        if KH == 2:
+            e_ = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5, L7)))))))
+            e7 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(e_, 0), 1), 2), 3), 4), 5)
+            got = gl.expand_dims(gl.expand_dims(got, 1), 6)
+            keep = ((got >> (7 - 2 * rh7 - 4 * e7).to(gl.uint32)) & 1) != 0
+        else:
+            got = gl.expand_dims(gl.expand_dims(got, 1), 3)
+            keep = ((got >> (7 - 2 * rh7).to(gl.uint32)) & 1) != 0
         return gl.reshape(keep, [64, 32 * KH])
 
     # Sliding windows (row i sees keys i − wl … i + wr), shared with kernels/attention_bwd_hopper.py.
@@ -637,7 +693,7 @@ if GLUON_ERROR is None:
                  DROPOUT: gl.constexpr):
         """A consumer's share of tile t (:func:`tile_span`, :func:`_consumer_tile`). Returns (i, it) after the tile.
         Dropout counters (kernels/reference.dropout_keep_mask): row start + row0 + r of the TMA view's batch row b (the
-        packed row when VARLEN, where b = 0) and bh = b·H + h (h when packed), DG = ⌈n_k / 8⌉ (of total_k when packed)."""
+        packed row when VARLEN, where b = 0) and bh = b·H + h (h when packed), DG = ⌈n_k / 16⌉ (of total_k when packed)."""
         HEAD_DIM: gl.constexpr = o_desc.block_type.shape[1]
         b, h, start, row0, seqlen, lo, hi, kend = tile_span(t, M_BLOCKS, PER, H, N_CTX, causal, CU, SEQLENS, wl, wr,
                                                             WINDOW, VARLEN, KEYPAD)
@@ -713,7 +769,7 @@ if GLUON_ERROR is None:
             # packed (1, total, heads, headdim) views (N_CTX = total), its rows start at CU[b], and m, log2l are
             # (nheads, total). KEYPAD: keys [0, SEQLENS[b]) of batch row b are valid; K, V point at k, v, whose 2-D
             # views have k_cols, v_cols columns (for the loader's descriptors of them). Dropout (unused without it):
-            # DG = ⌈n_k / 8⌉ dropout groups a row, the Philox key, offset and threshold, drop_scale = 1/(1 − p̂)
+            # DG = ⌈n_k / 16⌉ dropout groups a row, the Philox key, offset and threshold, drop_scale = 1/(1 − p̂)
             # (:func:`dropout_kernel_args`).
             HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
             dtype: gl.constexpr = q_desc.dtype
@@ -980,11 +1036,11 @@ DROPOUT_SIGNATURE = {"DG": "i32", "seed_lo": "i32", "seed_hi": "i32", "drop_off"
 
 
 def dropout_kernel_args(dropout_p: float, seed: int, offset: int, n_k: int) -> tuple:
-    """The Gluon kernels' dropout arguments (DG, seed_lo, seed_hi, drop_off, drop_thr, drop_scale): DG = ⌈n_k / 8⌉
-    groups of 8 keys a query row (n_k: seqlen_k, or total_k when packed) and the rest as
+    """The Gluon kernels' dropout arguments (DG, seed_lo, seed_hi, drop_off, drop_thr, drop_scale): DG = ⌈n_k / 16⌉
+    groups of 16 keys a query row (n_k: seqlen_k, or total_k when packed) and the rest as
     kernels/_triton_utils.dropout_args gives them to the tl.dot kernels (zeros and 1.0 without dropout, unused)."""
     drop = dropout_args(dropout_p, seed, offset)
-    return ((int(n_k) + 7) // 8, drop["seed_lo"], drop["seed_hi"], drop["drop_off"], drop["drop_thr"],
+    return ((int(n_k) + 15) // 16, drop["seed_lo"], drop["seed_hi"], drop["drop_off"], drop["drop_thr"],
             float(drop["drop_scale"]))
 
 

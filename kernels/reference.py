@@ -36,8 +36,8 @@ Sliding windows and logit softcapping (flash-attn's ``window_size=(left, right)`
 
 Attention dropout (flash-attn's ``dropout_p``, ``nn.MultiheadAttention(dropout=p)``, Hugging Face's
 ``attn_pdrop``): with the keep mask M ∈ {0, 1} (:func:`dropout_keep_mask`, kept with probability 1 − p,
-where p here is the probability the 16-bit keep test applies, the given one rounded to a multiple of
-2⁻¹⁶ (:func:`dropout_threshold`); the scale 1/(1 − p) uses the same p (:func:`dropout_scale`), so
+where p here is the probability the 8-bit keep test applies, the given one rounded to a multiple of
+2⁻⁸ (:func:`dropout_threshold`); the scale 1/(1 − p) uses the same p (:func:`dropout_scale`), so
 E[M] / (1 − p) = 1 exactly)
 
     O = (P ∘ M) V / (1 − p),   P = softmax(S) undropped (the row max m and the sum l are P's).
@@ -129,21 +129,22 @@ def philox4x32(seed: int, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, rounds
 
 
 def dropout_threshold(dropout_p: float) -> int:
-    """The 16-bit threshold of the keep test ``random >= threshold`` (:func:`dropout_keep_mask`):
-    thr16 = min(round(p · 2¹⁶), 2¹⁶ − 1), round half to even. An element is dropped with probability
-    p̂ = thr16 / 2¹⁶, p rounded to a multiple of 2⁻¹⁶: |p̂ − p| <= 2⁻¹⁷ ≈ 7.6e-6 for p < 1 − 2⁻¹⁷;
-    from there on the threshold saturates (p̂ = 1 − 2⁻¹⁶, |p̂ − p| < 2⁻¹⁶); p <= 2⁻¹⁷ drops nothing.
-    The kept weights are scaled by :func:`dropout_scale` = 1/(1 − p̂). An integer comparison: exactly
-    reproducible."""
-    return min(round(float(dropout_p) * 2.0**16), 0xFFFF)
+    """The 8-bit threshold of the keep test ``random byte >= threshold`` (:func:`dropout_keep_mask`):
+    thr8 = min(round(p · 2⁸), 2⁸ − 1), round half to even — flash-attn's resolution (its kernels compare
+    one random byte per element too, csrc/flash_attn/src/dropout.h). An element is dropped with
+    probability p̂ = thr8 / 2⁸, p rounded to a multiple of 2⁻⁸: |p̂ − p| <= 2⁻⁹ ≈ 0.002 for
+    p < 1 − 2⁻⁹ (p = 0.1 drops with p̂ = 26/256 = 0.1016); from there on the threshold saturates
+    (p̂ = 1 − 2⁻⁸); p <= 2⁻⁹ drops nothing. The kept weights are scaled by :func:`dropout_scale` =
+    1/(1 − p̂). An integer comparison: exactly reproducible."""
+    return min(round(float(dropout_p) * 2.0**8), 0xFF)
 
 
 def dropout_scale(dropout_p: float) -> float:
-    """1/(1 − p̂), the scale of the kept attention weights, p̂ = :func:`dropout_threshold` (p) / 2¹⁶ the
+    """1/(1 − p̂), the scale of the kept attention weights, p̂ = :func:`dropout_threshold` (p) / 2⁸ the
     probability with which the keep test drops one: E[M] / (1 − p̂) = 1 exactly (dropout with p̂,
-    unbiased). 1/(1 − p) of the p given would bias the output by (1 − p̂)/(1 − p): up to 2⁻¹⁷/(1 − p)
-    relative, and 2⁻¹⁶ · 1e9 ≈ 15259× at p = 1 − 1e-9, where the threshold saturates."""
-    return 2.0**16 / (2**16 - dropout_threshold(dropout_p))
+    unbiased). 1/(1 − p) of the p given would bias the output by (1 − p̂)/(1 − p): up to 2⁻⁹/(1 − p)
+    relative, and 2⁻⁸ · 1e9 ≈ 3.9e6× at p = 1 − 1e-9, where the threshold saturates."""
+    return 2.0**8 / (2**8 - dropout_threshold(dropout_p))
 
 
 def dropout_keep_mask(
@@ -153,29 +154,29 @@ def dropout_keep_mask(
     """The attention-dropout keep mask the kernels use, (batch, nheads, rows[1] − rows[0], cols[1] − cols[0]) bool.
 
     One Philox4x32-:data:`PHILOX_ROUNDS` call (:func:`philox4x32`, key ``seed``) gives 4 × 32 random bits
-    = 8 random 16-bit values, spent on 8 consecutive keys of one query row. Element (b, h, i, j) — query
-    row i, key column j of a call with ``n_k`` keys per row — lies in group g = ⌊j / 8⌋ at place
-    c = j mod 8; with G = ⌈n_k / 8⌉ groups per row its counters are
+    = 16 random bytes, spent on 16 consecutive keys of one query row (as flash-attn spends one byte per
+    element). Element (b, h, i, j) — query row i, key column j of a call with ``n_k`` keys per row — lies
+    in group g = ⌊j / 16⌋ at place c = j mod 16; with G = ⌈n_k / 16⌉ groups per row its counters are
 
         c0 = (i · G + g) mod 2³²,  c1 = b · nheads + h,  c2 = offset mod 2³²,  c3 = ⌊(i · G + g) / 2³²⌋
 
-    and its random value is the 16-bit half c mod 2 (0: the low half, 1: the high half) of output word
-    ⌊c / 2⌋. It is kept iff that value >= :func:`dropout_threshold` (p): dropped with probability p
-    rounded to a multiple of 2⁻¹⁶. ``rows`` / ``cols``: the half-open ranges of i and j wanted.
+    and its random value is byte c mod 4 (0: the lowest) of output word ⌊c / 4⌋. It is kept iff that
+    value >= :func:`dropout_threshold` (p): dropped with probability p rounded to a multiple of 2⁻⁸.
+    ``rows`` / ``cols``: the half-open ranges of i and j wanted.
     Packed sequences (varlen) are one batch row: i indexes the packed query rows (0 <= i < total_q), j
     the key within its sequence (0 <= j < that sequence's length: groups then start at the sequence's
     first key, wherever it is packed), n_k = total_k and c1 = h. Counters stay distinct: a packed row
-    belongs to one sequence, whose ⌈n_k_seq / 8⌉ groups fit in G.
+    belongs to one sequence, whose ⌈n_k_seq / 16⌉ groups fit in G.
     """
-    g0, g1 = cols[0] // 8, -(-cols[1] // 8)  # the groups covering the columns
+    g0, g1 = cols[0] // 16, -(-cols[1] // 16)  # the groups covering the columns
     i = torch.arange(rows[0], rows[1], device=device, dtype=torch.int64)
     g = torch.arange(g0, g1, device=device, dtype=torch.int64)
-    lin = (i[:, None] * -(-n_k // 8) + g[None, :])[None, None]
+    lin = (i[:, None] * -(-n_k // 16) + g[None, :])[None, None]
     bh = torch.arange(batch * nheads, device=device, dtype=torch.int64).view(batch, nheads, 1, 1)
     words = philox4x32(seed, lin & _M32, bh, torch.tensor(int(offset), device=device), lin >> 32, PHILOX_ROUNDS)
-    # Place c of a group: the half c mod 2 of word c // 2.
-    halves = torch.stack([h for x in words for h in (x & 0xFFFF, x >> 16)], dim=-1).flatten(-2)
-    return halves[..., cols[0] - 8 * g0: cols[1] - 8 * g0] >= dropout_threshold(dropout_p)
+    # Place c of a group: byte c mod 4 of word c // 4.
+    values = torch.stack([(x >> (8 * b)) & 0xFF for x in words for b in range(4)], dim=-1).flatten(-2)
+    return values[..., cols[0] - 16 * g0: cols[1] - 16 * g0] >= dropout_threshold(dropout_p)
 
 
 class _Dropout(NamedTuple):

@@ -10,10 +10,10 @@ from torch import Tensor
 
 
 def dropout_scale(dropout_p: float) -> float:
-    """1 / (1 − p̂), the scale of the kept attention weights: p̂ = min(round(p · 2¹⁶), 2¹⁶ − 1) / 2¹⁶
-    (round half to even) is the probability with which the 16-bit keep test drops a weight, as
+    """1 / (1 − p̂), the scale of the kept attention weights: p̂ = min(round(p · 2⁸), 2⁸ − 1) / 2⁸
+    (round half to even) is the probability with which the 8-bit keep test drops a weight, as
     docs/architecture.md states it, written out here (so E[keep] · scale = 1)."""
-    return 1.0 / (1.0 - min(round(float(dropout_p) * 2**16), 2**16 - 1) / 2**16)
+    return 1.0 / (1.0 - min(round(float(dropout_p) * 2**8), 2**8 - 1) / 2**8)
 
 
 def attention_fp64(
@@ -31,7 +31,7 @@ def attention_fp64(
     visible key give 0 (not NaN), as flash-attn.
     ``visible``: optional boolean (Nq, Nk), True = query i sees key j (and-ed with the others).
     ``keep``, ``dropout_p``: attention dropout with an explicit boolean keep mask (batch, nheads, Nq, Nk):
-    o = (P ∘ keep / (1 − p̂)) V, p̂ the drop probability of the 16-bit keep test (:func:`dropout_scale`).
+    o = (P ∘ keep / (1 − p̂)) V, p̂ the drop probability of the 8-bit keep test (:func:`dropout_scale`).
     dS is still taken w.r.t. the undropped P (its gradient dP flows back through the mask), i.e.
     dS = P ∘ (dP − Σ_j P dP).
     """

@@ -2,7 +2,7 @@
 kernels' DROPOUT variant under the interpreter, and the op's reproducibility.
 
 Ground truth is a float64 autograd attention with the keep mask of ``reference.dropout_keep_mask``
-applied explicitly (tests/_fp64.py): o = (P ∘ M / (1 − p̂)) V, p̂ the rounded p of the 16-bit keep test
+applied explicitly (tests/_fp64.py): o = (P ∘ M / (1 − p̂)) V, p̂ the rounded p of the 8-bit keep test
 (_fp64.dropout_scale). The Triton measurements come from one subprocess run of
 tests/_triton_dropout_cases.py (~35 s on 2 CPU cores; see tests/test_triton_kernels.py for why a
 subprocess).
@@ -53,25 +53,25 @@ def test_keep_fraction_is_one_minus_p(p):
 
 def _documented_keep(seed: int, offset: int, p: float, nheads: int, n_k: int, b: int, h: int, i: int, j: int) -> bool:
     """Element (b, h, i, j) of the keep mask as reference.dropout_keep_mask's docstring states it, from one
-    philox4x32 call: G = ⌈n_k / 8⌉, g = j // 8, c = j % 8, counters (i·G + g mod 2³², b·nheads + h,
-    offset, i·G + g div 2³²); the 16-bit half c % 2 (0: low) of output word c // 2 against
-    min(round(p·2¹⁶), 2¹⁶ − 1)."""
-    lin, c = i * -(-n_k // 8) + j // 8, j % 8
+    philox4x32 call: G = ⌈n_k / 16⌉, g = j // 16, c = j % 16, counters (i·G + g mod 2³², b·nheads + h,
+    offset, i·G + g div 2³²); byte c % 4 (0: the lowest) of output word c // 4 against
+    min(round(p·2⁸), 2⁸ − 1)."""
+    lin, c = i * -(-n_k // 16) + j // 16, j % 16
     words = R.philox4x32(seed, *(torch.tensor(x) for x in (lin % 2**32, b * nheads + h, offset, lin >> 32)),
                          rounds=R.PHILOX_ROUNDS)
-    return ((int(words[c // 2]) >> (16 * (c % 2))) & 0xFFFF) >= min(round(p * 2**16), 2**16 - 1)
+    return ((int(words[c // 4]) >> (8 * (c % 4))) & 0xFF) >= min(round(p * 2**8), 2**8 - 1)
 
 
-def test_mask_element_is_the_documented_philox_half():
+def test_mask_element_is_the_documented_philox_byte():
     """dropout_keep_mask, element for element, equals the documented formula computed directly
     (:func:`_documented_keep`), both from the full mask and from a one-element window of rows and
-    columns: n_k = 53 (the last group, keys 48..52, partial) at places c = 0 and 7 of a group, keys of
+    columns: n_k = 53 (the last group, keys 48..52, partial) at places c = 0, 7 and 15 of a group, keys of
     the last group and 30 random elements; n_k = 2³³ + 5, where the group counter crosses 2³² (c3 = 1)
     and the last group holds keys 2³³ .. 2³³ + 4. The sample holds kept and dropped elements."""
     seed, offset, p, batch, nheads = 2**63 + 5, 11, 0.37, 2, 3
     mask = R.dropout_keep_mask(seed, offset, p, batch, nheads, 53, (0, 20), (0, 53))
     gen = torch.Generator().manual_seed(0)
-    picks = [(0, 0, 0, 0), (0, 0, 0, 7), (0, 1, 5, 8), (1, 2, 19, 15), (1, 2, 19, 48), (0, 1, 7, 50), (1, 0, 3, 52)]
+    picks = [(0, 0, 0, 0), (0, 0, 0, 7), (0, 0, 0, 15), (0, 1, 5, 8), (1, 2, 19, 15), (1, 2, 19, 48), (0, 1, 7, 50), (1, 0, 3, 52)]
     picks += [tuple(int(torch.randint(0, n, (1,), generator=gen)) for n in (batch, nheads, 20, 53)) for _ in range(30)]
     expected = []
     for b, h, i, j in picks:
@@ -80,8 +80,8 @@ def test_mask_element_is_the_documented_philox_half():
         assert bool(mask[b, h, i, j]) == want and bool(one[b, h, 0, 0]) == want, (b, h, i, j)
         expected.append(want)
     n_k = 2**33 + 5
-    for i, j in ((3, 0), (3, 7), (5, 2**33 - 1), (5, 2**33), (5, 2**33 + 4), (9, 2**32 + 3)):
-        assert (i * -(-n_k // 8) + j // 8 >= 2**32) == (i >= 5)
+    for i, j in ((3, 0), (3, 15), (9, 2**33 - 1), (9, 2**33), (9, 2**33 + 4), (11, 2**32 + 3)):
+        assert (i * -(-n_k // 16) + j // 16 >= 2**32) == (i >= 9)
         want = _documented_keep(seed, offset, p, nheads, n_k, 1, 2, i, j)
         one = R.dropout_keep_mask(seed, offset, p, batch, nheads, n_k, (i, i + 1), (j, j + 1))
         assert bool(one[1, 2, 0, 0]) == want, (i, j)
@@ -92,7 +92,7 @@ def test_mask_element_is_the_documented_philox_half():
 def test_mask_depends_on_seed_offset_and_position():
     """Same seed and offset: the same mask; another seed or offset: independent masks (elements differ
     with probability 2p(1 − p) = 0.42 at p = 0.3; 5 sigma band on 4096 elements). Rows, columns and
-    heads draw from distinct counters, and the 8 keys of a group from distinct 16-bit halves: a mask
+    heads draw from distinct counters, and the 16 keys of a group from distinct bytes: a mask
     that repeated over them would agree far more often."""
     p, n = 0.3, 4096
 
@@ -106,10 +106,10 @@ def test_mask_depends_on_seed_offset_and_position():
         assert abs((other != base).float().mean().item() - 0.42) <= band
     assert abs((base[0, 0] != base[0, 1]).float().mean().item() - 0.42) <= 5 * math.sqrt(0.42 * 0.58 / 2048)
     assert abs((base[0, :, :32] != base[0, :, 32:]).float().mean().item() - 0.42) <= band
-    groups = base.view(1, 2, 64, 4, 8)  # (…, group, place c)
-    for c, other in ((0, 1), (0, 2), (1, 3), (0, 4), (0, 7)):
+    groups = base.view(1, 2, 64, 2, 16)  # (…, group, place c)
+    for c, other in ((0, 1), (0, 2), (1, 3), (0, 4), (0, 7), (0, 8), (3, 12), (0, 15)):
         differ = (groups[..., c] != groups[..., other]).float().mean().item()
-        assert abs(differ - 0.42) <= 5 * math.sqrt(0.42 * 0.58 / 512), (c, other)
+        assert abs(differ - 0.42) <= 5 * math.sqrt(0.42 * 0.58 / 256), (c, other)
 
 
 # ----------------------------------------------------------------------------------- the zero-sum law
@@ -236,18 +236,18 @@ def test_dv_uses_the_forward_mask_and_numpy_p():
             assert torch.allclose(x, y, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("p", [1e-6, 0.3, 0.9999])
+@pytest.mark.parametrize("p", [1e-3, 0.3, 0.9999])
 def test_kept_weights_are_scaled_by_one_over_the_kept_probability(p):
     """fp64 through the op: o and every gradient equal float64 attention with the op's mask and the
-    kept weights scaled by 1/(1 − p̂), p̂ = min(round(p·2¹⁶), 2¹⁶ − 1)/2¹⁶ the drop probability of the
-    16-bit keep test (_fp64.dropout_scale), so E[M]/(1 − p̂) = 1. 1/(1 − p) would be off by
-    (1 − p̂)/(1 − p): 1 + 1e-6 at p = 1e-6 (p̂ = 0, nothing dropped), 1 − 4.4e-6 at 0.3, 1.068 at 0.9999."""
+    kept weights scaled by 1/(1 − p̂), p̂ = min(round(p·2⁸), 2⁸ − 1)/2⁸ the drop probability of the
+    8-bit keep test (_fp64.dropout_scale), so E[M]/(1 − p̂) = 1. 1/(1 − p) would be off by
+    (1 − p̂)/(1 − p): 1 + 1e-3 at p = 1e-3 (p̂ = 0, nothing dropped), 1 − 1.1e-3 at 0.3, 39 at 0.9999."""
     torch.manual_seed(0)
     b, nq, nk, h, d = 2, 64, 130, 4, 16
     q, do = (torch.randn(b, nq, h, d, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(b, nk, h, d, dtype=torch.float64) for _ in range(2))
     keep = op_keep_mask(3, p, b, h, nq, nk)
-    assert keep.any() and (p < 2**-17) == bool(keep.all())  # p = 0.9999 keeps a few (~7) weights here
+    assert keep.any() and (p < 2**-9) == bool(keep.all())  # p = 0.9999 keeps ~1/256 of the weights here
     ref = attention_fp64(q, k, v, do, d**-0.5, True, keep=keep, dropout_p=p)[:4]
     got = _grads(q, k, v, do, "gproj", 3, p, causal=True)
     for x, y in zip(got, ref):
@@ -255,10 +255,10 @@ def test_kept_weights_are_scaled_by_one_over_the_kept_probability(p):
 
 
 def test_saturated_threshold_is_still_unbiased():
-    """p = 1 − 1e-9: the 16-bit threshold saturates at 2¹⁶ − 1 (a weight is kept with probability
-    2⁻¹⁶, not 1e-9). q = k = 0 and v = 1 make each output element the kept share of its row times the
+    """p = 1 − 1e-9: the 8-bit threshold saturates at 2⁸ − 1 (a weight is kept with probability
+    2⁻⁸, not 1e-9). q = k = 0 and v = 1 make each output element the kept share of its row times the
     scale, so the mean over 2²² weights estimates E[M]·scale: within 5 binomial standard deviations of
-    1 (≈ 64 weights kept), where 1/(1 − p) would give 2⁻¹⁶ · 1e9 ≈ 15259; and exactly the mean of
+    1 (≈ 16384 weights kept), where 1/(1 − p) would give 2⁻⁸ · 1e9 ≈ 3.9e6; and exactly the mean of
     the op's mask times 1/(1 − p̂)."""
     p, nq, nk, h = 1 - 1e-9, 512, 1024, 8
     q, k, v = torch.zeros(1, nq, h, 8), torch.zeros(1, nk, h, 8), torch.ones(1, nk, h, 8)
@@ -267,7 +267,7 @@ def test_saturated_threshold_is_still_unbiased():
     torch.manual_seed(5)
     o = gproj_attn_func(q, k, v, dropout_p=p)
     mean = o[..., 0].mean().item()
-    kept = 2**-16  # the saturated threshold's keep probability
+    kept = 2**-8  # the saturated threshold's keep probability
     assert abs(mean - 1) <= 5 * math.sqrt((1 - kept) / (kept * keep.numel()))
     assert mean == pytest.approx(keep.double().mean().item() * dropout_scale(p), rel=1e-12)
 
@@ -275,7 +275,7 @@ def test_saturated_threshold_is_still_unbiased():
 def test_varlen_mask_is_over_packed_rows_and_each_sequences_keys():
     """gproj_attn_varlen_func (fp64) against float64 attention over all packed tokens with the mask of
     dropout_keep_mask(batch=1) over the packed query rows and each sequence's own keys (the second
-    sequence's keys start at packed key 6, inside a group of 8); a single packed sequence equals the
+    sequence's keys start at packed key 6, inside a group of 16); a single packed sequence equals the
     dense call."""
     from _fp64 import packed_attention_fp64
 

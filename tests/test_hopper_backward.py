@@ -542,7 +542,7 @@ def test_dropout_variants_compile_for_sm90_with_the_philox_rounds(which, gproj, 
     def mulhi(k):
         return k.asm["ptx"].count("mul.hi.u32") + k.asm["ptx"].count("mul.wide.u32")
 
-    # one Philox call per (query row, 8 keys): 2 (softcap: 1) calls a thread per 64-row tile in each of the two consumers
+    # one Philox call per (query row, 16 keys): 2 (half tiles: 1) calls a thread per 64-row tile in each of the two consumers
     assert mulhi(kernel) - mulhi(plain) >= 2 * HF.PHILOX_ROUNDS
     assert mulhi(plain) < 2 * HF.PHILOX_ROUNDS
     assert "shfl.sync.idx.b32" in kernel.asm["ptx"]  # the keep bytes handed around each row's (or key group's) lanes
@@ -552,7 +552,7 @@ def test_dropout_variants_compile_for_sm90_with_the_philox_rounds(which, gproj, 
 def test_dropout_launches_both_passes_with_the_forward_mask_arguments(monkeypatch, packed):
     """dq_pass and dkdv with dropout, on CPU tensors: the dropout variant of both kernels, every parameter one
     argument, and the mask's arguments those of the tl.dot kernels (kernels/_triton_utils.dropout_args) with
-    DG = ⌈n_k / 8⌉ (packed: of total_k), so that both passes regenerate the forward's mask."""
+    DG = ⌈n_k / 16⌉ (packed: of total_k), so that both passes regenerate the forward's mask."""
     launched = _record_launches(monkeypatch)
     b, n, h, hk, d = (1, 300, 4, 2, 128) if packed else (2, 256, 4, 2, 128)
     q, do, o, qr = (_t(b, n, h, d) for _ in range(4))
@@ -565,5 +565,5 @@ def test_dropout_launches_both_passes_with_the_forward_mask_arguments(monkeypatc
     for name in ("_dq_kernel_for", "_dkdv_kernel_for"):
         variant, _, args = launched[name]
         assert variant[-1] is True and variant[4] == packed
-        assert [args[a] for a in ("DG", "seed_lo", "seed_hi", "drop_off", "drop_thr")] == [(n + 7) // 8, 7, 256, 3, 6554]
-        assert args["drop_scale"] == pytest.approx(1 / 0.9, rel=1e-4)
+        assert [args[a] for a in ("DG", "seed_lo", "seed_hi", "drop_off", "drop_thr")] == [(n + 15) // 16, 7, 256, 3, 26]
+        assert args["drop_scale"] == pytest.approx(256 / (256 - 26), rel=1e-6)

@@ -453,8 +453,6 @@ if GLUON_ERROR is None:
                         + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(klo, 0), 1), 2), 4))
                    + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qs, 0), 1), 2), 3))
             words = gl.expand_dims(gl.expand_dims(word, 2), 3)
-            rr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, Lx)))))
-            rr = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(rr, 0), 2), 3), 4)
         else:  # register (klo, e) reads lane 4(2klo + e) + q: the row 8klo + 2q + e
             Lx: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, L7))  # (w, r, klo, q, e)
             word = gl.convert_layout(word, gl.SliceLayout(2, gl.SliceLayout(4, Lx)))  # the same placement (w, r, q)
@@ -465,8 +463,8 @@ if GLUON_ERROR is None:
                         + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(e_, 0), 1), 2), 3))
                    + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qs, 0), 1), 2), 4))
             words = gl.expand_dims(gl.expand_dims(word, 2), 4)
-            rr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, Lx)))))
-            rr = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(rr, 0), 2), 3), 4)
+        rr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, Lx)))))
+        rr = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(rr, 0), 2), 3), 4)  # the receiving lane's r
         words, src = gl.broadcast(words, src)
         got = gl.inline_asm_elementwise(_SHFL_IDX, "=r,r,r", [words, src], dtype=gl.uint32, is_pure=True, pack=1)
         # Key 16w + r + 8rh (c = r + 8rh: byte r & 3 of word (r >> 2) + 2rh) of the word's call u is bit 8(r & 3) + 7 −

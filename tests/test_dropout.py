@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -252,6 +253,22 @@ def test_kept_weights_are_scaled_by_one_over_the_kept_probability(p):
     got = _grads(q, k, v, do, "gproj", 3, p, causal=True)
     for x, y in zip(got, ref):
         assert torch.allclose(x, y, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("p, applied", [(1e-3, 0.0), (0.01, 3 / 256), (0.999, 255 / 256), (0.1, None), (0.5, None),
+                                        (0.9, None), (0.0, None)])
+def test_a_p_the_byte_test_cannot_apply_within_10_percent_warns(p, applied):
+    """p is applied as round(p·256)/256: where that is more than 10% off p (or 1 − p off 1 − p) the op says so once,
+    naming the p applied; 0.1, 0.5, 0.9 (off by ≤ 1.6%) and 0 (off) pass silently."""
+    q = torch.randn(1, 8, 1, 8, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        gproj_attn_func(q, q, q, dropout_p=p)
+    said = [str(w.message) for w in seen if "dropout_p" in str(w.message)]
+    if applied is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and f"is applied as {applied:g}" in said[0], said
 
 
 def test_saturated_threshold_is_still_unbiased():

@@ -136,7 +136,7 @@ def _fwd_kernel(
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     # Dropout counters (kernels/reference.dropout_keep_mask): row i's groups of 16 keys start at i·G,
-    # G = ⌈N_K / 8⌉; packed, i is the packed row, G that of total_k and bh = h (keys count from the
+    # G = ⌈N_K / 16⌉; packed, i is the packed row, G that of total_k and bh = h (keys count from the
     # sequence's first, so key tiles start on a group boundary).
     drop_rows = offs_m.to(tl.int64) * dropout_groups(N_K)
     bh = pid_bh

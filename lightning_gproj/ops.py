@@ -610,16 +610,17 @@ def _autocast_dtype(q: Tensor, k: Tensor, v: Tensor) -> Optional[torch.dtype]:
     return compute_dtype
 
 
-def _check_dropout(dropout_p: object) -> float:
+def _check_dropout(dropout_p: object, warn: bool = True) -> float:
     """``dropout_p`` as a float in [0, 1) (a Python or NumPy number, or a one-element float tensor), or
     ValueError naming it; a UserWarning where the 8-bit keep test applies a p (or keeps a 1 − p) more than 10% off the
-    one given (p below ~0.02 or above ~0.98: 1e-3 drops nothing, 0.01 drops 3/256, 0.999 keeps 1/256)."""
+    one given (p below ~0.02 or above ~0.98: 1e-3 drops nothing, 0.01 drops 3/256, 0.999 keeps 1/256). ``warn=False``:
+    validation only (the swap's pre-checks, whose op call then warns: one warning, not two)."""
     dropout_p = _real(dropout_p)
     if not isinstance(dropout_p, float) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1) (the probability of dropping an attention weight), "
                          f"got {_shown(dropout_p)}")
     applied = reference.dropout_threshold(dropout_p) / 256
-    if abs(applied - dropout_p) > 0.1 * min(dropout_p, 1 - dropout_p):
+    if warn and abs(applied - dropout_p) > 0.1 * min(dropout_p, 1 - dropout_p):
         warnings.warn(f"dropout_p={dropout_p!r} is applied as {applied:g}: the kernels' keep test compares one random "
                       f"byte per attention weight (flash-attn's resolution), so p is rounded to a multiple of 1/256 "
                       f"(kernels/reference.dropout_threshold); for 0.04 <= p <= 0.96 it stays within 5% of p and "

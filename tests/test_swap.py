@@ -281,6 +281,22 @@ def test_sdpa_dropout_is_served(op_spy):
         one(x)
 
 
+def test_sdpa_dropout_rounding_warns_once_per_call_not_twice(op_spy):
+    """dropout_p = 0.01, which the 8-bit keep test applies as 3/256: one swapped SDPA call gives exactly one
+    "applied as" warning (the op's own), not a second one from the swap's pre-check of dropout_p, and the call is
+    still served with dropout_p = 0.01."""
+    torch.manual_seed(0)
+    model = SDPAAttention(32, 4, dropout_p=0.01, is_causal=True)
+    report = swap_attention(model)
+    x = torch.randn(2, 6, 32)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(x)
+    said = [str(w.message) for w in seen if "is applied as" in str(w.message)]
+    assert said == [said[0]] and f"dropout_p=0.01 is applied as {3 / 256:g}" in said[0], said
+    assert op_spy.calls[0]["dropout_p"] == 0.01 and report.sites[""].served == 1
+
+
 def test_mha_dropout_is_served_while_training(op_spy):
     """nn.MultiheadAttention(dropout=p): training calls run the op with dropout_p = p (no fallback) and
     equal the written-out attention with the op's mask; eval calls pass dropout_p = 0."""

@@ -145,9 +145,9 @@ class Guard:
 
 def dropout_reason(dropout_p: object) -> Optional[str]:
     """None if the op takes this attention-dropout probability (its own check, ``ops._check_dropout``:
-    a number in [0, 1)), else why not."""
+    a number in [0, 1)), else why not. Silent: the op's own call warns where it rounds p (once, not twice)."""
     try:
-        ops._check_dropout(dropout_p)
+        ops._check_dropout(dropout_p, warn=False)
     except ValueError:
         return f"dropout_p={dropout_p!r} (the op takes a probability in [0, 1))"
     return None

@@ -352,12 +352,12 @@ if GLUON_ERROR is None:
         2³²), key seed_hi·2³² + seed_lo; key c = 4m + b of the group is kept iff byte b of output word m is >= drop_thr.
         G = ⌈n_k / 16⌉; seeds, offset as int32 bit patterns (dropout_args).
 
-        Each group's call runs in lane q = g mod 4 of the quad of lanes that holds the row (with A = 1, in lanes q and
-        q + 2); its 16 keep bits, tested 4 at a time (:func:`keep_msbs`), go into that lane's word (:func:`keep_word`),
+        Each group's call runs in lane q = g mod 4 of the quad of lanes that holds the row (with A = 1, the row's two
+        groups in lanes 0, 1 and the row 8 below's in lanes 2, 3); its 16 keep bits, tested 4 at a time (:func:`keep_msbs`), go into that lane's word (:func:`keep_word`),
         and one warp shuffle per (row, source lane) hands every lane of the quad the words of the others, from which it
         takes the bits of its own keys. No shared memory: with the mask converted through it, ptxas of Triton 3.6
         serialized every wgmma of the forward (C7513)."""
-        NL: gl.constexpr = 4 if A >= 2 else 2  # the lanes that draw (the others of A = 1 repeat lanes 0, 1)
+        NL: gl.constexpr = 4 if A >= 2 else 2  # the groups a row's lanes draw: lane q the group q mod NL
         Lx: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(4, gl.SliceLayout(6, L7)))  # (row, a, jh, q): the exchange
         Lr: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(6, L7))))  # (row, u, q)
         U: gl.constexpr = L7.shape[1]
@@ -365,8 +365,11 @@ if GLUON_ERROR is None:
         u_r = gl.arange(0, U, layout=gl.SliceLayout(0, gl.SliceLayout(2, Lr)))
         q_r = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, Lr)))
         u3 = gl.expand_dims(gl.expand_dims(u_r, 0), 2)
-        grp = (gl.expand_dims(gl.expand_dims((first_row + rows).to(gl.int64) * G, 1), 2)
-               + (start_n // 16 + gl.expand_dims(gl.expand_dims(q_r % NL, 0), 1) + 4 * u3).to(gl.int64))
+        q3 = gl.expand_dims(gl.expand_dims(q_r, 0), 1)
+        row3 = gl.expand_dims(gl.expand_dims(rows, 1), 2)
+        if A == 1:  # lane q draws group q & 1 of row r + 8(q >> 1): its two rows' registers hold the same call (one)
+            row3 = (row3 & ~8) + 8 * (q3 >> 1)
+        grp = (first_row + row3).to(gl.int64) * G + (start_n // 16 + q3 % NL + 4 * u3).to(gl.int64)
         word = gl.sum(keep_word(grp, bh, seed_lo, seed_hi, drop_off, drop_thr, u3), axis=1)  # disjoint bits: the OR
         word = gl.convert_layout(word, gl.SliceLayout(1, gl.SliceLayout(1, Lx)))  # the same placement (row, q)
         AL: gl.constexpr = L7.shape[2]
@@ -374,8 +377,13 @@ if GLUON_ERROR is None:
         jh_x = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, Lx))))
         q_x = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, Lx))))
         rows_x = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, Lx))))
-        # Lane 4r + q reads, for each (a, jh), lane 4r + 2a + jh's word (r = row mod 8 in the warp's 16 rows).
-        src = (4 * gl.expand_dims(gl.expand_dims(gl.expand_dims(rows_x % 8, 1), 2), 3)
+        # Lane 4r + q reads, for each (a, jh), lane 4r + 2a + jh's word (r = row mod 8 in the warp's 16 rows); with A = 1
+        # row r + 8h's group jh from lane 4r + 2h + jh.
+        if A == 1:
+            lane_hi = (rows_x >> 3) & 1
+        else:
+            lane_hi = rows_x * 0
+        src = (gl.expand_dims(gl.expand_dims(gl.expand_dims(4 * (rows_x % 8) + 2 * lane_hi, 1), 2), 3)
                + gl.expand_dims(gl.expand_dims(gl.expand_dims(2 * a_x, 0), 2), 3)
                + gl.expand_dims(gl.expand_dims(gl.expand_dims(jh_x, 0), 1), 3))
         words = gl.expand_dims(gl.expand_dims(word, 1), 1)

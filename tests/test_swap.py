@@ -827,6 +827,11 @@ def test_bad_arguments():
         swap_attention(model, include=3)
     with pytest.raises(TypeError, match="`exclude` must be None"):
         swap_attention(model, exclude=["a", 1])
+    # An empty pattern matches the root's path "" and so the whole model: refused, not read as "nothing"
+    with pytest.raises(ValueError, match="`include` has an empty pattern"):
+        swap_attention(model, include="")
+    with pytest.raises(ValueError, match=r"`exclude` has an empty pattern: .* got \['blocks\.\*', ''\]"):
+        swap_attention(model, exclude=["blocks.*", ""])
     with pytest.raises(TypeError, match="`model` must be a torch.nn.Module"):
         swap_attention(lambda x: x)
     assert "forward" not in model.blocks[0].attn.__dict__

@@ -187,7 +187,8 @@ def swap_attention(
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``include``/``exclude`` are not None,
             a string or a sequence of strings, or ``catch_all``/``strict`` are not bools.
-        ValueError: ``fix`` is not one of :data:`FIXES`, ``ds_format`` not one of ``DS_FORMATS``.
+        ValueError: ``fix`` is not one of :data:`FIXES`, ``ds_format`` not one of ``DS_FORMATS``, an empty
+            ``include``/``exclude`` pattern (it would match the root module, i.e. the whole model).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}")

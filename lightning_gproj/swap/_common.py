@@ -58,14 +58,22 @@ def check_patterns(name: str, patterns: object) -> Optional[tuple[str, ...]]:
 
     Raises:
         TypeError: for anything else (naming the argument ``name``).
+        ValueError: an empty pattern: it matches the root module's path "" and so, as a subtree, the whole model
+            (``include=""`` selected every module, ``exclude=""`` left every module alone); None selects everything.
     """
     if patterns is None:
         return None
     if isinstance(patterns, str):
-        return (patterns,)
+        patterns = (patterns,)
     if isinstance(patterns, Iterable) and not isinstance(patterns, (bytes, dict)):
         patterns = tuple(patterns)
         if all(isinstance(p, str) for p in patterns):
+            if "" in patterns:
+                raise ValueError(
+                    f"`{name}` has an empty pattern: it would match the root module and with it the whole model; "
+                    f"pass None to select every module, or a glob over module paths (e.g. 'blocks.*.attn'), got "
+                    f"{list(patterns)!r}"
+                )
             return patterns
     raise TypeError(
         f"`{name}` must be None, a glob string or a sequence of glob strings over module paths "

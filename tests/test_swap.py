@@ -23,6 +23,7 @@ from _attention_models import (
     Block,
     ExternalHelperAttention,
     HelperMethodAttention,
+    Projections,
     SDPAAttention,
     TinyModel,
     _external_attention,
@@ -31,6 +32,8 @@ from _attention_models import (
     reference_attn,
     rel_err,
 )
+from torch.nn.functional import scaled_dot_product_attention as _aliased_sdpa
+
 from lightning_gproj.swap import GProjFallbackError, GProjFallbackWarning, SwapReport, swap_attention, unswap_attention
 from lightning_gproj.swap.mha import GProjMultiheadAttention
 
@@ -377,6 +380,28 @@ def test_sdpa_helper_method_is_detected(op_spy):
     report = swap_attention(swapped)
     assert [r.module_path for r in report.swapped] == ["attn"]
     _assert_close(model, swapped, [torch.randn(2, 6, 32)], 2e-5)
+    assert [c["causal"] for c in op_spy.calls] == [True]
+
+
+class AliasedSDPAAttention(Projections):
+    """Calls SDPA under another name: ``from torch.nn.functional import scaled_dot_product_attention as …``."""
+
+    def forward(self, x, memory=None):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x)
+        return self.proj(_aliased_sdpa(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, -1))
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+def test_sdpa_imported_under_another_name_is_detected(op_spy, dtype, tol):
+    """A module whose code calls SDPA through an alias of the function (its name not in the code) is found by the
+    global the name is bound to, swapped and served: as the unswapped module to fp32 / fp64 rounding."""
+    torch.manual_seed(0)
+    model = Block(AliasedSDPAAttention(32, 4)).to(dtype)
+    swapped = copy.deepcopy(model)
+    report = swap_attention(swapped)
+    assert [r.module_path for r in report.swapped] == ["attn"]
+    _assert_close(model, swapped, [torch.randn(2, 6, 32, dtype=dtype)], tol)
     assert [c["causal"] for c in op_spy.calls] == [True]
 
 

@@ -1,7 +1,8 @@
 """Route ``F.scaled_dot_product_attention`` calls made inside chosen modules to ``gproj_attn_func``.
 
 A module is a target when a function defined on its class (``forward`` or a helper method, nested
-functions included) names ``scaled_dot_product_attention``. Its instance ``forward`` is replaced by
+functions included) names ``scaled_dot_product_attention``, or a global of its module bound to that function (an
+import under another name). Its instance ``forward`` is replaced by
 :class:`SDPAForward`, which runs the original forward inside :class:`SDPAMode`, a
 ``TorchFunctionMode`` that intercepts SDPA and serves exactly the calls whose meaning it understands;
 every other call runs the original SDPA (one :class:`GProjFallbackWarning` per module). Because the
@@ -56,10 +57,13 @@ def _functions_of(obj: Any):
 
 
 def calls_sdpa(module: nn.Module) -> bool:
-    """True if a function defined on ``type(module)`` (below ``nn.Module``) names SDPA.
+    """True if a function defined on ``type(module)`` (below ``nn.Module``) names SDPA: by its name
+    (``F.scaled_dot_product_attention``, ``from torch.nn.functional import scaled_dot_product_attention``) or by a
+    global name of the function's module bound to SDPA itself (``... import scaled_dot_product_attention as sdpa``,
+    ``attend = F.scaled_dot_product_attention``).
 
-    Reads code objects (``co_names`` of the functions and of the functions nested in them), not
-    source, so it works for classes defined anywhere. Calls through helpers defined elsewhere (e.g.
+    Reads code objects (``co_names`` of the functions and of the functions nested in them) and the functions'
+    globals, not source, so it works for classes defined anywhere. Calls through helpers defined elsewhere (e.g.
     Hugging Face's attention interface) are not seen; ``swap_attention(catch_all=True)`` covers them.
     """
     for cls in type(module).__mro__:
@@ -67,7 +71,8 @@ def calls_sdpa(module: nn.Module) -> bool:
             continue
         for value in vars(cls).values():
             for fn in _functions_of(value):
-                if _NAME in _code_names(fn.__code__):
+                names = _code_names(fn.__code__)
+                if _NAME in names or any(fn.__globals__.get(name) is SDPA for name in names):
                     return True
     return False
 

@@ -405,6 +405,29 @@ def test_sdpa_imported_under_another_name_is_detected(op_spy, dtype, tol):
     assert [c["causal"] for c in op_spy.calls] == [True]
 
 
+class _AliasNamedBlock(nn.Module):
+    """A block whose child attribute is spelled like a module-level alias of SDPA (``_aliased_sdpa``): its code
+    names it only as an attribute (``self._aliased_sdpa``), and never calls SDPA itself."""
+
+    def __init__(self):
+        super().__init__()
+        self._aliased_sdpa = SDPAAttention(32, 4)
+
+    def forward(self, x):
+        return x + self._aliased_sdpa(x)
+
+
+def test_attribute_spelled_like_an_sdpa_alias_is_not_a_call(op_spy):
+    """Only a global load of a name bound to SDPA counts as calling it: a parent whose code reads an attribute
+    spelled like the alias is not a target, so its mode does not serve the SDPA calls of an excluded child."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_AliasNamedBlock(), _AliasNamedBlock())
+    report = swap_attention(model, exclude="0._aliased_sdpa")
+    assert [r.module_path for r in report.swapped] == ["1._aliased_sdpa"]
+    model(torch.randn(2, 6, 32))
+    assert [c["stats_name"] for c in op_spy.calls] == ["1._aliased_sdpa"]
+
+
 def test_catch_all_serves_external_helpers_and_respects_exclude(op_spy):
     torch.manual_seed(0)
     model = nn.Sequential(Block(ExternalHelperAttention(32, 4)), Block(ExternalHelperAttention(32, 4)))

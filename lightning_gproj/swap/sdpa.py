@@ -16,6 +16,7 @@ the op's output, which is what SDPA's flash backend returns too.
 
 from __future__ import annotations
 
+import dis
 import inspect
 import types
 from typing import Any, Optional
@@ -40,6 +41,21 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
+#: Instructions that read a name as a global (not an attribute, a local or a free variable).
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"})
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """Names the code (and the code nested in it) loads as globals: ``co_names`` also holds attribute names
+    (``self.attn``), which a global of the same name (``... import scaled_dot_product_attention as attn``) must
+    not turn into an SDPA call."""
+    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in _GLOBAL_LOADS}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
 def _functions_of(obj: Any):
     if isinstance(obj, (staticmethod, classmethod)):
         obj = obj.__func__
@@ -59,8 +75,8 @@ def _functions_of(obj: Any):
 def calls_sdpa(module: nn.Module) -> bool:
     """True if a function defined on ``type(module)`` (below ``nn.Module``) names SDPA: by its name
     (``F.scaled_dot_product_attention``, ``from torch.nn.functional import scaled_dot_product_attention``) or by a
-    global name of the function's module bound to SDPA itself (``... import scaled_dot_product_attention as sdpa``,
-    ``attend = F.scaled_dot_product_attention``).
+    name the function loads as a global of its module bound to SDPA itself (not an attribute of that name:
+    ``... import scaled_dot_product_attention as sdpa``, ``attend = F.scaled_dot_product_attention``).
 
     Reads code objects (``co_names`` of the functions and of the functions nested in them) and the functions'
     globals, not source, so it works for classes defined anywhere. Calls through helpers defined elsewhere (e.g.
@@ -71,8 +87,9 @@ def calls_sdpa(module: nn.Module) -> bool:
             continue
         for value in vars(cls).values():
             for fn in _functions_of(value):
-                names = _code_names(fn.__code__)
-                if _NAME in names or any(fn.__globals__.get(name) is SDPA for name in names):
+                if _NAME in _code_names(fn.__code__) or any(
+                    fn.__globals__.get(name) is SDPA for name in _global_names(fn.__code__)
+                ):
                     return True
     return False
 

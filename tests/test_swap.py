@@ -878,7 +878,7 @@ def test_bad_arguments():
     # An empty pattern matches the root's path "" and so the whole model: refused, not read as "nothing"
     with pytest.raises(ValueError, match="`include` has an empty pattern"):
         swap_attention(model, include="")
-    with pytest.raises(ValueError, match=r"`exclude` has an empty pattern: .* got \['blocks\.\*', ''\]"):
+    with pytest.raises(ValueError, match=r"`exclude` has an empty pattern: .* None to exclude nothing, .* got \['blocks\.\*', ''\]"):
         swap_attention(model, exclude=["blocks.*", ""])
     with pytest.raises(TypeError, match="`model` must be a torch.nn.Module"):
         swap_attention(lambda x: x)

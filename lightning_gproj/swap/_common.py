@@ -69,10 +69,10 @@ def check_patterns(name: str, patterns: object) -> Optional[tuple[str, ...]]:
         patterns = tuple(patterns)
         if all(isinstance(p, str) for p in patterns):
             if "" in patterns:
+                none = "select every module" if name == "include" else "exclude nothing"
                 raise ValueError(
                     f"`{name}` has an empty pattern: it would match the root module and with it the whole model; "
-                    f"pass None to select every module, or a glob over module paths (e.g. 'blocks.*.attn'), got "
-                    f"{list(patterns)!r}"
+                    f"pass None to {none}, or a glob over module paths (e.g. 'blocks.*.attn'), got {list(patterns)!r}"
                 )
             return patterns
     raise TypeError(

@@ -428,6 +428,36 @@ def test_attribute_spelled_like_an_sdpa_alias_is_not_a_call(op_spy):
     assert [c["stats_name"] for c in op_spy.calls] == ["1._aliased_sdpa"]
 
 
+class ParentCallingSDPA(Projections):
+    """Calls SDPA itself and holds a child attention module that calls SDPA too."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__(dim, heads)
+        self.inner = Block(SDPAAttention(dim, heads, is_causal=True))
+
+    def forward(self, x, memory=None):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x)
+        y = self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, -1))
+        return self.inner(y)
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+def test_excluded_child_of_a_swapped_sdpa_module_keeps_the_original(op_spy, dtype, tol):
+    """The parent's TorchFunctionMode sees every SDPA call inside its forward: an excluded child's call must still
+    run the original SDPA (before, it was served under the parent's name), without a catch-all."""
+    torch.manual_seed(0)
+    model = ParentCallingSDPA().to(dtype)
+    swapped = copy.deepcopy(model)
+    report = swap_attention(swapped, exclude="inner")
+    assert [r.module_path for r in report.swapped] == [""]
+    assert ("inner", "excluded by pattern 'inner'; SDPA calls inside keep the original") in [
+        (r.module_path, r.reason) for r in report.left_alone]
+    _assert_close(model, swapped, [torch.randn(2, 6, 32, dtype=dtype)], tol)
+    assert [c["causal"] for c in op_spy.calls] == [False]  # the parent's call only (the child's is causal)
+    assert unswap_attention(swapped) == 2 and "forward" not in vars(swapped.inner)
+
+
 def test_catch_all_serves_external_helpers_and_respects_exclude(op_spy):
     torch.manual_seed(0)
     model = nn.Sequential(Block(ExternalHelperAttention(32, 4)), Block(ExternalHelperAttention(32, 4)))

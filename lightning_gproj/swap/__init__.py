@@ -279,6 +279,8 @@ def swap_attention(
 
     if catch_all:
         _swap_catch_all(modules, first, not_selected, fix, report, previous)
+    else:
+        _keep_below_modes(modules, first, not_selected, fix, report)
     for row in report.rows:
         others = paths[id(modules[row.module_path])][1:]
         if others:
@@ -368,6 +370,33 @@ def _swap_catch_all(modules, first, not_selected, fix, report, previous) -> None
         elif isinstance(module, nn.MultiheadAttention) and first[path] not in report.sites:
             # a left-alone MultiheadAttention calls SDPA internally: keep it on the original
             sdpa.swap_module(module, first[path], fix, keep=True)
+
+
+def _inside(path: str, top: str) -> bool:
+    return path != top and (top == "" or path.startswith(top + "."))
+
+
+def _keep_below_modes(modules, first, not_selected, fix, report) -> None:
+    """Without the catch-all. A module swapped through SDPA's TorchFunctionMode serves every SDPA call made while its
+    forward runs, its descendants' included: wrap the topmost descendants that must keep the original SDPA — those
+    not selected (``exclude``) and an ``nn.MultiheadAttention`` left alone — with ``keep=True``, as the catch-all
+    does (otherwise an excluded child's calls were served under the parent's name)."""
+    modes = [path for path in report.sites if sdpa.swapped_site(modules[path]) is not None]
+    if not modes:
+        return
+    reported = {row.module_path for row in report.rows}
+    kept: list[str] = []
+    for path, module in modules.items():
+        if first[path] != path or path in report.sites or not any(_inside(path, top) for top in modes):
+            continue
+        if any(_inside(path, top) for top in kept):
+            continue
+        if not_selected[path] is not None or isinstance(module, nn.MultiheadAttention):
+            sdpa.swap_module(module, path, fix, keep=True)
+            kept.append(path)
+            if not_selected[path] is not None and path not in reported:
+                report.rows.append(SwapRow(path, type(module).__name__, None,
+                                           f"{not_selected[path]}; SDPA calls inside keep the original"))
 
 
 def _sites(model: nn.Module) -> dict[str, Site]:

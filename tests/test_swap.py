@@ -11,6 +11,7 @@ the same arguments, so their results are compared bitwise.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -426,6 +427,58 @@ def test_attribute_spelled_like_an_sdpa_alias_is_not_a_call(op_spy):
     assert [r.module_path for r in report.swapped] == ["1._aliased_sdpa"]
     model(torch.randn(2, 6, 32))
     assert [c["stats_name"] for c in op_spy.calls] == ["1._aliased_sdpa"]
+
+
+_partial_sdpa = functools.partial(F.scaled_dot_product_attention, is_causal=True)
+
+
+def _closure_attention_class():
+    attend = F.scaled_dot_product_attention  # a local of the enclosing function: a closure variable of forward
+
+    class ClosureSDPA(Projections):
+        def forward(self, x, memory=None):
+            b, n, _ = x.shape
+            q, k, v = self.qkv(x)
+            return self.proj(attend(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, -1))
+
+    return ClosureSDPA
+
+
+class PartialSDPA(Projections):
+    def forward(self, x, memory=None):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x)
+        return self.proj(_partial_sdpa(q, k, v).transpose(1, 2).reshape(b, n, -1))
+
+
+class ClassAttributeSDPA(Projections):
+    attend = staticmethod(F.scaled_dot_product_attention)
+
+    def forward(self, x, memory=None):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x)
+        return self.proj(self.attend(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, -1))
+
+
+class DefaultArgumentSDPA(Projections):
+    def forward(self, x, memory=None, attend=F.scaled_dot_product_attention):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x)
+        return self.proj(attend(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, -1))
+
+
+@pytest.mark.parametrize("make", [PartialSDPA, _closure_attention_class(), ClassAttributeSDPA, DefaultArgumentSDPA],
+                         ids=["partial", "closure", "class_attribute", "default_argument"])
+def test_sdpa_held_by_a_partial_closure_class_attribute_or_default_is_detected(op_spy, make):
+    """SDPA reached without its name or a global alias in the code is found (before: only catch_all=True served
+    these), swapped and served as the unswapped module computes it, in float64."""
+    torch.manual_seed(0)
+    model = Block(make(32, 4)).double()
+    swapped = copy.deepcopy(model)
+    report = swap_attention(swapped)
+    assert [r.module_path for r in report.swapped] == ["attn"]
+    _assert_close(model, swapped, [torch.randn(2, 6, 32, dtype=torch.float64)], 1e-12)
+    assert [c["causal"] for c in op_spy.calls] == [True]
 
 
 class ParentCallingSDPA(Projections):

@@ -17,6 +17,7 @@ the op's output, which is what SDPA's flash backend returns too.
 from __future__ import annotations
 
 import dis
+import functools
 import inspect
 import types
 from typing import Any, Optional
@@ -72,25 +73,47 @@ def _functions_of(obj: Any):
         yield obj
 
 
-def calls_sdpa(module: nn.Module) -> bool:
-    """True if a function defined on ``type(module)`` (below ``nn.Module``) names SDPA: by its name
-    (``F.scaled_dot_product_attention``, ``from torch.nn.functional import scaled_dot_product_attention``) or by a
-    name the function loads as a global of its module bound to SDPA itself (not an attribute of that name:
-    ``... import scaled_dot_product_attention as sdpa``, ``attend = F.scaled_dot_product_attention``).
+def _is_sdpa(obj: Any) -> bool:
+    """``obj`` is SDPA itself, or a ``functools.partial``, staticmethod or classmethod of it."""
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    while isinstance(obj, functools.partial):
+        obj = obj.func
+    return obj is SDPA
 
-    Reads code objects (``co_names`` of the functions and of the functions nested in them) and the functions'
-    globals, not source, so it works for classes defined anywhere. Calls through helpers defined elsewhere (e.g.
-    Hugging Face's attention interface) are not seen; ``swap_attention(catch_all=True)`` covers them.
+
+def _reaches_sdpa(fn: types.FunctionType) -> bool:
+    """``fn`` (or a function nested in it) names SDPA, or holds it: a global it loads, a default argument or a
+    closure variable bound to SDPA (or a partial of it)."""
+    code = fn.__code__
+    if _NAME in _code_names(code) or any(_is_sdpa(fn.__globals__.get(name)) for name in _global_names(code)):
+        return True
+    bound = [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
+    for cell in fn.__closure__ or ():
+        try:
+            bound.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    return any(_is_sdpa(x) for x in bound)
+
+
+def calls_sdpa(module: nn.Module) -> bool:
+    """True if a function defined on ``type(module)`` (below ``nn.Module``) reaches SDPA: names it
+    (``F.scaled_dot_product_attention``, ``from torch.nn.functional import scaled_dot_product_attention``), loads a
+    global of its module bound to it (not an attribute of that name: ``... import scaled_dot_product_attention as
+    sdpa``, ``attend = F.scaled_dot_product_attention``, a ``functools.partial`` of it) or holds it as a default
+    argument or closure variable; or a class attribute is SDPA (``attend = staticmethod(F.scaled_dot_product_attention)``).
+
+    Reads code objects (``co_names`` of the functions and of the functions nested in them), the functions' globals,
+    defaults and closures, not source, so it works for classes defined anywhere. Calls through helpers defined
+    elsewhere (e.g. Hugging Face's attention interface) are not seen; ``swap_attention(catch_all=True)`` covers them.
     """
     for cls in type(module).__mro__:
         if cls is nn.Module or cls is object or cls.__module__.startswith("torch.nn."):
             continue
         for value in vars(cls).values():
-            for fn in _functions_of(value):
-                if _NAME in _code_names(fn.__code__) or any(
-                    fn.__globals__.get(name) is SDPA for name in _global_names(fn.__code__)
-                ):
-                    return True
+            if _is_sdpa(value) or any(_reaches_sdpa(fn) for fn in _functions_of(value)):
+                return True
     return False
 
 

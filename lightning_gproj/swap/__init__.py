@@ -148,8 +148,8 @@ def swap_attention(
 
     Targets: every ``nn.MultiheadAttention`` (class swapped to
     :class:`~lightning_gproj.swap.mha.GProjMultiheadAttention`, same parameters); every module
-    whose class code names ``scaled_dot_product_attention`` or a global bound to it (an import under another name;
-    its ``forward`` wrapped in a
+    whose class code reaches ``scaled_dot_product_attention`` (by name, an import under another name, a partial, a
+    closure variable, a default argument or a class attribute; its ``forward`` wrapped in a
     ``TorchFunctionMode``; see :mod:`.sdpa`); every module whose class code names a
     ``flash_attn_func`` or ``flash_attn_varlen_func`` imported from ``flash_attn``,
     ``flash_attn_interface`` or ``flash_attn.cute`` (the name rebound in its module, packed sequences

@@ -1,8 +1,8 @@
 """Route ``F.scaled_dot_product_attention`` calls made inside chosen modules to ``gproj_attn_func``.
 
 A module is a target when a function defined on its class (``forward`` or a helper method, nested
-functions included) names ``scaled_dot_product_attention``, or a global of its module bound to that function (an
-import under another name). Its instance ``forward`` is replaced by
+functions included) reaches ``scaled_dot_product_attention`` (:func:`calls_sdpa`: by name, a global of its module
+bound to it, a partial, a closure variable, a default argument, a class attribute). Its instance ``forward`` is replaced by
 :class:`SDPAForward`, which runs the original forward inside :class:`SDPAMode`, a
 ``TorchFunctionMode`` that intercepts SDPA and serves exactly the calls whose meaning it understands;
 every other call runs the original SDPA (one :class:`GProjFallbackWarning` per module). Because the

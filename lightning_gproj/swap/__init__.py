@@ -279,8 +279,7 @@ def swap_attention(
 
     if catch_all:
         _swap_catch_all(modules, first, not_selected, fix, report, previous)
-    else:
-        _keep_below_modes(modules, first, not_selected, fix, report)
+    _keep_below_modes(modules, first, not_selected, fix, report)
     for row in report.rows:
         others = paths[id(modules[row.module_path])][1:]
         if others:
@@ -325,12 +324,10 @@ def _is_attention_class(module: nn.Module) -> bool:
 
 
 def _swap_catch_all(modules, first, not_selected, fix, report, previous) -> None:
-    """Wrap the topmost selected modules (catch-all), the innermost selected modules whose class
-    name says attention (so that their calls carry their own path as ``stats_name``), and the
-    topmost unselected modules below a selected one (keep), so that SDPA calls from anywhere in the
-    selected region reach the op and nothing outside it does. ``first``: each path's module's first
-    path, where it is swapped and reported."""
-    reported = {row.module_path for row in report.rows}
+    """Wrap the topmost selected modules (catch-all) and the innermost selected modules whose class
+    name says attention (so that their calls carry their own path as ``stats_name``), so that SDPA calls from
+    anywhere in the selected region reach the op (:func:`_keep_below_modes` then keeps the unselected modules
+    inside it on the original). ``first``: each path's module's first path, where it is swapped and reported."""
     named = [
         path for path, module in modules.items()
         if first[path] == path and not_selected[path] is None and path not in report.sites
@@ -349,8 +346,7 @@ def _swap_catch_all(modules, first, not_selected, fix, report, previous) -> None
     for path, module in modules.items():
         parent = _parent(path)
         parent_selected = parent is not None and not_selected[parent] is None
-        selected = not_selected[path] is None
-        if selected and not parent_selected and first[path] not in report.sites:
+        if not_selected[path] is None and not parent_selected and first[path] not in report.sites:
             path = first[path]
             old = previous.get(path)
             report.sites[path] = sdpa.swap_module(module, path, fix, site=old)
@@ -360,16 +356,6 @@ def _swap_catch_all(modules, first, not_selected, fix, report, previous) -> None
                 f"gproj_attn_func(fix={fix!r}) via TorchFunctionMode (catch-all)",
                 again + "calls are named after this module",
             ))
-        elif not selected and parent_selected:
-            sdpa.swap_module(module, first[path], fix, keep=True)
-            if first[path] not in reported:
-                reported.add(first[path])
-                report.rows.append(SwapRow(
-                    first[path], type(module).__name__, None, f"{not_selected[path]}; SDPA calls inside keep the original"
-                ))
-        elif isinstance(module, nn.MultiheadAttention) and first[path] not in report.sites:
-            # a left-alone MultiheadAttention calls SDPA internally: keep it on the original
-            sdpa.swap_module(module, first[path], fix, keep=True)
 
 
 def _inside(path: str, top: str) -> bool:
@@ -377,10 +363,10 @@ def _inside(path: str, top: str) -> bool:
 
 
 def _keep_below_modes(modules, first, not_selected, fix, report) -> None:
-    """Without the catch-all. A module swapped through SDPA's TorchFunctionMode serves every SDPA call made while its
-    forward runs, its descendants' included: wrap the topmost descendants that must keep the original SDPA — those
-    not selected (``exclude``) and an ``nn.MultiheadAttention`` left alone — with ``keep=True``, as the catch-all
-    does (otherwise an excluded child's calls were served under the parent's name)."""
+    """A module swapped through SDPA's TorchFunctionMode (an SDPA target or a catch-all) serves every SDPA call made
+    while its forward runs, its descendants' included: wrap the topmost descendants that must keep the original SDPA
+    — those not selected (``exclude``) and an ``nn.MultiheadAttention`` left alone, which calls SDPA internally —
+    with ``keep=True`` (without it an excluded child's calls were served under the parent's name)."""
     modes = [path for path in report.sites if sdpa.swapped_site(modules[path]) is not None]
     if not modes:
         return

@@ -88,7 +88,7 @@ def _tile(k, v, q, do, dk, dv, keys, key0, rows, start_m, c, m_s, l_s, d_s, ds_o
 
 
 @gluon.jit
-def _dq_share(ds_smem, kd0, kd1, ds_bar, dq_smem, dq_desc, dq_row, dq_col, st, ph):
+def _dq_share(ds_smem, kd0, kd1, ds_bar, st, ph):
     """Both consumers' dS̃ᵀ of the tile are in ds_smem slots 2·st, 2·st + 1 once ds_bar[st] completes its phase ph:
     this consumer's columns of dQ = dS̃ · K (kd0, kd1: its columns of the two key halves), issued (returned in
     flight)."""
@@ -186,8 +186,7 @@ def _partition(half: int, causal: bool, variant: str = "full"):
                     mbarrier.wait(ready.index(st), (i // 2) & 1)
                     if DQ:
                         ds_smem.index(2 * st + 1).store(gl.zeros([_HALF_N, _BLOCK_M], k_smem.dtype, layout=s_layout))
-                        dq = _dq_share(ds_smem, kd0, kd1, ds_bar, dq_smem, dq_desc, dq_row0 + start_n, dq_col, st,
-                                       (i // 2) & 1)
+                        dq = _dq_share(ds_smem, kd0, kd1, ds_bar, st, (i // 2) & 1)
                         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
                         mbarrier.arrive(empty.index(st), count=1)
                         if RED != 0:
@@ -205,8 +204,7 @@ def _partition(half: int, causal: bool, variant: str = "full"):
                                m_smem.index(st), l_smem.index(st), d_smem.index(st), ds_smem.index(2 * st + HALF),
                                CAUSAL)
                 if DQ:
-                    dq = _dq_share(ds_smem, kd0, kd1, ds_bar, dq_smem, dq_desc, dq_row0 + start_m, dq_col, st,
-                                   (i // 2) & 1)
+                    dq = _dq_share(ds_smem, kd0, kd1, ds_bar, st, (i // 2) & 1)
                     dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
                     mbarrier.arrive(empty.index(st), count=1)
                     if RED != 0:

@@ -212,7 +212,8 @@ def hopper_bwd_check(dev, softcap=0.0, window=(-1, -1), shapes=None):
     worst = 0.0
     for (b, n, h, hk, d, causal, dt) in shapes or [
             (2, 1024, 8, 2, 128, False, torch.bfloat16), (2, 1024, 8, 2, 128, True, torch.bfloat16),
-            (1, 512, 4, 4, 128, True, torch.float16), (2, 1024, 8, 8, 128, True, "bhsd"), (1, 384, 2, 2, 64, False, torch.bfloat16)]:
+            (1, 512, 4, 4, 128, True, torch.float16), (2, 1024, 8, 8, 128, True, "bhsd"), (1, 384, 2, 2, 64, False, torch.bfloat16),
+            (3, 640, 4, 2, 128, True, torch.bfloat16)]:  # 5 key blocks: the persistent dK/dV pass's odd causal pairs
         odd = dt == "bhsd"  # q, v in (B, H, N, d) memory, do a strided slice (copied for the kernel)
         dt = torch.bfloat16 if odd else dt
         q = torch.randn(b, n, h, d, device=dev, dtype=dt)
@@ -232,6 +233,9 @@ def hopper_bwd_check(dev, softcap=0.0, window=(-1, -1), shapes=None):
             with mock.patch.dict(os.environ, {"GPROJ_HOPPER_BWD": "0"}):
                 g_t = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold, softcap=softcap, window_size=window)
             g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold, softcap=softcap, window_size=window)
+            with mock.patch.dict(os.environ, {"GPROJ_BWD_PERSISTENT": "0"}):  # every dK/dV block its own program
+                g_1 = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold, softcap=softcap, window_size=window)
+            row.append(f"dk,dv as one block per program: {all(torch.equal(x, y) for x, y in zip(g[1:3], g_1[1:3]))}")
             errs = [rel(x, y) for x, y in zip(g[:3], g_r[:3])]
             worst = max(worst, *errs)
             nan = any(torch.isnan(x).any().item() for x in g[:3])

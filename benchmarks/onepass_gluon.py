@@ -173,7 +173,7 @@ def _partition(half: int, causal: bool, variant: str = "full"):
         v = v_smem.index(HALF)
         kd0 = k_smem.index(0).slice(HALF * DQ_N, DQ_N, dim=1)
         kd1 = k_smem.index(1).slice(HALF * DQ_N, DQ_N, dim=1)
-        mbarrier.wait(kv_bar, 0)
+        mbarrier.wait(kv_bar.index(0), 0)
         first_m = lo
         if CAUSAL:
             first_m = key0
@@ -231,6 +231,7 @@ def _partition(half: int, causal: bool, variant: str = "full"):
 @functools.lru_cache(maxsize=None)
 def kernel_for(causal: bool, variant: str = "full"):
     consumer0, consumer1 = _partition(0, causal, variant), _partition(1, causal, variant)
+    loader = HB._dkdv_partitions(False, causal, False, False, False)[1]  # the dK/dV pass's loop-less loader, fix none
     CAUSAL = gl.constexpr(causal)
 
     @gluon.jit
@@ -260,8 +261,11 @@ def kernel_for(causal: bool, variant: str = "full"):
         m_smem = gl.allocate_shared_memory(gl.float32, [2, _BLOCK_M], stat_layout)
         l_smem = gl.allocate_shared_memory(gl.float32, [2, _BLOCK_M], stat_layout)
         d_smem = gl.allocate_shared_memory(gl.float32, [2, _BLOCK_M], stat_layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        # one block per program: the loader's one wait on kv_empty passes (a fresh barrier)
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar.index(0), count=1)
+        mbarrier.init(kv_empty.index(0), count=2)
         ready, empty = ring_barriers(2)
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(2):
@@ -269,10 +273,10 @@ def kernel_for(causal: bool, variant: str = "full"):
         args = (q_smem, do_smem, k_smem, v_smem, m_smem, l_smem, d_smem, ds_smem, kv_bar, ready, empty, ds_bar, dq_desc,
                 DQA, DK, DV, start_n, out_row, hk * HEAD_DIM, HK * HEAD_DIM, b * N_CTX, GROUP, lo, N_CTX, c, tau, h0)
         loader_args = (q_desc, do_desc, q_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, q_smem,
-                       k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, b * k_rb + hk * k_rh + start_n,
+                       k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty, b * k_rb + hk * k_rh + start_n,
                        hk * k_ch, b * v_rb + hk * v_rh + start_n, hk * v_ch, b * q_rb, q_rh, q_ch,
-                       b * do_rb, do_rh, do_ch, b * q_rb, q_rh, q_ch, h0, GROUP, lo, N_CTX, stats0, N_CTX, N_CTX, False)
-        gl.warp_specialize([(consumer0, args), (consumer1, args), (HB._loader, loader_args)], [4, 1], [240, 24])
+                       b * do_rb, do_rh, do_ch, b * q_rb, q_rh, q_ch, h0, GROUP, lo, N_CTX, stats0, N_CTX, N_CTX)
+        gl.warp_specialize([(consumer0, args), (consumer1, args), (loader, loader_args)], [4, 1], [240, 24])
 
     return onepass_kernel
 

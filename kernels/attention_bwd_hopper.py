@@ -15,6 +15,8 @@ rounding points (kernels/reference.py):
   program per (128 keys, batch·kv head); the loader loads its K, V rows once and streams (Q, dO[, −ρ∘Q])
   tiles of 64 query rows over the query heads of the GQA group; two consumers own 64 keys each:
   Sᵀ = K Qᵀ, Pᵀ, dV += P̃ᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D), dK += dS̃ᵀ Q, gproj: dK += P̃ᵀ(−ρ∘Q); dk = τ dK.
+  Without gproj on dense inputs (:func:`dkdv_schedule`) persistent: one program per SM loops over pairs of key
+  blocks (causal: heaviest with lightest) with two K/V buffers, bit-identical to a block per program.
 
 All accumulation in fp32, P̃ and dS̃ as register A operands of asynchronous wgmma; only the order of fp32
 additions differs from the tl.dot kernels. Causal grids: query blocks heaviest first; only tiles that reach
@@ -50,7 +52,7 @@ import triton
 
 from lightning_gproj.kernels.attention_fwd_hopper import (
     DROPOUT_SCALARS, DROPOUT_SIGNATURE, GLUON_ERROR, dropout_kernel_args, _gl_dtype, _layouts, _require_gluon, _tma_view, accepts as _fwd_accepts, feature_args, launch, on_sm90,
-    pointer_type, packed_ok, tma_descriptor,
+    pointer_type, packed_ok, persistent, tma_descriptor, _sm_count,
 )
 
 if GLUON_ERROR is None:
@@ -91,17 +93,22 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _loader(q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem, k_smem, v_smem,
-                m_smem, l_smem, d_smem, kv_bar, ready, empty, k_row, k_col, v_row, v_col, q_b, q_rh, q_ch, do_b, do_rh,
-                do_ch, qr_b, qr_rh, qr_ch, h0, GROUP, lo, hi, stats0, N_CTX, seqlen, GPROJ):
+                m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty, j, i, k_row, k_col, v_row, v_col, q_b, q_rh, q_ch,
+                do_b, do_rh, do_ch, qr_b, qr_rh, qr_ch, h0, GROUP, lo, hi, stats0, N_CTX, seqlen, GPROJ):
+        """The loads of the program's j-th key block (its K/V buffer j % KV_BUFS, KV_BUFS = k_smem.shape[0] // 2, once
+        both consumers released that buffer's previous block), then its (Q, dO[, −ρ∘Q]) tiles from ring position i on.
+        Returns the ring position after them."""
         # GPROJ arrives as a value through gl.warp_specialize, not a constexpr: both branches below compile (their
         # operands are shaped alike) and the constant folds them away (the PTX equals a constexpr variant's).
-        # The program's K and V rows, once, as two halves of 64 keys (one per consumer).
-        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+        # The block's K and V rows, once, as two halves of 64 keys (one per consumer).
+        KV_BUFS: gl.constexpr = k_smem.shape[0] // 2
+        kb = j % KV_BUFS
+        mbarrier.wait(kv_empty.index(kb), ((j // KV_BUFS) & 1) ^ 1)
+        mbarrier.expect(kv_bar.index(kb), 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
         for half in gl.static_range(2):
-            tma_load(k_desc, [k_row + half * _HALF_N, k_col], kv_bar, k_smem.index(half))
-            tma_load(v_desc, [v_row + half * _HALF_N, v_col], kv_bar, v_smem.index(half))
+            tma_load(k_desc, [k_row + half * _HALF_N, k_col], kv_bar.index(kb), k_smem.index(2 * kb + half))
+            tma_load(v_desc, [v_row + half * _HALF_N, v_col], kv_bar.index(kb), v_smem.index(2 * kb + half))
         tile_rows = gl.arange(0, _BLOCK_M, layout=gl.BlockedLayout([2], [32], [1], [0]))  # over the loader's warp
-        i = 0
         for g in range(GROUP):
             h = h0 + g
             for start_m in range(lo, hi, _BLOCK_M):
@@ -128,6 +135,7 @@ if GLUON_ERROR is None:
                 if GPROJ:
                     tma_load(qr_desc, [qr_b + h * qr_rh + start_m, h * qr_ch], ready.index(s), qr_smem.index(s))
                 i += 1
+        return i
 
     @gluon.jit
     def row_statistics(M, LOG2L, stats, rows, seqlen, EDGES: gl.constexpr):
@@ -246,11 +254,14 @@ if GLUON_ERROR is None:
         return dk, dv
 
     @gluon.jit
-    def _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, KS,
-                  half, GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
+    def _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty, j, i,
+                  DK, DV, KS, half, GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
                   EDGES: gl.constexpr, KEYPAD: gl.constexpr, DROPOUT: gl.constexpr, start_n, out_row, out_col, out_stride,
                   GROUP, lo, hi, seqlen, kend, c, tau, key_sums, sc, cap, wl, wr, drow0, DG, bh0, seed_lo, seed_hi,
                   drop_off, drop_thr, drop_scale):
+        """The program's j-th key block (K/V buffer j % KV_BUFS, :func:`_loader`), this consumer's 64 keys, its tiles from
+        ring position i on; releases the K/V buffer once its GEMMs are done and stores dk, dv. Returns the ring position
+        after the block."""
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
         # The score tiles' layout ([keys, queries]): 64 query rows, with softcap 32 (each tile in two halves).
         # Dropout at d 128 too: at full width its mask words next to the dk, dv accumulators spilled 47–116 stores (Triton
@@ -268,13 +279,14 @@ if GLUON_ERROR is None:
         keys = key0 + gl.arange(0, _HALF_N, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([_HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
         dv = gl.zeros([_HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
-        k = k_smem.index(half)
-        v = v_smem.index(half)
-        mbarrier.wait(kv_bar, 0)
+        KV_BUFS: gl.constexpr = k_smem.shape[0] // 2
+        kb = j % KV_BUFS
+        k = k_smem.index(2 * kb + half)
+        v = v_smem.index(2 * kb + half)
+        mbarrier.wait(kv_bar.index(kb), (j // KV_BUFS) & 1)
         first_m = lo
         if CAUSAL:
             first_m = key0  # the rows before these keys see none of them
-        i = 0
         for g in range(GROUP):
             if CAUSAL:
                 if half == 1:  # the group's first tile (rows start_n … key0 − 1): released unread
@@ -315,6 +327,7 @@ if GLUON_ERROR is None:
                                             drop_scale, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, KEYPAD, DROPOUT)
                 mbarrier.arrive(empty.index(st), count=1)
                 i += 1
+        mbarrier.arrive(kv_empty.index(kb), count=1)  # every GEMM reading K, V was waited for
         if KEYPAD:  # a padded key's dS̃ row took 0·(dP − D) with dP from its padded value: NaN for a NaN there
             if key0 + _HALF_N > kend:
                 dk = gl.where((key0 + gl.arange(0, _HALF_N, layout=gl.SliceLayout(1, acc_layout)) < kend)[:, None], dk, 0.0)
@@ -333,55 +346,189 @@ if GLUON_ERROR is None:
             gl.store(DV + offs, dv.to(DV.dtype.element_ty))
         if key_sums != 0:  # dk is fp32 here: Σ over these 64 keys of the values just stored
             gl.store(KS + half * HEAD_DIM + cols, gl.sum(dk, axis=0))
+        return i
 
-    def _dkdv_partition(gproj: bool, causal: bool, softcap: bool, window: bool, edges: bool, keypad: bool = False,
-                        dropout: bool = False):
-        """A dK/dV consumer partition with (GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES) compiled in: constexpr arguments do
-        not survive gl.warp_specialize (the loader takes GPROJ as a value), closure constants do; with the mask's,
-        GProj's or the softcap's code compiled in where it is not used the consumers spilled ~4× more (Triton 3.6's
-        ptxas)."""
+    @gluon.jit
+    def dkdv_block(t, M_BLOCKS, H, GROUP, CAUSAL: gl.constexpr):
+        """Key block t of the persistent dK/dV kernel's (key block, batch row · kv head) blocks of dense inputs:
+        (b, hk, start_n) — the batch row, the kv head and the block's first key position. Blocks run key block fastest,
+        so programs that run together share a head's Q and dO in L2. Each head has an even number of block slots
+        (M_BLOCKS rounded up; an odd head's last slot is a block past the sequence, start_n >= seqlen, skipped), so that
+        items of two slots never span heads, and causal blocks come in pairs heaviest and lightest ((0, M−1), (1, M−2),
+        …: M + 1 query tiles per pair, the middle block of an odd M alone), as the forward's
+        (kernels/attention_fwd_hopper.tile_span)."""
+        slots = M_BLOCKS + M_BLOCKS % 2
+        idx = t % slots
+        pid_n = idx
+        if CAUSAL:
+            pid_n = gl.where(idx % 2 == 0, idx // 2, M_BLOCKS - 1 - idx // 2)
+        pid_n = gl.where(idx < M_BLOCKS, pid_n, M_BLOCKS)  # the padding slot
+        pid_bh = t // slots
+        HK = H // GROUP
+        return pid_bh // HK, pid_bh % HK, pid_n * _BLOCK_N
+
+    def _dkdv_partitions(gproj: bool, causal: bool, softcap: bool, window: bool, edges: bool, keypad: bool = False,
+                         dropout: bool = False, persist: bool = False):
+        """The dK/dV kernel's (consumer, loader) partitions with (GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, …) compiled in:
+        constexpr arguments do not survive gl.warp_specialize, closure constants do; with the mask's, GProj's or the
+        softcap's code compiled in where it is not used the consumers spilled ~4× more (Triton 3.6's ptxas). Where
+        ``persist``, they loop over the program's key blocks (items p, p + P, … of PER blocks, :func:`dkdv_block`),
+        the ring's position and the K/V buffers' turns running on across blocks; else they run the block the kernel
+        located."""
         GPROJ, CAUSAL = gl.constexpr(gproj), gl.constexpr(causal)
         SOFTCAP, WINDOW, EDGES = gl.constexpr(softcap), gl.constexpr(window), gl.constexpr(edges)
         KEYPAD, DROPOUT = gl.constexpr(keypad), gl.constexpr(dropout)
 
-        @gluon.jit
-        def consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, KS,
-                     start_n, out_row, out_col, out_stride, GROUP, lo, hi, seqlen, kend, c, tau, key_sums, sc, cap, wl, wr,
-                     drow0, DG, bh0, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, half):
-            _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, KS,
-                      half, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, KEYPAD, DROPOUT, start_n, out_row, out_col, out_stride,
-                      GROUP, lo, hi, seqlen, kend, c, tau, key_sums, sc, cap, wl, wr, drow0, DG, bh0, seed_lo, seed_hi,
-                      drop_off, drop_thr, drop_scale)
+        if not persist:
+            @gluon.jit
+            def consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty,
+                         DK, DV, KS, start_n, out_row, out_col, out_stride, GROUP, lo, hi, seqlen, kend, c, tau, key_sums,
+                         sc, cap, wl, wr, drow0, DG, bh0, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, half):
+                _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready,
+                          empty, 0, gl.to_tensor(0), DK, DV, KS, half, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, KEYPAD, DROPOUT, start_n,
+                          out_row, out_col, out_stride, GROUP, lo, hi, seqlen, kend, c, tau, key_sums, sc, cap, wl, wr,
+                          drow0, DG, bh0, seed_lo, seed_hi, drop_off, drop_thr, drop_scale)
 
-        return consumer
+            @gluon.jit
+            def loader(q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem, k_smem,
+                       v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty, k_row, k_col, v_row, v_col, q_b,
+                       q_rh, q_ch, do_b, do_rh, do_ch, qr_b, qr_rh, qr_ch, h0, GROUP, lo, hi, stats0, N_CTX, seqlen):
+                _loader(q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem, k_smem,
+                        v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty, 0, gl.to_tensor(0), k_row, k_col, v_row, v_col,
+                        q_b, q_rh, q_ch, do_b, do_rh, do_ch, qr_b, qr_rh, qr_ch, h0, GROUP, lo, hi, stats0, N_CTX, seqlen,
+                        GPROJ)
+
+            return consumer, loader
+
+        @gluon.jit
+        def p_consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty,
+                       DK, DV, KS, H, GROUP, N_CTX, M_BLOCKS, TILES, PER, c, tau, key_sums, sc, cap, half):
+            HEAD_DIM: gl.constexpr = k_smem.shape[2]
+            HK = H // GROUP
+            i = gl.to_tensor(0)  # ring position
+            j = gl.to_tensor(0)  # key blocks done (the K/V buffers' turns)
+            for item in range(gl.program_id(0) * PER, TILES, gl.num_programs(0) * PER):
+                for t in range(item, gl.minimum(item + PER, TILES)):
+                    b, hk, start_n = dkdv_block(t, M_BLOCKS, H, GROUP, CAUSAL)
+                    if start_n < N_CTX:
+                        lo = 0
+                        if CAUSAL:
+                            lo = start_n
+                        ks = KS + ((b * HK + hk).to(gl.int64) * (N_CTX // _HALF_N) + start_n // _HALF_N) * HEAD_DIM
+                        i = _consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty,
+                                      ready, empty, j, i, DK, DV, ks, half, GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, KEYPAD,
+                                      DROPOUT, start_n, b * N_CTX + start_n, hk * HEAD_DIM, HK * HEAD_DIM, GROUP, lo,
+                                      N_CTX, N_CTX, N_CTX, c, tau, key_sums, sc, cap,
+                                      0, 0, 0, 0, 0, 0, 0, 0, 0, 1.0)  # no window, no dropout
+                        j += 1
+
+        @gluon.jit
+        def p_loader(q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem, k_smem, v_smem,
+                     m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty, H, GROUP, N_CTX, M_BLOCKS, TILES, PER,
+                     q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb, qr_rh, qr_ch, k_rb, k_rh, k_ch, v_rb, v_rh,
+                     v_ch):
+            i = gl.to_tensor(0)
+            j = gl.to_tensor(0)
+            for item in range(gl.program_id(0) * PER, TILES, gl.num_programs(0) * PER):
+                for t in range(item, gl.minimum(item + PER, TILES)):
+                    b, hk, start_n = dkdv_block(t, M_BLOCKS, H, GROUP, CAUSAL)
+                    if start_n < N_CTX:
+                        h0 = hk * GROUP
+                        lo = 0
+                        if CAUSAL:
+                            lo = start_n
+                        i = _loader(q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem,
+                                    k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty, j, i,
+                                    b * k_rb + hk * k_rh + start_n, hk * k_ch, b * v_rb + hk * v_rh + start_n, hk * v_ch,
+                                    b * q_rb, q_rh, q_ch, b * do_rb, do_rh, do_ch, b * qr_rb, qr_rh, qr_ch, h0, GROUP, lo,
+                                    N_CTX, (b * H + h0).to(gl.int64) * N_CTX, N_CTX, N_CTX, GPROJ)
+                        j += 1
+
+        return p_consumer, p_loader
+
+    @gluon.jit
+    def _dkdv_smem(q_desc, do_desc, qr_desc, k_desc, v_desc, GPROJ: gl.constexpr, KV_BUFS: gl.constexpr):
+        """The dK/dV kernel's shared memory and barriers: the (Q, dO[, −ρ∘Q]) ring with each tile's m, log2l, D rows,
+        KV_BUFS buffers of the block's K and V (two halves of 64 keys each) and their ``kv_bar`` (loaded) and
+        ``kv_empty`` (both consumers done) barriers."""
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_M, HEAD_DIM], do_desc.layout)
+        if GPROJ:
+            qr_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_M, HEAD_DIM], qr_desc.layout)
+        else:
+            qr_smem = q_smem  # not read
+        k_smem = gl.allocate_shared_memory(dtype, [2 * KV_BUFS, _HALF_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2 * KV_BUFS, _HALF_N, HEAD_DIM], v_desc.layout)
+        stat_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        m_smem = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], stat_layout)
+        l_smem = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], stat_layout)
+        d_smem = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], stat_layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [KV_BUFS, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [KV_BUFS, 1], mbarrier.MBarrierLayout())
+        for kb in gl.static_range(KV_BUFS):
+            mbarrier.init(kv_bar.index(kb), count=1)
+            mbarrier.init(kv_empty.index(kb), count=2)  # both consumers
+        ready, empty = ring_barriers(_NUM_STAGES)
+        return q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty
 
     @functools.lru_cache(maxsize=None)
     def _dkdv_kernel_for(gproj: bool, causal: bool, softcap: bool, window: bool, varlen: bool = False,
-                         edges: bool = False, keypad: bool = False, dropout: bool = False):
+                         edges: bool = False, keypad: bool = False, dropout: bool = False, persist: bool = False):
         """The dK/dV kernel with GProj's dK term (gproj), the causal mask, the softcap, the sliding window, packed
         sequences (varlen), sequence ends inside tiles (edges: a seqlen not a multiple of 128; implied by varlen) and
         right key padding (keypad: batch row b's keys from SEQLENS[b] on masked, their dk = dv = 0; not with window
-        or varlen) and attention dropout (the forward's keep mask, :func:`_dkdv_tile`) compiled in or out."""
+        or varlen) and attention dropout (the forward's keep mask, :func:`_dkdv_tile`) compiled in or out. persist
+        (:func:`dkdv_schedule`: without gproj, where kernels/attention_fwd_hopper.persistent allows it): program p runs
+        items p, p + P, … of PER key blocks (:func:`dkdv_block`, :func:`_dkdv_partitions`); else one block per program,
+        grid (key blocks, batch · kv heads). Raises ValueError for keypad with window or varlen, and for persist where
+        it is not allowed."""
         if keypad and (window or varlen):
             raise ValueError("keypad: not with window or varlen")
+        if persist and (gproj or not persistent(window, varlen, keypad, dropout)):
+            raise ValueError("persist: only without gproj, for dense inputs without a window, key padding or dropout")
         GPROJ, CAUSAL, WINDOW = gl.constexpr(gproj), gl.constexpr(causal), gl.constexpr(window)
         VARLEN, KEYPAD = gl.constexpr(varlen), gl.constexpr(keypad)
-        consumer = _dkdv_partition(gproj, causal, softcap, window, edges or varlen, keypad, dropout)
+        consumer, loader = _dkdv_partitions(gproj, causal, softcap, window, edges or varlen, keypad, dropout, persist)
+
+        # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch)
+        # (kernels/attention_fwd_hopper._tma_view). dk, dv: (batch, seqlen, nheads_k, headdim) contiguous.
+        # VARLEN: b is the sequence, the tensors are packed (1, total, heads, headdim) views (N_CTX = total), the
+        # sequence's rows start at CU[b]; m, log2l, D are (nheads, total); rows and keys past its end are the next
+        # sequence's (P = 0 there, not stored). No key sums (key_sums = 0). KEYPAD: keys [0, SEQLENS[b]) of batch
+        # row b are valid, the others get dk = dv = 0 (a block of padding only: stored here, no partitions). Dropout
+        # (unused without it): kernels/attention_fwd_hopper.dropout_kernel_args; counter rows start + row, c1 = b·H + h.
+        # M_BLOCKS: key blocks per (batch row or sequence, kv head); TILES, PER: the persistent kernel's items
+        # (dkdv_block), unused by the other.
+        if persist:
+            @gluon.jit(do_not_specialize=DROPOUT_SCALARS)
+            def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, DK, DV, KS, M, LOG2L, DELTA, CU, SEQLENS,
+                                    c, tau, H, GROUP, N_CTX, key_sums, M_BLOCKS, TILES, PER, q_rb, q_rh, q_ch, do_rb,
+                                    do_rh, do_ch, qr_rb, qr_rh, qr_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl,
+                                    wr, DG, seed_lo, seed_hi, drop_off, drop_thr, drop_scale):
+                # Two K/V buffers: a block's K, V load while the previous block's last tiles run.
+                q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty = \
+                    _dkdv_smem(q_desc, do_desc, qr_desc, k_desc, v_desc, GPROJ, 2)
+                # The two consumers' arguments differ in the last one, their half of the keys (Gluon has no *tuple).
+                args0 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty,
+                         DK, DV, KS, H, GROUP, N_CTX, M_BLOCKS, TILES, PER, c, tau, key_sums, sc, cap, 0)
+                args1 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty,
+                         DK, DV, KS, H, GROUP, N_CTX, M_BLOCKS, TILES, PER, c, tau, key_sums, sc, cap, 1)
+                loader_args = (q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem,
+                               k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty, H, GROUP, N_CTX,
+                               M_BLOCKS, TILES, PER, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb,
+                               qr_rh, qr_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch)
+                gl.warp_specialize([(consumer, args0), (consumer, args1), (loader, loader_args)], [4, 1], [240, 24])
+
+            return _hopper_dkdv_kernel
 
         @gluon.jit(do_not_specialize=DROPOUT_SCALARS)
         def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, DK, DV, KS, M, LOG2L, DELTA, CU, SEQLENS, c, tau,
-                                H, GROUP, N_CTX, key_sums, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb, qr_rh, qr_ch,
-                                k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr, DG, seed_lo, seed_hi, drop_off,
-                                drop_thr, drop_scale):
-            # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch)
-            # (kernels/attention_fwd_hopper._tma_view). dk, dv: (batch, seqlen, nheads_k, headdim) contiguous.
-            # VARLEN: b is the sequence, the tensors are packed (1, total, heads, headdim) views (N_CTX = total), the
-            # sequence's rows start at CU[b]; m, log2l, D are (nheads, total); rows and keys past its end are the next
-            # sequence's (P = 0 there, not stored). No key sums (key_sums = 0). KEYPAD: keys [0, SEQLENS[b]) of batch
-            # row b are valid, the others get dk = dv = 0 (a block of padding only: stored here, no partitions). Dropout
-            # (unused without it): kernels/attention_fwd_hopper.dropout_kernel_args; counter rows start + row, c1 = b·H + h.
+                                H, GROUP, N_CTX, key_sums, M_BLOCKS, TILES, PER, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
+                                qr_rb, qr_rh, qr_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr, DG, seed_lo,
+                                seed_hi, drop_off, drop_thr, drop_scale):
             HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-            dtype: gl.constexpr = q_desc.dtype
             pid_n = gl.program_id(0)
             pid_bh = gl.program_id(1)
             HK = H // GROUP
@@ -407,40 +554,25 @@ if GLUON_ERROR is None:
             if WINDOW:  # the query tiles some row of which sees one of these keys: key − wr <= row <= key + wl
                 lo, hi = window_tiles(start_n, _BLOCK_N, wr, wl, seqlen, _BLOCK_M)
             stats0 = (b * H + h0).to(gl.int64) * N_CTX + start
-
-            q_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_M, HEAD_DIM], q_desc.layout)
-            do_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_M, HEAD_DIM], do_desc.layout)
-            if GPROJ:
-                qr_smem = gl.allocate_shared_memory(dtype, [_NUM_STAGES, _BLOCK_M, HEAD_DIM], qr_desc.layout)
-            else:
-                qr_smem = q_smem  # not read
-            k_smem = gl.allocate_shared_memory(dtype, [2, _HALF_N, HEAD_DIM], k_desc.layout)
-            v_smem = gl.allocate_shared_memory(dtype, [2, _HALF_N, HEAD_DIM], v_desc.layout)
-            # Each Q tile's m, log2l, D rows, loaded with it
-            stat_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-            m_smem = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], stat_layout)
-            l_smem = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], stat_layout)
-            d_smem = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], stat_layout)
-            kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(kv_bar, count=1)
-            ready, empty = ring_barriers(_NUM_STAGES)
+            q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty = \
+                _dkdv_smem(q_desc, do_desc, qr_desc, k_desc, v_desc, GPROJ, 1)
 
             # The two consumers' arguments differ in the last one, their half of the keys (Gluon has no *tuple).
             bh0 = b * H + h0  # the dropout counters' c1 of the group's first query head (b = 0 when packed)
-            args0 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, ks, start_n,
-                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, GROUP, lo, hi, seqlen, kend, c, tau, key_sums, sc, cap, wl, wr,
-                     start, DG, bh0, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, 0)
-            args1 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, DK, DV, ks, start_n,
-                     out_row, hk * HEAD_DIM, HK * HEAD_DIM, GROUP, lo, hi, seqlen, kend, c, tau, key_sums, sc, cap, wl, wr,
-                     start, DG, bh0, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, 1)
+            args0 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty, DK,
+                     DV, ks, start_n, out_row, hk * HEAD_DIM, HK * HEAD_DIM, GROUP, lo, hi, seqlen, kend, c, tau, key_sums,
+                     sc, cap, wl, wr, start, DG, bh0, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, 0)
+            args1 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty, DK,
+                     DV, ks, start_n, out_row, hk * HEAD_DIM, HK * HEAD_DIM, GROUP, lo, hi, seqlen, kend, c, tau, key_sums,
+                     sc, cap, wl, wr, start, DG, bh0, seed_lo, seed_hi, drop_off, drop_thr, drop_scale, 1)
             loader_args = (q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem,
-                           k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, ready, empty, b * k_rb + hk * k_rh + start + start_n, hk * k_ch,
-                           b * v_rb + hk * v_rh + start + start_n, hk * v_ch, b * q_rb + start, q_rh, q_ch,
-                           b * do_rb + start, do_rh, do_ch, b * qr_rb + start, qr_rh, qr_ch, h0, GROUP, lo, hi, stats0, N_CTX, seqlen,
-                           GPROJ)
+                           k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty,
+                           b * k_rb + hk * k_rh + start + start_n, hk * k_ch, b * v_rb + hk * v_rh + start + start_n,
+                           hk * v_ch, b * q_rb + start, q_rh, q_ch, b * do_rb + start, do_rh, do_ch, b * qr_rb + start,
+                           qr_rh, qr_ch, h0, GROUP, lo, hi, stats0, N_CTX, seqlen)
             # 240 registers for each consumer, 24 for the loader: the register file's even split (run 18's probe:
             # fewer spills than 232 / 248).
-            gl.warp_specialize([(consumer, args0), (consumer, args1), (_loader, loader_args)], [4, 1], [240, 24])
+            gl.warp_specialize([(consumer, args0), (consumer, args1), (loader, loader_args)], [4, 1], [240, 24])
 
         return _hopper_dkdv_kernel
 
@@ -923,36 +1055,58 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
     slots = n // KEYS_PER_SUM
     ks = torch.empty((b, hk, slots, d), dtype=torch.float32, device=q.device) if want_key_sums else delta
     descs, where = _descriptors(q, do, q if qr is None else qr, k, v, shared=descriptors)  # q: a placeholder, not read
-    grid = (triton.cdiv(max_seqlen if packed else n, BLOCK_N), (cu_seqlens.numel() - 1 if packed else b) * hk)
     keypad = seqlens_k is not None
+    m_blocks = triton.cdiv(max_seqlen if packed else n, BLOCK_N)
+    rows = (cu_seqlens.numel() - 1 if packed else b) * hk
+    per, tiles, grid = dkdv_schedule(m_blocks, rows, window is not None, packed, keypad, dropout_p > 0, qr is not None,
+                                     q.device)
     kernel = _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0, window is not None, packed, edges, keypad,
-                              dropout_p > 0)
+                              dropout_p > 0, per == 2)
     # No descriptor is made on the device here (the padded keys' dk rows are zeroed instead): no scratch.
     launch(kernel, grid, q.device, False, *descs, dk, dv, ks, m, log2l, delta, cu_seqlens if packed else delta,
-           seqlens_k if keypad else delta, float(c), float(softmax_scale), h, h // hk, n, int(bool(want_key_sums)), *where,
+           seqlens_k if keypad else delta, float(c), float(softmax_scale), h, h // hk, n, int(bool(want_key_sums)),
+           m_blocks, tiles, per, *where,
            *feature_args(softmax_scale, softcap, window), *dropout_kernel_args(dropout_p, dropout_seed, dropout_offset, n))
     return dk, dv, (ks.sum(dim=2, dtype=torch.float64) if want_key_sums else None)
+
+
+def dkdv_schedule(m_blocks: int, rows: int, window: bool, packed: bool, keypad: bool, dropout: bool, gproj: bool,
+                  device: torch.device) -> tuple[int, int, tuple[int, ...]]:
+    """(PER, TILES, grid) of the dK/dV kernel for ``m_blocks`` key blocks of ``rows`` (batch rows or sequences) · kv
+    heads. Without GProj's dK term (``gproj``) and where kernels/attention_fwd_hopper.persistent allows it (dense, no
+    window, key padding or dropout), the persistent kernel: items of PER = 2 block slots (each head's an even number,
+    :func:`dkdv_block`: causal blocks paired heaviest with lightest), at most one program per SM of ``device`` (one per
+    item on a device that is not CUDA); elsewhere, or with GPROJ_BWD_PERSISTENT=0 (for A/B timing), PER = 1 and one
+    block per program, grid (m_blocks, rows). On an H200 the persistent kernel ran fix "none"'s backward 3–5% faster
+    with the causal mask and at head dim 64, as fast on full attention at head dim 128; GProj's (one K/V buffer: the
+    −ρ∘Q ring leaves no shared memory for a second) −2…+3.5% (benchmarks/NOTES.md, run 41)."""
+    if (os.environ.get("GPROJ_BWD_PERSISTENT", "1") == "0" or gproj
+            or not persistent(window, packed, keypad, dropout)):
+        return 1, m_blocks * rows, (m_blocks, rows)
+    items = (m_blocks + m_blocks % 2) * rows // 2
+    return 2, 2 * items, (items if device.type != "cuda" else min(items, _sm_count(device)),)
 
 
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
                  dk_dtype: torch.dtype | None = None, ones: tuple[str, ...] = (), softcap: bool = False,
                  window: bool = False, varlen: bool = False, edges: bool = False, head_dim: int = HEAD_DIMS[0],
-                 keypad: bool = False, dropout: bool = False):
+                 keypad: bool = False, dropout: bool = False, persist: bool = False):
     """Compile the kernel for sm_90 without a GPU (Triton's ahead-of-time path), as CI does: head dim ``head_dim``, dk
     in ``dk_dtype`` (default: ``dtype``; torch.float32 for the fp32-dk path), dv in ``dtype``. ``ones`` names
     integer arguments compiled as the constant 1, as Triton specializes them at launch (``key_sums``,
-    ``GROUP``). Returns the compiled kernel. Raises RuntimeError if Gluon is not importable."""
+    ``GROUP``). ``persist``: the persistent kernel (:func:`dkdv_schedule`). Returns the compiled kernel. Raises RuntimeError if Gluon is not importable."""
     _require_gluon()
     d = head_dim
     t = tensordesc_type(dtype, TILE_ROWS, d, _layout(d, dtype))
     sig = {"q_desc": t, "do_desc": t, "qr_desc": t, "k_desc": t, "v_desc": t, "DK": pointer_type(dk_dtype or dtype),
            "DV": pointer_type(dtype), "KS": "*fp32", "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32",
            "CU": "*i32" if varlen else "*fp32", "SEQLENS": "*i32" if keypad else "*fp32", "c": "fp32",
-           "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "key_sums": "i32",
+           "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "key_sums": "i32", "M_BLOCKS": "i32",
+           "TILES": "i32", "PER": "i32",
            **{f"{x}_{w}": "i32" for x in ("q", "do", "qr", "k", "v") for w in ("rb", "rh", "ch")}, "sc": "fp32", "cap": "fp32",
            "wl": "i32", "wr": "i32", **DROPOUT_SIGNATURE}
     return aot_compile_sm90(_dkdv_kernel_for(bool(gproj), bool(causal), bool(softcap), bool(window), bool(varlen),
-                                             bool(edges), bool(keypad), bool(dropout)), sig,
+                                             bool(edges), bool(keypad), bool(dropout), bool(persist)), sig,
                             {arg: 1 for arg in ones})
 
 

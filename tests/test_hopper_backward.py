@@ -56,6 +56,23 @@ def test_dq_pass_compiles_for_sm90_with_wgmma_tma_and_register_split(gproj, soft
     assert_softcap_code(ptx, softcap)
 
 
+@pytest.mark.parametrize("causal, softcap, head_dim, edges, dk_dtype, ones", [
+    (False, False, 128, False, None, ()), (True, False, 128, False, None, ()), (True, True, 128, False, None, ()),
+    (False, False, 64, False, None, ()), (True, False, 128, True, None, ()),
+    (False, False, 128, False, torch.float32, ("key_sums",)),
+], ids=["full", "causal", "causal-softcap", "d64", "causal-edges", "fp32dk-keysums"])
+def test_persistent_dkdv_variant_compiles_for_sm90(causal, softcap, head_dim, edges, dk_dtype, ones):
+    """The persistent dK/dV kernel (fix "none", dkdv_schedule): the same Hopper paths and wgmma count as the
+    loop-less one, and a second K/V buffer (the next block's K and V load while this one's last tiles run)."""
+    kernel = HB.compile_sm90(torch.bfloat16, False, causal, dk_dtype, ones, softcap, edges=edges, head_dim=head_dim,
+                             persist=True)
+    plain = HB.compile_sm90(torch.bfloat16, False, causal, dk_dtype, ones, softcap, edges=edges, head_dim=head_dim)
+    assert_hopper_kernel(kernel, 2 * 4)
+    assert_softcap_code(kernel.asm["ptx"], softcap)
+    k_and_v = 2 * HB.BLOCK_N * head_dim * 2  # bytes of one block's K and V in bf16
+    assert kernel.metadata.shared >= plain.metadata.shared + k_and_v
+
+
 @pytest.mark.parametrize("gproj", [False, True], ids=["none", "gproj"])
 @pytest.mark.parametrize("which", ["dq", "dkdv"])
 def test_head_dim_64_compiles_for_sm90(gproj, which):
@@ -301,12 +318,45 @@ def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj, soft
     HB.dq_pass(q, k, v, do, o, m, log2l, delta, dq, 1.0, 0.1, not softcap, r, qr, cap, window)
     dk, dv, key_sums = HB.dkdv(q, k, v, do, m, log2l, delta, qr, 1.0, 0.1, False, torch.float32, torch.bfloat16, True,
                                cap, window)
-    assert launched == [(n // 128, b * h), (n // HB.BLOCK_N, b * hk)]
-    # (GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN, EDGES, KEYPAD, DROPOUT) of each launch
+    # Fix "none" without a window: the persistent dK/dV kernel (dkdv_schedule), on a CPU tensor one program per item
+    # of two blocks.
+    persist = not (softcap or gproj)
+    assert launched == [(n // 128, b * h), ((n // HB.BLOCK_N) * b * hk // 2,) if persist else (n // HB.BLOCK_N, b * hk)]
+    # (GPROJ, CAUSAL, SOFTCAP, WINDOW, VARLEN, EDGES, KEYPAD, DROPOUT[, persist]) of each launch
     assert variants == [(gproj, not softcap, softcap, softcap, False, False, False, False),
-                        (gproj, False, softcap, softcap, False, False, False, False)]
+                        (gproj, False, softcap, softcap, False, False, False, False, persist)]
     assert dk.dtype == torch.float32 and dv.dtype == torch.bfloat16 and dk.shape == dv.shape == k.shape
     assert key_sums.shape == (b, hk, d) and key_sums.dtype == torch.float64
+
+
+@pytest.mark.parametrize("window, packed, keypad, dropout, gproj, m_blocks, rows, expected", [
+    (False, False, False, False, False, 16, 64, (2, 1024, (132,))),
+    (False, False, False, False, False, 3, 33, (2, 132, (66,))), (False, False, False, False, False, 5, 8, (2, 48, (24,))),
+    (True, False, False, False, False, 16, 64, (1, 1024, (16, 64))),
+    (False, True, False, False, False, 16, 64, (1, 1024, (16, 64))),
+    (False, False, True, False, False, 5, 8, (1, 40, (5, 8))), (False, False, False, True, False, 5, 8, (1, 40, (5, 8))),
+    (False, False, False, False, True, 16, 64, (1, 1024, (16, 64))),
+], ids=["dense", "dense, odd blocks, fewer items than SMs", "dense, odd blocks", "window", "packed", "key padding",
+        "dropout", "gproj"])
+def test_dkdv_schedule_is_persistent_where_the_kernel_loops(monkeypatch, window, packed, keypad, dropout, gproj,
+                                                            m_blocks, rows, expected):
+    """(PER, TILES, grid) of the dK/dV pass: dense inputs without GProj's dK term run the persistent kernel over items
+    of two key-block slots (each head's an even number, so a causal head's heaviest block pairs with its lightest), one
+    program per SM; windows, packed sequences, key padding, dropout and gproj the kernel without the loop, grid (key
+    blocks, rows) — the grid must match the variant (a loop-less kernel on fewer programs than blocks would leave keys
+    without gradients). GPROJ_BWD_PERSISTENT=0 turns the loop off (A/B timing); a persistent variant where it is not
+    allowed is refused."""
+    monkeypatch.delenv("GPROJ_BWD_PERSISTENT", raising=False)
+    monkeypatch.setattr(HB, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    assert HB.dkdv_schedule(m_blocks, rows, window, packed, keypad, dropout, gproj, cuda) == expected
+    monkeypatch.setenv("GPROJ_BWD_PERSISTENT", "0")
+    assert HB.dkdv_schedule(m_blocks, rows, window, packed, keypad, dropout, gproj, cuda) == (
+        1, m_blocks * rows, (m_blocks, rows))
+    if expected[0] == 1:
+        with pytest.raises(ValueError, match="persist"):
+            HB.compile_sm90(torch.bfloat16, gproj, False, window=window, varlen=packed, keypad=keypad, dropout=dropout,
+                            edges=packed, persist=True)
 
 
 def test_e0_tile_is_cached_except_under_graph_capture(monkeypatch):
@@ -347,7 +397,8 @@ def test_packed_launches_one_program_row_per_sequence_and_head(monkeypatch):
     class Launcher:
         def __init__(self, name, kernel_for, variant):
             self.name, self.names = name, kernel_for(*variant).arg_names
-            assert variant[4:] == (True, True, False, False)  # the packed variant, with its sequence edges
+            # the packed variant, with its sequence edges; dK/dV's not the persistent one (dense inputs only)
+            assert variant[4:] == (True, True, False, False) + ((False,) if name == "_dkdv_kernel_for" else ())
 
         def __getitem__(self, grid):
             def launch(*args, num_warps):
@@ -463,7 +514,7 @@ def test_key_padding_launches_the_keypad_variants_with_the_key_lengths(monkeypat
     edges = n % 128 != 0
     dq_variant, dq_grid, dq_args = launched["_dq_kernel_for"]
     dkdv_variant, dkdv_grid, dkdv_args = launched["_dkdv_kernel_for"]
-    assert dq_variant == (True, True, False, False, False, edges, True, False) == dkdv_variant
+    assert dq_variant + (False,) == (True, True, False, False, False, edges, True, False, False) == dkdv_variant
     assert dq_grid == (2, b * h) and dkdv_grid == (2, b * hk)
     assert dq_args["SEQLENS"] is seqlens_k and dkdv_args["SEQLENS"] is seqlens_k
     assert dq_args["K"] is k and dq_args["V"] is v and (dq_args["k_cols"], dq_args["v_cols"]) == (hk * d, d)
@@ -564,6 +615,6 @@ def test_dropout_launches_both_passes_with_the_forward_mask_arguments(monkeypatc
     HB.dkdv(q, k, v, do, m, log2l, delta, qr, 1.0, 0.1, True, torch.bfloat16, torch.bfloat16, False, **extra, **drop)
     for name in ("_dq_kernel_for", "_dkdv_kernel_for"):
         variant, _, args = launched[name]
-        assert variant[-1] is True and variant[4] == packed
+        assert variant[7] is True and variant[4] == packed and variant[8:] in ((), (False,))  # dK/dV: not persistent
         assert [args[a] for a in ("DG", "seed_lo", "seed_hi", "drop_off", "drop_thr")] == [(n + 15) // 16, 7, 256, 3, 26]
         assert args["drop_scale"] == pytest.approx(256 / (256 - 26), rel=1e-6)

@@ -5,7 +5,8 @@ Shapes (B×H×N×d), each without and with the causal mask: 4×16×2048×128, 1�
 2.5 × forward. Time: triton.testing.do_bench, median (warm-up first; the first call of each shape
 autotunes / compiles); ``--timer kernels``: the GPU time of the call's kernels instead, every method alike (do_bench
 launches each call from Python after an L2 flush, so a short call whose host time exceeds the flush's GPU time reads
-slower than its kernels run: :func:`kernel_time`). Peak memory: torch.cuda.max_memory_allocated over one forward+backward, minus
+slower than its kernels run: :func:`kernel_time`), with each kernel's median printed and kept in the records
+(``kernels_ms``: where a method's time goes, e.g. the backward's dQ and dK/dV passes). Peak memory: torch.cuda.max_memory_allocated over one forward+backward, minus
 the memory held before it (inputs), in MiB.
 
 Methods (benchmarks/_methods.py): gproj, gproj_fold, none, gproj_uniform (our kernels), cudnn (SDPA),
@@ -89,12 +90,13 @@ def _flush_kernel():
     return _l2_flush
 
 
-def kernel_time(fn, calls=30, warmup=5):
+def kernel_time(fn, calls=30, warmup=5, kernels=None):
     """Median over ``calls`` calls of fn's GPU time in ms: the durations of the kernels, memsets and copies the
     call runs, summed (CUDA activity of torch.profiler, i.e. CUPTI), so host time between launches is not counted.
     Before each call a kernel of our own (its name ``_l2_flush``, which also splits the calls apart) writes
     FLUSH_BYTES, as do_bench's flush does. Works for every method, cuDNN included (CUDA graphs do not: the SDPA
-    anchors failed under capture, benchmarks/NOTES.md run 20)."""
+    anchors failed under capture, benchmarks/NOTES.md run 20). ``kernels``: None, or a dict that receives each
+    kernel's (event name's) median time per call in ms (:func:`split_calls`)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -111,33 +113,43 @@ def kernel_time(fn, calls=30, warmup=5):
             fn()
         torch.cuda.synchronize()
     events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
-    per_call = split_calls(events)
+    by_name = []
+    per_call = split_calls(events, by_name)
     if len(per_call) != calls or min(per_call) <= 0:
         raise RuntimeError(f"kernel_time: {len(per_call)} of {calls} calls seen with kernels by the profiler")
+    if kernels is not None:
+        for name in dict.fromkeys(n for call in by_name for n in call):
+            kernels[name] = sorted(call.get(name, 0.0) for call in by_name)[calls // 2]
     return sorted(per_call)[calls // 2]
 
 
-def split_calls(events):
+def split_calls(events, by_name=None):
     """Per-call GPU time in ms from device events (name, start µs, end µs), in any order: each ``_l2_flush`` kernel
     starts a call, whose time is the summed durations of the events after it up to the next flush (events before the
-    first flush are dropped)."""
+    first flush are dropped). ``by_name``: None, or a list that receives one dict per call, event name → its summed
+    durations in that call (ms)."""
     per_call = []
     for name, start, end in sorted(events, key=lambda e: e[1]):
         if "_l2_flush" in name:
             per_call.append(0.0)
+            if by_name is not None:
+                by_name.append({})
         elif per_call:
             per_call[-1] += (end - start) / 1e3
+            if by_name is not None:
+                by_name[-1][name] = by_name[-1].get(name, 0.0) + (end - start) / 1e3
     return per_call
 
 
-def bench(fn, smoke):
+def bench(fn, smoke, kernels=None):
+    """fn's time in ms (``kernels``: with the kernel timer, filled with each kernel's median, :func:`kernel_time`)."""
     if smoke:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
     from triton.testing import do_bench
     if TIMER == "kernels":
-        return kernel_time(fn)
+        return kernel_time(fn, kernels=kernels)
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
@@ -174,12 +186,15 @@ def measure(shape, name, smoke, window=0, softcap=0.0, dropout=0.0):
             meth.fwd_bwd()
             torch.cuda.synchronize()
             row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        times = {"fwdbwd": bench(meth.fwd_bwd, smoke), "fwd": bench(meth.fwd, smoke)}
+        kernels = {key: {} for key, _ in MODES}  # the kernel timer's per-kernel medians (ms)
+        times = {"fwdbwd": bench(meth.fwd_bwd, smoke, kernels["fwdbwd"]), "fwd": bench(meth.fwd, smoke, kernels["fwd"])}
         if name in M.OURS:
             meth.fwd()
         else:
             meth.fwd_graph()
-        times["bwd"] = bench(meth.bwd, smoke)
+        times["bwd"] = bench(meth.bwd, smoke, kernels["bwd"])
+        if TIMER == "kernels" and not smoke:
+            row["kernels_ms"] = kernels
         for key, mode in MODES:
             row[f"{key}_ms"] = times[key]
             row[f"{key}_tflops"] = M.attn_flops(b, h, n, n, d, causal, mode) / (times[key] * 1e-3) / 1e12
@@ -293,8 +308,10 @@ def chart(res, path):
 
 
 def records(rows):
-    """The --json records: RECORD_KEYS, the times, and ``error`` where there is one."""
-    keep = RECORD_KEYS + ("fwd_ms", "bwd_ms", "fwdbwd_ms", "window", "softcap", "dropout", "timer", "error")
+    """The --json records: RECORD_KEYS, the times, ``kernels_ms`` (--timer kernels: per mode, each kernel's median ms
+    per call) and ``error`` where there is one."""
+    keep = RECORD_KEYS + ("fwd_ms", "bwd_ms", "fwdbwd_ms", "window", "softcap", "dropout", "timer", "kernels_ms",
+                          "error")
     return [{k: r[k] for k in keep if k in r} for r in rows]
 
 
@@ -411,6 +428,9 @@ def main(argv=None):
                 print(f"[{time.time() - t0:.1f}s] {_label(s)} {m}{tag}: " + (r["error"] if "error" in r else
                       f"fwd {r['fwd_tflops']:.0f} bwd {r['bwd_tflops']:.0f} fwd+bwd {r['fwdbwd_tflops']:.0f} TFLOP/s"),
                       flush=True)
+                for key, parts in r.get("kernels_ms", {}).items():  # --timer kernels: where each mode's time goes
+                    print(f"    {key} kernels: " + ", ".join(f"{n[:60]} {1e3 * t:.0f} µs" for n, t in
+                                                          sorted(parts.items(), key=lambda x: -x[1])), flush=True)
             if not args.smoke:
                 torch.cuda.empty_cache()
         with open(os.path.join(args.out, "attention.json"), "w") as f:

@@ -44,6 +44,9 @@ def test_kernel_timer_splits_the_profile_at_each_flush():
     events = [("fwd", 120.0, 170.0), ("_l2_flush", 100.0, 110.0), ("warm", 0.0, 50.0), ("_l2_flush", 300.0, 310.0),
               ("bwd", 180.0, 280.0), ("Memset (Device)", 320.0, 321.5), ("fwd", 400.0, 460.0)]
     assert attention.split_calls(events) == pytest.approx([0.150, 0.0615])
+    by_name = []
+    attention.split_calls(events, by_name)  # --timer kernels' per-kernel breakdown
+    assert by_name == [pytest.approx({"fwd": 0.050, "bwd": 0.100}), pytest.approx({"Memset (Device)": 0.0015, "fwd": 0.060})]
 
 
 def test_attention_smoke_writes_speed_records(tmp_path):

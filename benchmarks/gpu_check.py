@@ -235,12 +235,13 @@ def hopper_bwd_check(dev, softcap=0.0, window=(-1, -1), shapes=None):
             g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold, softcap=softcap, window_size=window)
             with mock.patch.dict(os.environ, {"GPROJ_BWD_PERSISTENT": "0"}):  # every dK/dV block its own program
                 g_1 = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold, softcap=softcap, window_size=window)
-            row.append(f"dk,dv as one block per program: {all(torch.equal(x, y) for x, y in zip(g[1:3], g_1[1:3]))}")
+            same = all(torch.equal(x, y) for x, y in zip(g[1:3], g_1[1:3]))
             errs = [rel(x, y) for x, y in zip(g[:3], g_r[:3])]
             worst = max(worst, *errs)
             nan = any(torch.isnan(x).any().item() for x in g[:3])
             row.append(f"{fix}{'/fold' if fold else ''}: vs reference " + "/".join(f"{e:.1e}" for e in errs) + " vs tl.dot "
-                       + "/".join(f"{rel(x, y):.1e}" for x, y in zip(g[:3], g_t[:3])) + (" NAN" if nan else ""))
+                       + "/".join(f"{rel(x, y):.1e}" for x, y in zip(g[:3], g_t[:3])) + (" NAN" if nan else "")
+                       + f", dk,dv as one block per program: {same}")
         print(f"hopper_bwd {(b, n, h, hk, d, causal, str(dt)[6:], 'q,v (B,H,N,d), strided do' if odd else '')} softcap={softcap} window={window}",
               "; ".join(row), flush=True)
     for causal in (False, True):

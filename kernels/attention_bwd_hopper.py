@@ -853,7 +853,7 @@ if GLUON_ERROR is None:
     def _dq_partition(gproj: bool, causal: bool, softcap: bool, window: bool, edges: bool, keypad: bool = False,
                       dropout: bool = False):
         """A dQ consumer partition with (GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, DROPOUT) compiled in, as
-        :func:`_dkdv_partition`; KEYMASK: keys from ``kend`` on masked (a sequence's end inside a tile, which causal
+        :func:`_dkdv_partitions`; KEYMASK: keys from ``kend`` on masked (a sequence's end inside a tile, which causal
         rows never reach, or key padding)."""
         GPROJ, CAUSAL = gl.constexpr(gproj), gl.constexpr(causal)
         SOFTCAP, WINDOW, EDGES = gl.constexpr(softcap), gl.constexpr(window), gl.constexpr(edges)

@@ -17,7 +17,9 @@ Writes DIR/attention.json (environment, date, records), DIR/attention.md and (ma
 DIR/attention.png, rewritten after every shape; with ``--json`` also PATH (default
 benchmarks/results/speed_latest.json): the list of records
 {shape: [B, H, N, d], causal, method, fwd_tflops, bwd_tflops, fwdbwd_tflops, peak_mib} (plus the
-times in ms, and ``error`` where a method failed, its numbers then null).
+times in ms, with ``--timer kernels`` ``kernels_ms`` — per mode, each kernel's median ms per call; medians taken
+kernel by kernel, so they need not sum to the mode's median — and ``error`` where a method failed, its numbers then
+null).
 
 ``--dropout P``: also each of our methods with attention dropout P; on an H200 the Gluon kernels serve it (their
 dropout variants); ``GPROJ_HOPPER_DROPOUT=0`` times the tl.dot kernels instead (A/B).
@@ -118,9 +120,16 @@ def kernel_time(fn, calls=30, warmup=5, kernels=None):
     if len(per_call) != calls or min(per_call) <= 0:
         raise RuntimeError(f"kernel_time: {len(per_call)} of {calls} calls seen with kernels by the profiler")
     if kernels is not None:
-        for name in dict.fromkeys(n for call in by_name for n in call):
-            kernels[name] = sorted(call.get(name, 0.0) for call in by_name)[calls // 2]
+        kernels.update(kernel_medians(by_name))
     return sorted(per_call)[calls // 2]
+
+
+def kernel_medians(by_name):
+    """Each kernel's median time per call (ms) from :func:`split_calls`' per-call dicts, a call that did not run it
+    counting 0 (the upper median for an even number of calls, as :func:`kernel_time`'s); taken kernel by kernel, so
+    the medians need not sum to the calls' median."""
+    names = dict.fromkeys(n for call in by_name for n in call)
+    return {n: sorted(call.get(n, 0.0) for call in by_name)[len(by_name) // 2] for n in names}
 
 
 def split_calls(events, by_name=None):

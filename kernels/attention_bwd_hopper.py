@@ -15,8 +15,9 @@ rounding points (kernels/reference.py):
   program per (128 keys, batch·kv head); the loader loads its K, V rows once and streams (Q, dO[, −ρ∘Q])
   tiles of 64 query rows over the query heads of the GQA group; two consumers own 64 keys each:
   Sᵀ = K Qᵀ, Pᵀ, dV += P̃ᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D), dK += dS̃ᵀ Q, gproj: dK += P̃ᵀ(−ρ∘Q); dk = τ dK.
-  Without gproj on dense inputs (:func:`dkdv_schedule`) persistent: one program per SM loops over pairs of key
-  blocks (causal: heaviest with lightest) with two K/V buffers, bit-identical to a block per program.
+  Without GProj's dK term (fix "none", and "gproj_uniform", which runs none's passes) on dense inputs without a
+  window, key padding or dropout (:func:`dkdv_schedule`) persistent: one program per SM loops over pairs of key
+  blocks (causal: heaviest with lightest) with two K/V buffers; dk, dv bit-identical to a block per program.
 
 All accumulation in fp32, P̃ and dS̃ as register A operands of asynchronous wgmma; only the order of fp32
 additions differs from the tl.dot kernels. Causal grids: query blocks heaviest first; only tiles that reach
@@ -90,16 +91,15 @@ if GLUON_ERROR is None:
     _KEEP_T64 = gl.constexpr(keep_layout_t(64))
     _KEEP_T32 = gl.constexpr(keep_layout_t(32))
     _NUM_STAGES = gl.constexpr(2)
+    _PAIR = gl.constexpr(2)  # key blocks per item of the persistent dK/dV kernel (dkdv_block)
 
     @gluon.jit
     def _loader(q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem, k_smem, v_smem,
                 m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty, j, i, k_row, k_col, v_row, v_col, q_b, q_rh, q_ch,
-                do_b, do_rh, do_ch, qr_b, qr_rh, qr_ch, h0, GROUP, lo, hi, stats0, N_CTX, seqlen, GPROJ):
+                do_b, do_rh, do_ch, qr_b, qr_rh, qr_ch, h0, GROUP, lo, hi, stats0, N_CTX, seqlen, GPROJ: gl.constexpr):
         """The loads of the program's j-th key block (its K/V buffer j % KV_BUFS, KV_BUFS = k_smem.shape[0] // 2, once
         both consumers released that buffer's previous block), then its (Q, dO[, −ρ∘Q]) tiles from ring position i on.
         Returns the ring position after them."""
-        # GPROJ arrives as a value through gl.warp_specialize, not a constexpr: both branches below compile (their
-        # operands are shaped alike) and the constant folds them away (the PTX equals a constexpr variant's).
         # The block's K and V rows, once, as two halves of 64 keys (one per consumer).
         KV_BUFS: gl.constexpr = k_smem.shape[0] // 2
         kb = j % KV_BUFS
@@ -126,7 +126,7 @@ if GLUON_ERROR is None:
                 cp_async_load(d_smem.index(s), DELTA + at, mask=inside)
                 async_copy.mbarrier_arrive(ready.index(s))
                 qdo_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                if GPROJ:  # a value, as above (mbarrier.expect takes a constant byte count)
+                if GPROJ:
                     mbarrier.expect(ready.index(s), qdo_bytes + qr_desc.block_type.nbytes)
                 else:
                     mbarrier.expect(ready.index(s), qdo_bytes)
@@ -372,7 +372,7 @@ if GLUON_ERROR is None:
         """The dK/dV kernel's (consumer, loader) partitions with (GPROJ, CAUSAL, SOFTCAP, WINDOW, EDGES, …) compiled in:
         constexpr arguments do not survive gl.warp_specialize, closure constants do; with the mask's, GProj's or the
         softcap's code compiled in where it is not used the consumers spilled ~4× more (Triton 3.6's ptxas). Where
-        ``persist``, they loop over the program's key blocks (items p, p + P, … of PER blocks, :func:`dkdv_block`),
+        ``persist``, they loop over the program's key blocks (items p, p + P, … of two blocks, :func:`dkdv_block`),
         the ring's position and the K/V buffers' turns running on across blocks; else they run the block the kernel
         located."""
         GPROJ, CAUSAL = gl.constexpr(gproj), gl.constexpr(causal)
@@ -402,13 +402,13 @@ if GLUON_ERROR is None:
 
         @gluon.jit
         def p_consumer(q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty,
-                       DK, DV, KS, H, GROUP, N_CTX, M_BLOCKS, TILES, PER, c, tau, key_sums, sc, cap, half):
+                       DK, DV, KS, H, GROUP, N_CTX, M_BLOCKS, TILES, c, tau, key_sums, sc, cap, half):
             HEAD_DIM: gl.constexpr = k_smem.shape[2]
             HK = H // GROUP
             i = gl.to_tensor(0)  # ring position
             j = gl.to_tensor(0)  # key blocks done (the K/V buffers' turns)
-            for item in range(gl.program_id(0) * PER, TILES, gl.num_programs(0) * PER):
-                for t in range(item, gl.minimum(item + PER, TILES)):
+            for item in range(gl.program_id(0) * _PAIR, TILES, gl.num_programs(0) * _PAIR):
+                for t in range(item, item + _PAIR):  # TILES is even
                     b, hk, start_n = dkdv_block(t, M_BLOCKS, H, GROUP, CAUSAL)
                     if start_n < N_CTX:
                         lo = 0
@@ -424,13 +424,12 @@ if GLUON_ERROR is None:
 
         @gluon.jit
         def p_loader(q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem, k_smem, v_smem,
-                     m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty, H, GROUP, N_CTX, M_BLOCKS, TILES, PER,
-                     q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb, qr_rh, qr_ch, k_rb, k_rh, k_ch, v_rb, v_rh,
+                     m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty, H, GROUP, N_CTX, M_BLOCKS, TILES, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb, qr_rh, qr_ch, k_rb, k_rh, k_ch, v_rb, v_rh,
                      v_ch):
             i = gl.to_tensor(0)
             j = gl.to_tensor(0)
-            for item in range(gl.program_id(0) * PER, TILES, gl.num_programs(0) * PER):
-                for t in range(item, gl.minimum(item + PER, TILES)):
+            for item in range(gl.program_id(0) * _PAIR, TILES, gl.num_programs(0) * _PAIR):
+                for t in range(item, item + _PAIR):  # TILES is even
                     b, hk, start_n = dkdv_block(t, M_BLOCKS, H, GROUP, CAUSAL)
                     if start_n < N_CTX:
                         h0 = hk * GROUP
@@ -481,7 +480,7 @@ if GLUON_ERROR is None:
         right key padding (keypad: batch row b's keys from SEQLENS[b] on masked, their dk = dv = 0; not with window
         or varlen) and attention dropout (the forward's keep mask, :func:`_dkdv_tile`) compiled in or out. persist
         (:func:`dkdv_schedule`: without gproj, where kernels/attention_fwd_hopper.persistent allows it): program p runs
-        items p, p + P, … of PER key blocks (:func:`dkdv_block`, :func:`_dkdv_partitions`); else one block per program,
+        items p, p + P, … of two key blocks (:func:`dkdv_block`, :func:`_dkdv_partitions`); else one block per program,
         grid (key blocks, batch · kv heads). Raises ValueError for keypad with window or varlen, and for persist where
         it is not allowed."""
         if keypad and (window or varlen):
@@ -499,12 +498,12 @@ if GLUON_ERROR is None:
         # sequence's (P = 0 there, not stored). No key sums (key_sums = 0). KEYPAD: keys [0, SEQLENS[b]) of batch
         # row b are valid, the others get dk = dv = 0 (a block of padding only: stored here, no partitions). Dropout
         # (unused without it): kernels/attention_fwd_hopper.dropout_kernel_args; counter rows start + row, c1 = b·H + h.
-        # M_BLOCKS: key blocks per (batch row or sequence, kv head); TILES, PER: the persistent kernel's items
-        # (dkdv_block), unused by the other.
+        # M_BLOCKS, TILES: key blocks per (batch row, kv head) and block slots in all (dkdv_block) of the persistent
+        # kernel; the loop-less one takes them too (one signature for both launches) and does not read them.
         if persist:
             @gluon.jit(do_not_specialize=DROPOUT_SCALARS)
             def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, DK, DV, KS, M, LOG2L, DELTA, CU, SEQLENS,
-                                    c, tau, H, GROUP, N_CTX, key_sums, M_BLOCKS, TILES, PER, q_rb, q_rh, q_ch, do_rb,
+                                    c, tau, H, GROUP, N_CTX, key_sums, M_BLOCKS, TILES, q_rb, q_rh, q_ch, do_rb,
                                     do_rh, do_ch, qr_rb, qr_rh, qr_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl,
                                     wr, DG, seed_lo, seed_hi, drop_off, drop_thr, drop_scale):
                 # Two K/V buffers: a block's K, V load while the previous block's last tiles run.
@@ -512,12 +511,12 @@ if GLUON_ERROR is None:
                     _dkdv_smem(q_desc, do_desc, qr_desc, k_desc, v_desc, GPROJ, 2)
                 # The two consumers' arguments differ in the last one, their half of the keys (Gluon has no *tuple).
                 args0 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty,
-                         DK, DV, KS, H, GROUP, N_CTX, M_BLOCKS, TILES, PER, c, tau, key_sums, sc, cap, 0)
+                         DK, DV, KS, H, GROUP, N_CTX, M_BLOCKS, TILES, c, tau, key_sums, sc, cap, 0)
                 args1 = (q_smem, do_smem, qr_smem, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty,
-                         DK, DV, KS, H, GROUP, N_CTX, M_BLOCKS, TILES, PER, c, tau, key_sums, sc, cap, 1)
+                         DK, DV, KS, H, GROUP, N_CTX, M_BLOCKS, TILES, c, tau, key_sums, sc, cap, 1)
                 loader_args = (q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem,
                                k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty, H, GROUP, N_CTX,
-                               M_BLOCKS, TILES, PER, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb,
+                               M_BLOCKS, TILES, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb,
                                qr_rh, qr_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch)
                 gl.warp_specialize([(consumer, args0), (consumer, args1), (loader, loader_args)], [4, 1], [240, 24])
 
@@ -525,7 +524,7 @@ if GLUON_ERROR is None:
 
         @gluon.jit(do_not_specialize=DROPOUT_SCALARS)
         def _hopper_dkdv_kernel(q_desc, do_desc, qr_desc, k_desc, v_desc, DK, DV, KS, M, LOG2L, DELTA, CU, SEQLENS, c, tau,
-                                H, GROUP, N_CTX, key_sums, M_BLOCKS, TILES, PER, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
+                                H, GROUP, N_CTX, key_sums, M_BLOCKS, TILES, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
                                 qr_rb, qr_rh, qr_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr, DG, seed_lo,
                                 seed_hi, drop_off, drop_thr, drop_scale):
             HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -1058,33 +1057,33 @@ def dkdv(q, k, v, do, m, log2l, delta, qr, c: float, softmax_scale: float, causa
     keypad = seqlens_k is not None
     m_blocks = triton.cdiv(max_seqlen if packed else n, BLOCK_N)
     rows = (cu_seqlens.numel() - 1 if packed else b) * hk
-    per, tiles, grid = dkdv_schedule(m_blocks, rows, window is not None, packed, keypad, dropout_p > 0, qr is not None,
-                                     q.device)
+    persist, tiles, grid = dkdv_schedule(m_blocks, rows, window is not None, packed, keypad, dropout_p > 0,
+                                         qr is not None, q.device)
     kernel = _dkdv_kernel_for(qr is not None, bool(causal), softcap > 0, window is not None, packed, edges, keypad,
-                              dropout_p > 0, per == 2)
+                              dropout_p > 0, persist)
     # No descriptor is made on the device here (the padded keys' dk rows are zeroed instead): no scratch.
     launch(kernel, grid, q.device, False, *descs, dk, dv, ks, m, log2l, delta, cu_seqlens if packed else delta,
            seqlens_k if keypad else delta, float(c), float(softmax_scale), h, h // hk, n, int(bool(want_key_sums)),
-           m_blocks, tiles, per, *where,
+           m_blocks, tiles, *where,
            *feature_args(softmax_scale, softcap, window), *dropout_kernel_args(dropout_p, dropout_seed, dropout_offset, n))
     return dk, dv, (ks.sum(dim=2, dtype=torch.float64) if want_key_sums else None)
 
 
 def dkdv_schedule(m_blocks: int, rows: int, window: bool, packed: bool, keypad: bool, dropout: bool, gproj: bool,
-                  device: torch.device) -> tuple[int, int, tuple[int, ...]]:
-    """(PER, TILES, grid) of the dK/dV kernel for ``m_blocks`` key blocks of ``rows`` (batch rows or sequences) · kv
-    heads. Without GProj's dK term (``gproj``) and where kernels/attention_fwd_hopper.persistent allows it (dense, no
-    window, key padding or dropout), the persistent kernel: items of PER = 2 block slots (each head's an even number,
-    :func:`dkdv_block`: causal blocks paired heaviest with lightest), at most one program per SM of ``device`` (one per
-    item on a device that is not CUDA); elsewhere, or with GPROJ_BWD_PERSISTENT=0 (for A/B timing), PER = 1 and one
-    block per program, grid (m_blocks, rows). On an H200 the persistent kernel ran fix "none"'s backward 3–5% faster
-    with the causal mask and at head dim 64, as fast on full attention at head dim 128; GProj's (one K/V buffer: the
-    −ρ∘Q ring leaves no shared memory for a second) −2…+3.5% (benchmarks/NOTES.md, run 41)."""
+                  device: torch.device) -> tuple[bool, int, tuple[int, ...]]:
+    """(persist, TILES, grid) of the dK/dV kernel for ``m_blocks`` key blocks of ``rows`` (batch rows or sequences) ·
+    kv heads. Without GProj's dK term (``gproj``) and where kernels/attention_fwd_hopper.persistent allows it (dense, no
+    window, key padding or dropout), the persistent kernel: TILES block slots (each head's an even number,
+    :func:`dkdv_block`: causal blocks paired heaviest with lightest) in items of two, at most one program per SM of
+    ``device`` (one per item on a device that is not CUDA); elsewhere, or with GPROJ_BWD_PERSISTENT=0 (for A/B
+    timing), one block per program, grid (m_blocks, rows). On an H200 the persistent kernel ran fix "none"'s backward
+    3–6% faster with the causal mask and at head dim 64, as fast on full attention at head dim 128; GProj's (one K/V
+    buffer: the −ρ∘Q ring leaves no shared memory for a second) −2.3…+3.5% (benchmarks/NOTES.md, run 41)."""
     if (os.environ.get("GPROJ_BWD_PERSISTENT", "1") == "0" or gproj
             or not persistent(window, packed, keypad, dropout)):
-        return 1, m_blocks * rows, (m_blocks, rows)
+        return False, m_blocks * rows, (m_blocks, rows)
     items = (m_blocks + m_blocks % 2) * rows // 2
-    return 2, 2 * items, (items if device.type != "cuda" else min(items, _sm_count(device)),)
+    return True, 2 * items, (items if device.type != "cuda" else min(items, _sm_count(device)),)
 
 
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,
@@ -1102,7 +1101,7 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal
            "DV": pointer_type(dtype), "KS": "*fp32", "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32",
            "CU": "*i32" if varlen else "*fp32", "SEQLENS": "*i32" if keypad else "*fp32", "c": "fp32",
            "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32", "key_sums": "i32", "M_BLOCKS": "i32",
-           "TILES": "i32", "PER": "i32",
+           "TILES": "i32",
            **{f"{x}_{w}": "i32" for x in ("q", "do", "qr", "k", "v") for w in ("rb", "rh", "ch")}, "sc": "fp32", "cap": "fp32",
            "wl": "i32", "wr": "i32", **DROPOUT_SIGNATURE}
     return aot_compile_sm90(_dkdv_kernel_for(bool(gproj), bool(causal), bool(softcap), bool(window), bool(varlen),

@@ -47,6 +47,9 @@ def test_kernel_timer_splits_the_profile_at_each_flush():
     by_name = []
     attention.split_calls(events, by_name)  # --timer kernels' per-kernel breakdown
     assert by_name == [pytest.approx({"fwd": 0.050, "bwd": 0.100}), pytest.approx({"Memset (Device)": 0.0015, "fwd": 0.060})]
+    # each kernel's median over the calls, a call without it counting 0 (three calls: the middle value)
+    calls = by_name + [{"fwd": 0.070, "bwd": 0.090}]
+    assert attention.kernel_medians(calls) == pytest.approx({"fwd": 0.060, "bwd": 0.090, "Memset (Device)": 0.0})
 
 
 def test_attention_smoke_writes_speed_records(tmp_path):

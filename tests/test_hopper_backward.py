@@ -68,6 +68,7 @@ def test_persistent_dkdv_variant_compiles_for_sm90(causal, softcap, head_dim, ed
                              persist=True)
     plain = HB.compile_sm90(torch.bfloat16, False, causal, dk_dtype, ones, softcap, edges=edges, head_dim=head_dim)
     assert_hopper_kernel(kernel, 2 * 4)
+    assert kernel.asm["ptx"].count("wgmma.mma_async") == plain.asm["ptx"].count("wgmma.mma_async")
     assert_softcap_code(kernel.asm["ptx"], softcap)
     k_and_v = 2 * HB.BLOCK_N * head_dim * 2  # bytes of one block's K and V in bf16
     assert kernel.metadata.shared >= plain.metadata.shared + k_and_v
@@ -290,6 +291,10 @@ def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj, soft
                 assert named["cap"] == (30.0 if softcap else 1.0) and named["sc"] == pytest.approx(-2 * math.log2(math.e) * 0.1 / named["cap"])
                 assert (named["wl"], named["wr"]) == ((100, 3) if softcap else (0, 0))
                 assert all(isinstance(a, TensorDescriptor) for a in args[:5])
+                if "TILES" in self.names:  # the dK/dV kernel: its key blocks per head and block slots
+                    m_blocks = n // HB.BLOCK_N
+                    assert named["M_BLOCKS"] == m_blocks
+                    assert named["TILES"] == (m_blocks * b * hk if softcap or gproj else (m_blocks + m_blocks % 2) * b * hk)
                 if "e0_desc" in self.names:  # with gproj the e0 tile: ones in column 0 of TILE_ROWS × ROWSUM_N
                     e0 = args[5]
                     assert isinstance(e0, TensorDescriptor) and (e0.block_shape == [HB.TILE_ROWS, HB.ROWSUM_N]) == gproj
@@ -300,6 +305,7 @@ def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj, soft
                 launched.append(grid)
             return launch
 
+    monkeypatch.delenv("GPROJ_BWD_PERSISTENT", raising=False)
     variants = []
     for name in ("_dq_kernel_for", "_dkdv_kernel_for"):
         def kernel_for(*variant, real=getattr(HB, name)):
@@ -330,18 +336,20 @@ def test_host_side_launches_match_the_kernel_signatures(monkeypatch, gproj, soft
 
 
 @pytest.mark.parametrize("window, packed, keypad, dropout, gproj, m_blocks, rows, expected", [
-    (False, False, False, False, False, 16, 64, (2, 1024, (132,))),
-    (False, False, False, False, False, 3, 33, (2, 132, (66,))), (False, False, False, False, False, 5, 8, (2, 48, (24,))),
-    (True, False, False, False, False, 16, 64, (1, 1024, (16, 64))),
-    (False, True, False, False, False, 16, 64, (1, 1024, (16, 64))),
-    (False, False, True, False, False, 5, 8, (1, 40, (5, 8))), (False, False, False, True, False, 5, 8, (1, 40, (5, 8))),
-    (False, False, False, False, True, 16, 64, (1, 1024, (16, 64))),
+    (False, False, False, False, False, 16, 64, (True, 1024, (132,))),
+    (False, False, False, False, False, 3, 33, (True, 132, (66,))),
+    (False, False, False, False, False, 5, 8, (True, 48, (24,))),
+    (True, False, False, False, False, 16, 64, (False, 1024, (16, 64))),
+    (False, True, False, False, False, 16, 64, (False, 1024, (16, 64))),
+    (False, False, True, False, False, 5, 8, (False, 40, (5, 8))),
+    (False, False, False, True, False, 5, 8, (False, 40, (5, 8))),
+    (False, False, False, False, True, 16, 64, (False, 1024, (16, 64))),
 ], ids=["dense", "dense, odd blocks, fewer items than SMs", "dense, odd blocks", "window", "packed", "key padding",
         "dropout", "gproj"])
 def test_dkdv_schedule_is_persistent_where_the_kernel_loops(monkeypatch, window, packed, keypad, dropout, gproj,
                                                             m_blocks, rows, expected):
-    """(PER, TILES, grid) of the dK/dV pass: dense inputs without GProj's dK term run the persistent kernel over items
-    of two key-block slots (each head's an even number, so a causal head's heaviest block pairs with its lightest), one
+    """(persist, TILES, grid) of the dK/dV pass: dense inputs without GProj's dK term run the persistent kernel over
+    items of two key-block slots (each head's an even number, so a causal head's heaviest block pairs with its lightest), one
     program per SM; windows, packed sequences, key padding, dropout and gproj the kernel without the loop, grid (key
     blocks, rows) — the grid must match the variant (a loop-less kernel on fewer programs than blocks would leave keys
     without gradients). GPROJ_BWD_PERSISTENT=0 turns the loop off (A/B timing); a persistent variant where it is not
@@ -352,8 +360,8 @@ def test_dkdv_schedule_is_persistent_where_the_kernel_loops(monkeypatch, window,
     assert HB.dkdv_schedule(m_blocks, rows, window, packed, keypad, dropout, gproj, cuda) == expected
     monkeypatch.setenv("GPROJ_BWD_PERSISTENT", "0")
     assert HB.dkdv_schedule(m_blocks, rows, window, packed, keypad, dropout, gproj, cuda) == (
-        1, m_blocks * rows, (m_blocks, rows))
-    if expected[0] == 1:
+        False, m_blocks * rows, (m_blocks, rows))
+    if not expected[0]:
         with pytest.raises(ValueError, match="persist"):
             HB.compile_sm90(torch.bfloat16, gproj, False, window=window, varlen=packed, keypad=keypad, dropout=dropout,
                             edges=packed, persist=True)

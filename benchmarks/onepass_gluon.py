@@ -156,6 +156,17 @@ def _partition(half: int, causal: bool, variant: str = "full"):
     PENDING = gl.constexpr(2 if variant == "dbuf" else 0)
 
     @gluon.jit
+    def _dq_add(dq, dq_smem, dq_desc, DQA, dq_row, dq_col, stride, buf):
+        """The variant's way of adding this consumer's dQ partial (rows dq_row …, columns dq_col …) into the buffer
+        (noreduce: only staged, so that the GEMM stays)."""
+        if RED != 0:
+            _dq_red(dq, DQA, dq_row, dq_col, stride, RED)
+        elif REDUCE:
+            _dq_out(dq, dq_smem, dq_desc, dq_row, dq_col, buf, WAIT, BOTH, PENDING)
+        else:
+            dq_smem.index(0).store(dq.reshape([dq.shape[0], 2, dq.shape[1] // 2]).permute((0, 2, 1)).split()[0])
+
+    @gluon.jit
     def consumer(q_smem, do_smem, k_smem, v_smem, m_smem, l_smem, d_smem, ds_smem, kv_bar, ready, empty, ds_bar,
                  dq_desc, DQA, DK, DV, start_n, out_row, out_col, out_stride, dq_row0, GROUP, lo, hi, c, tau, h0):
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
@@ -189,10 +200,7 @@ def _partition(half: int, causal: bool, variant: str = "full"):
                         dq = _dq_share(ds_smem, kd0, kd1, ds_bar, st, (i // 2) & 1)
                         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
                         mbarrier.arrive(empty.index(st), count=1)
-                        if RED != 0:
-                            _dq_red(dq, DQA, dq_row0 + start_n, dq_col, out_stride * GROUP, RED)
-                        elif REDUCE:
-                            _dq_out(dq, dq_smem, dq_desc, dq_row0 + start_n, dq_col, i % NBUF, True, True, PENDING)
+                        _dq_add(dq, dq_smem, dq_desc, DQA, dq_row0 + start_n, dq_col, out_stride * GROUP, i % NBUF)
                     else:
                         mbarrier.arrive(empty.index(st), count=1)
                     i += 1
@@ -207,12 +215,7 @@ def _partition(half: int, causal: bool, variant: str = "full"):
                     dq = _dq_share(ds_smem, kd0, kd1, ds_bar, st, (i // 2) & 1)
                     dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
                     mbarrier.arrive(empty.index(st), count=1)
-                    if RED != 0:
-                        _dq_red(dq, DQA, dq_row0 + start_m, dq_col, out_stride * GROUP, RED)
-                    elif REDUCE:
-                        _dq_out(dq, dq_smem, dq_desc, dq_row0 + start_m, dq_col, i % NBUF, WAIT, BOTH, PENDING)
-                    else:
-                        dq_smem.index(0).store(dq.reshape([dq.shape[0], 2, DQ_N // 2]).permute((0, 2, 1)).split()[0])
+                    _dq_add(dq, dq_smem, dq_desc, DQA, dq_row0 + start_m, dq_col, out_stride * GROUP, i % NBUF)
                 else:
                     dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
                     mbarrier.arrive(empty.index(st), count=1)

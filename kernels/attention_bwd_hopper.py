@@ -424,8 +424,8 @@ if GLUON_ERROR is None:
 
         @gluon.jit
         def p_loader(q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem, k_smem, v_smem,
-                     m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty, H, GROUP, N_CTX, M_BLOCKS, TILES, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb, qr_rh, qr_ch, k_rb, k_rh, k_ch, v_rb, v_rh,
-                     v_ch):
+                     m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty, H, GROUP, N_CTX, M_BLOCKS, TILES, q_rb,
+                     q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch):
             i = gl.to_tensor(0)
             j = gl.to_tensor(0)
             for item in range(gl.program_id(0) * _PAIR, TILES, gl.num_programs(0) * _PAIR):
@@ -439,8 +439,8 @@ if GLUON_ERROR is None:
                         i = _loader(q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem,
                                     k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty, j, i,
                                     b * k_rb + hk * k_rh + start_n, hk * k_ch, b * v_rb + hk * v_rh + start_n, hk * v_ch,
-                                    b * q_rb, q_rh, q_ch, b * do_rb, do_rh, do_ch, b * qr_rb, qr_rh, qr_ch, h0, GROUP, lo,
-                                    N_CTX, (b * H + h0).to(gl.int64) * N_CTX, N_CTX, N_CTX, GPROJ)
+                                    b * q_rb, q_rh, q_ch, b * do_rb, do_rh, do_ch, 0, 0, 0, h0, GROUP, lo, N_CTX,
+                                    (b * H + h0).to(gl.int64) * N_CTX, N_CTX, N_CTX, False)  # no −ρ∘Q: not with gproj
                         j += 1
 
         return p_consumer, p_loader
@@ -516,8 +516,8 @@ if GLUON_ERROR is None:
                          DK, DV, KS, H, GROUP, N_CTX, M_BLOCKS, TILES, c, tau, key_sums, sc, cap, 1)
                 loader_args = (q_desc, do_desc, qr_desc, k_desc, v_desc, M, LOG2L, DELTA, q_smem, do_smem, qr_smem,
                                k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty, H, GROUP, N_CTX,
-                               M_BLOCKS, TILES, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, qr_rb,
-                               qr_rh, qr_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch)
+                               M_BLOCKS, TILES, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh,
+                               v_ch)
                 gl.warp_specialize([(consumer, args0), (consumer, args1), (loader, loader_args)], [4, 1], [240, 24])
 
             return _hopper_dkdv_kernel

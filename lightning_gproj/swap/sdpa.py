@@ -34,12 +34,17 @@ SDPA = F.scaled_dot_product_attention
 _NAME = "scaled_dot_product_attention"
 
 
-def _code_names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
+def _codes(code: types.CodeType):
+    """``code`` and the code objects nested in it (inner functions, comprehensions), depth first."""
+    yield code
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _code_names(const)
-    return names
+            yield from _codes(const)
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """The names (globals and attributes alike) that ``code`` and the code nested in it use."""
+    return {name for c in _codes(code) for name in c.co_names}
 
 
 #: Instructions that read a name as a global (not an attribute, a local or a free variable).
@@ -50,11 +55,7 @@ def _global_names(code: types.CodeType) -> set[str]:
     """Names the code (and the code nested in it) loads as globals: ``co_names`` also holds attribute names
     (``self.attn``), which a global of the same name (``... import scaled_dot_product_attention as attn``) must
     not turn into an SDPA call."""
-    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in _GLOBAL_LOADS}
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _global_names(const)
-    return names
+    return {ins.argval for c in _codes(code) for ins in dis.get_instructions(c) if ins.opname in _GLOBAL_LOADS}
 
 
 def _functions_of(obj: Any):

@@ -55,16 +55,22 @@ def available(name: str) -> bool:
     return name in ("cudnn", "sdpa_flash", "sdpa_mask")
 
 
-def unsupported(name: str, window_size=(-1, -1), softcap: float = 0.0, dropout_p: float = 0.0) -> str | None:
-    """Why method ``name`` cannot run with this window / softcap / dropout, or None when it can."""
+def unsupported(name: str, window_size=(-1, -1), softcap: float = 0.0, dropout_p: float = 0.0,
+                timing: bool = False) -> str | None:
+    """Why method ``name`` cannot run with this window / softcap / dropout, or None when it can.
+
+    ``fa4`` takes flash-attn's ``window_size`` and ``softcap`` (its tanh is ``tanh.approx.f32``: FA4's
+    utils.create_softcap_scoremod, fastmath); ``sdpa_mask`` a window. Dropout: ours only, except with ``timing``
+    (benchmarks/attention.py), where ``cudnn`` and ``sdpa_flash`` take SDPA's ``dropout_p`` (their mask comes from
+    torch's generator, so there is no common float64 reference for fidelity)."""
     if name in OURS:
         return None
-    if dropout_p:
+    if dropout_p and not (timing and name in ("cudnn", "sdpa_flash")):
         return f"{name}: its dropout mask comes from another generator (no common float64 reference)"
-    if softcap:
+    if softcap and name != "fa4":
         return f"{name}: no logit softcap in this path"
-    if tuple(window_size) != (-1, -1) and name != "sdpa_mask":
-        return f"{name}: no sliding window in this path (sdpa_mask expresses it as a boolean mask)"
+    if tuple(window_size) != (-1, -1) and name not in ("sdpa_mask", "fa4"):
+        return f"{name}: no sliding window in this path (sdpa_mask and fa4 express it)"
     return None
 
 
@@ -123,13 +129,15 @@ class Ours:
 class Anchor:
     """SDPA (one backend, or a boolean mask) or FA4 through autograd."""
 
-    def __init__(self, name, q, k, v, do, causal, window_size=(-1, -1), softcap=0.0):
-        reason = unsupported(name, window_size, softcap)
+    def __init__(self, name, q, k, v, do, causal, window_size=(-1, -1), softcap=0.0, dropout_p=0.0):
+        reason = unsupported(name, window_size, softcap, dropout_p, timing=True)
         if reason is not None:
             raise ValueError(reason)
         self.name = name
         self.causal = causal
         self.window_size = tuple(window_size)
+        self.softcap = softcap
+        self.dropout_p = dropout_p
         self.tau = q.shape[-1] ** -0.5
         self.q = q.detach().clone().requires_grad_()
         self.k = k.detach().clone().requires_grad_()
@@ -140,7 +148,9 @@ class Anchor:
     def _forward(self):
         q, k, v = self.q, self.k, self.v
         if self.name == "fa4":
-            res = fa4_func()(q, k, v, softmax_scale=self.tau, causal=self.causal)
+            left, right = self.window_size
+            res = fa4_func()(q, k, v, softmax_scale=self.tau, causal=self.causal, softcap=self.softcap,
+                             window_size=(None if left < 0 else left, None if right < 0 else right))
             return res[0] if isinstance(res, (tuple, list)) else res
         from torch.nn.attention import SDPBackend, sdpa_kernel
         g = q.shape[2] // k.shape[2]
@@ -156,8 +166,8 @@ class Anchor:
         be = SDPBackend.CUDNN_ATTENTION if self.name == "cudnn" else SDPBackend.FLASH_ATTENTION
         with sdpa_kernel(be):
             o = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=self.causal, scale=self.tau
-            )
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=self.causal, scale=self.tau,
+                dropout_p=self.dropout_p)
         return o.transpose(1, 2)
 
     def fwd(self):
@@ -181,13 +191,13 @@ class Anchor:
         return out.detach(), dq, dk, dv, {}
 
 
-def make(name, q, k, v, do, causal, window_size=(-1, -1), softcap=0.0, **kw):
-    """Method ``name`` on these inputs; ``kw`` (want_stats, grad_dtype, dropout_p / dropout_seed /
-    dropout_offset, seqlens_k) for ours only. Raises ValueError for an anchor that cannot express ``window_size`` /
-    ``softcap`` (:func:`unsupported`)."""
+def make(name, q, k, v, do, causal, window_size=(-1, -1), softcap=0.0, dropout_p=0.0, **kw):
+    """Method ``name`` on these inputs; ``kw`` (want_stats, grad_dtype, dropout_seed / dropout_offset, seqlens_k) for
+    ours only. An anchor given ``dropout_p`` draws SDPA's own mask (timing only). Raises ValueError for an anchor that
+    cannot express ``window_size`` / ``softcap`` / ``dropout_p`` (:func:`unsupported` with ``timing``)."""
     if name in OURS:
-        return Ours(name, q, k, v, do, causal, window_size=window_size, softcap=softcap, **kw)
-    return Anchor(name, q, k, v, do, causal, window_size=window_size, softcap=softcap)
+        return Ours(name, q, k, v, do, causal, window_size=window_size, softcap=softcap, dropout_p=dropout_p, **kw)
+    return Anchor(name, q, k, v, do, causal, window_size=window_size, softcap=softcap, dropout_p=dropout_p)
 
 
 def attn_flops(b, h, nq, nk, d, causal, mode):

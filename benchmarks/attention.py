@@ -21,8 +21,10 @@ times in ms, with ``--timer kernels`` ``kernels_ms`` — per mode, each kernel's
 kernel by kernel, so they need not sum to the mode's median — and ``error`` where a method failed, its numbers then
 null).
 
-``--dropout P``: also each of our methods with attention dropout P; on an H200 the Gluon kernels serve it (their
-dropout variants); ``GPROJ_HOPPER_DROPOUT=0`` times the tl.dot kernels instead (A/B).
+``--dropout P``: also each method with attention dropout P; on an H200 the Gluon kernels serve ours (their
+dropout variants; ``GPROJ_HOPPER_DROPOUT=0`` times the tl.dot kernels instead, A/B), cudnn and sdpa_flash take SDPA's
+``dropout_p`` (their own mask: what dropout costs the anchors). ``--softcap C`` / ``--window W``: also each method with
+that softcap / window; of the anchors fa4 takes both (its softcap tanh is ``tanh.approx.f32``), sdpa_mask the window.
 
 ``--smoke``: CPU, Triton's interpreter (TRITON_INTERPRET=1), two tiny shapes (causal and not), our
 kernels only. The timings are the interpreter's and mean nothing; it exists so that a CPU test can
@@ -165,8 +167,9 @@ def bench(fn, smoke, kernels=None):
 def measure(shape, name, smoke, window=0, softcap=0.0, dropout=0.0):
     """One record: shape (B, H, N, d, causal) timed with method ``name``; ``window`` > 0: a sliding window
     of that many keys back (window_size=(window, 0) causal, (window, window) not), ``softcap`` > 0: logit
-    capping, ``dropout`` > 0: attention dropout with that probability (a fixed seed) — our kernels only. TFLOP/s count the dense (or causal) FLOPs either way, so a window shows
-    as the speed-up its skipped blocks give."""
+    capping, ``dropout`` > 0: attention dropout with that probability (ours: a fixed seed; cudnn, sdpa_flash: SDPA's
+    ``dropout_p``); an anchor that cannot express a feature (_methods.unsupported) gets an ``error`` row. TFLOP/s count
+    the dense (or causal) FLOPs either way, so a window shows as the speed-up its skipped blocks give."""
     b, h, n, d, causal = shape
     feat = {}
     if window:
@@ -174,7 +177,9 @@ def measure(shape, name, smoke, window=0, softcap=0.0, dropout=0.0):
     if softcap:
         feat["softcap"] = softcap
     if dropout:
-        feat.update(dropout_p=dropout, dropout_seed=0x1234_5678_9ABC, dropout_offset=0)
+        feat["dropout_p"] = dropout
+        if name in M.OURS:
+            feat.update(dropout_seed=0x1234_5678_9ABC, dropout_offset=0)
     dev = "cpu" if smoke else "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v, do = (torch.randn(b, n, h, d, generator=g, device=dev).bfloat16() for _ in range(4))
@@ -184,8 +189,6 @@ def measure(shape, name, smoke, window=0, softcap=0.0, dropout=0.0):
     for key, _ in MODES:
         row[f"{key}_tflops"] = row[f"{key}_ms"] = None
     try:
-        if feat and name not in M.OURS:
-            raise ValueError("window / softcap / dropout are timed for our kernels only")
         meth = M.make(name, q, k, v, do, causal, **feat)
         meth.fwd_bwd()  # compile / autotune
         if not smoke:
@@ -397,10 +400,10 @@ def main(argv=None):
     ap.add_argument("--methods", default=None, help="comma-separated (default: all available)")
     ap.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES (or SMOKE_SHAPES)")
     ap.add_argument("--window", type=int, default=0,
-                    help="also time each method with a sliding window of this many keys back (our kernels)")
+                    help="also time each method with a sliding window of this many keys back (ours, fa4, sdpa_mask)")
     ap.add_argument("--softcap", type=float, default=0.0, help="also time each method with this logit softcap")
     ap.add_argument("--dropout", type=float, default=0.0,
-                    help="also time each method with attention dropout of this probability (our kernels)")
+                    help="also time each method with attention dropout of this probability (ours, cudnn, sdpa_flash)")
     ap.add_argument("--varlen", nargs="?", const="", default=None, metavar="LENGTHS",
                     help=f"time packed sequences vs padded (default lengths {VARLEN_LENGTHS})")
     ap.add_argument("--varlen-heads", default="16,128", help="H,d of --varlen (default 16,128)")

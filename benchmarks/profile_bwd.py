@@ -2,9 +2,10 @@
 
     ncu --clock-control none --kernel-name regex:"hopper|bprop|dgrad" --section SpeedOfLight \
         --section WarpStateStats python3 benchmarks/profile_bwd.py [--shape B,H,N,d] [--causal] [--methods gproj,none,cudnn]
-        [--dropout P]
+        [--dropout P] [--softcap C]
 
-``--dropout P``: our methods with attention dropout P (issue 16: where dropout's time goes); cuDNN without.
+``--dropout P`` / ``--softcap C``: our methods with attention dropout P / logit softcap C (issue 16: where each
+feature's time goes); cuDNN without.
 
 Each method runs twice (the first call compiles); profile the second with ncu's --launch-skip, or read both.
 """
@@ -22,6 +23,7 @@ def main():
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--methods", default="none,cudnn", help="comma list of gproj, none, cudnn")
     ap.add_argument("--dropout", type=float, default=0.0, help="attention dropout of our methods (default 0)")
+    ap.add_argument("--softcap", type=float, default=0.0, help="logit softcap of our methods (default 0: off)")
     args = ap.parse_args()
     b, h, n, d = (int(x) for x in args.shape.split(","))
     torch.manual_seed(0)
@@ -35,7 +37,8 @@ def main():
                     o = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=args.causal)
                 o.transpose(1, 2).backward(do)
             else:
-                gproj_attn_func(q, k, v, causal=args.causal, fix=method, dropout_p=args.dropout).backward(do)
+                gproj_attn_func(q, k, v, causal=args.causal, fix=method, dropout_p=args.dropout,
+                                softcap=args.softcap).backward(do)
             torch.cuda.synchronize()
         print(method, "done", flush=True)
 

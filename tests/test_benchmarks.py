@@ -164,6 +164,25 @@ def test_fidelity_reference_mask_is_flash_attn_window():
                 assert got.tolist() == want, (nq, nk, causal, left, right)
 
 
+def test_anchors_take_only_the_features_they_express():
+    """_methods.unsupported: fidelity compares an anchor only where it computes the same function (no anchor draws our
+    dropout mask); attention.py (timing) also times cudnn / sdpa_flash with SDPA's own dropout; fa4 takes flash-attn's
+    softcap and window, sdpa_mask a window, ours everything."""
+    methods = load_script("benchmarks/_methods.py", "benchmark_methods")
+    feats = {"dropout": dict(dropout_p=0.1), "softcap": dict(softcap=30.0), "window": dict(window_size=(64, 0))}
+    takes = {"cudnn": {"dropout_t"}, "sdpa_flash": {"dropout_t"}, "fa4": {"softcap", "window"}, "sdpa_mask": {"window"},
+             "gproj": {"dropout", "dropout_t", "softcap", "window"}}
+    for name, ok in takes.items():
+        for feat, kw in feats.items():
+            for timing in (False, True):
+                key = feat + ("_t" if timing and feat == "dropout" else "")
+                reason = methods.unsupported(name, **kw, timing=timing)
+                assert (reason is None) == (key in ok or (feat != "dropout" and feat in ok)), (name, feat, timing, reason)
+                if reason is not None:
+                    assert reason.startswith(name + ":"), reason
+    assert methods.unsupported("cudnn", dropout_p=0.1, softcap=30.0, timing=True) is not None  # every feature counts
+
+
 def test_fidelity_rejects_bad_window():
     fidelity = load_script("benchmarks/fidelity.py", "fidelity_benchmark")
     assert fidelity.parse_window("256,0") == (256, 0) and fidelity.parse_window("-1,3") == (-1, 3)

@@ -28,13 +28,13 @@ from typing import Any, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_gproj import stats as _stats
 
 from . import keys
 from .alerts import Alert, AlertDispatcher
-from .capture import AttentionCapture, ProbeCapture, ProbeResult, probe_backward
+from .capture import AttentionCapture, ProbeCapture, ProbeResult, compiled_fullgraph, probe_backward
 from .detectors import ChangeDetector, Detection, DetectorConfig, as_config, level_rank
 from .key_bias import KeyBias, find_key_biases, key_bias_values, uses_rotary
 from .ranks import RankRows, reduce_values
@@ -319,6 +319,7 @@ class ZeroSumMonitor(Monitor):
         self.last_probe: Optional[tuple[int, ProbeCapture, ProbeResult]] = None
         self._probes = 0
         self._names: dict[int, str] = {}
+        self._fullgraph = False  # torch.compile(fullgraph=True): C2 and the probe not sampled (on_train_start)
         self._capture: Optional[AttentionCapture] = None
         self._capture_step: Optional[int] = None
         self._recording_step: int | None = None  # step whose recording we started, while it runs
@@ -424,6 +425,14 @@ class ZeroSumMonitor(Monitor):
             )
             self.key_biases = []
         self._names = {id(m): clean_name(path) for path, m in pl_module.named_modules()}
+        self._fullgraph = compiled_fullgraph(pl_module)
+        if self._fullgraph and (self.c2 or self.probe_every_n_steps is not None):
+            rank_zero_warn(
+                "ZeroSumMonitor: the model is compiled with torch.compile(fullgraph=True), and a gradient hook inside "
+                "the compiled graph is a side effect Dynamo refuses, so the C2 residual and the probe are not "
+                "sampled (the op's statistics and the key-bias signals still are); compile with fullgraph=False "
+                "for them (each sampled step then runs a variant with a graph break at each attention call)."
+            )
 
     @guarded
     def on_train_batch_start(
@@ -448,6 +457,7 @@ class ZeroSumMonitor(Monitor):
                 self._capture = AttentionCapture(
                     self._names, self.sdpa_layers, c2=sampled and self.c2, probe_layer=probe_layer,
                     probe_heads=self.probe_heads, probe_queries=self.probe_queries, probe_filter=self._probe_allowed,
+                    observe_compiled=not self._fullgraph,
                 )
                 self._capture_step = step
             self._capture.start()  # every micro-batch's forward

@@ -307,3 +307,73 @@ def test_swapped_attention_is_not_probed_but_gets_c2(tmp_path):
         assert sorted(logged[f"gproj/{layer}/c2_residual"]) == [0, 1]
         assert sorted(logged[f"gproj/{layer}/leak_ratio"]) == [0, 1]
         assert not [k for k in logged if "probe" in k]
+
+
+class PlainAttention(nn.Module):
+    """Causal SDPA self-attention without hooks of its own (they would stop a fullgraph compile themselves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+
+    def forward(self, x):
+        q, k, v = (t.reshape(B, N, H, D).transpose(1, 2) for t in self.qkv(x).split(E, dim=-1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, N, E)
+
+
+class CompiledAttention(pl.LightningModule):
+    """One attention layer called from ``forward`` (what Lightning compiles)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = PlainAttention()
+        self.head = nn.Linear(E, 1)
+
+    def forward(self, x):
+        return self.head(self.attn(x))
+
+    def training_step(self, batch, batch_idx):
+        return self(batch).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        data = torch.randn(4, B, N, E, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(list(data), batch_size=None)
+
+
+def test_monitor_under_torch_compile_samples_what_dynamo_lets_it(tmp_path):
+    """trainer.fit(torch.compile(model)): with fullgraph=False the sampled steps' C2 residual and probe are those of
+    the eager run (the hooks graph-break); with fullgraph=True a gradient hook in the graph is a side effect Dynamo
+    refuses (new-user pass 8: the run died at step 0), so C2 and the probe are not sampled, one warning says so, and
+    the run and the other signals (the key bias here) go on."""
+    import warnings
+
+    import torch._dynamo
+
+    def run(compile_kw, sub):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = CompiledAttention()
+        module = torch.compile(model, backend="aot_eager", **compile_kw) if compile_kw is not None else model
+        monitor = ZeroSumMonitor(every_n_steps=1, probe_every_n_steps=1, print_summary=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            logged = fit(module, [monitor], tmp_path / sub, max_steps=2)
+        torch._dynamo.reset()
+        return logged, [str(w.message) for w in caught if "ZeroSumMonitor" in str(w.message)]
+
+    eager, eager_warned = run(None, "eager")
+    stats = ("c2_residual", "probe_dq_error", "key_bias_grad_norm")
+    assert all(sorted(eager[f"gproj/attn/{s}"]) == [0, 1] for s in stats) and not eager_warned
+    graph_breaks, warned = run({"fullgraph": False}, "default")
+    for s in stats:
+        for step in (0, 1):
+            assert graph_breaks[f"gproj/attn/{s}"][step] == pytest.approx(eager[f"gproj/attn/{s}"][step], rel=1e-4)
+    assert not warned
+    one_graph, warned = run({"fullgraph": True}, "fullgraph")
+    assert not [k for k in one_graph if k.endswith(("c2_residual", "probe_dq_error"))]
+    for step in (0, 1):
+        assert one_graph["gproj/attn/key_bias_grad_norm"][step] == pytest.approx(eager["gproj/attn/key_bias_grad_norm"][step], rel=1e-4)
+    assert len(warned) == 1 and "fullgraph=True" in warned[0]

@@ -471,7 +471,7 @@ class GProjFabricPlugin(fabric_precision.Precision):
             self.device = param.device.type
 
     def _gproj_check_first_step(self) -> None:
-        """Warn when a swapped module fell back on every call of the first training step."""
+        """Warn when a swapped module fell back on every call of the first training step, or saw none."""
         if self.report is None:
             return
         if isinstance(self.report, sdpa_registry.RegistryReport):
@@ -487,11 +487,23 @@ class GProjFabricPlugin(fabric_precision.Precision):
                 )
             return
         before = self._gproj_counts or {}
-        idle = []
+        idle, unseen = [], []
         for path, site in self.report.sites.items():
             served0, fell0 = before.get(path, (0, 0))
             if not site.keep and site.served == served0 and site.fallback_count > fell0:
                 idle.append(f"{display_path(path)} ({'; '.join(site.fallbacks)})")
+            elif not site.keep and site.served == served0 and site.fallback_count == fell0:
+                unseen.append(display_path(path))
+        if unseen:
+            rank_zero_warn(
+                f"GProj: {len(unseen)} of {len(self.report.swapped)} swapped attention modules saw no call in the first "
+                f"training step: {', '.join(unseen)}. If the model reaches their attention through another method "
+                f"than forward (e.g. a parent calling a helper such as self.attn.attend(q, k, v)), those calls run the "
+                f"original attention unseen: call the module itself, or use mode='sdpa_registry', which serves every "
+                f"F.scaled_dot_product_attention call in the process. A module simply unused in that step needs "
+                f"nothing.",
+                category=GProjFallbackWarning,
+            )
         if idle:
             rank_zero_warn(
                 f"GProj: {len(idle)} of {len(self.report.swapped)} swapped attention modules served none of their "

@@ -357,6 +357,50 @@ def test_fallback_on_every_call_is_reported_at_the_first_step_and_after_fit(tmp_
     assert float(metrics["gproj_calls/attn/served"]) == 0 and float(metrics["gproj_calls/attn/fallbacks"]) == 3
 
 
+class HelperAttention(nn.Module):
+    """SDPA in a helper method its parent calls directly; ``forward`` is never run."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def attend(self, q, k, v):
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward(self, x):
+        raise AssertionError("the parent bypasses forward")
+
+
+class LitHelperAttention(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 32)
+        self.attn = HelperAttention()
+        self.head = nn.Linear(32, 11)
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        x = self.emb(tokens)
+        b, n, e = x.shape
+        q, k, v = self.attn.qkv(x).view(b, n, 3, 4, e // 4).permute(2, 0, 3, 1, 4)
+        x = x + self.attn.attend(q, k, v).transpose(1, 2).reshape(b, n, e)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), tokens.flatten())
+
+    configure_optimizers = LitTiny.configure_optimizers
+    train_dataloader = LitTiny.train_dataloader
+
+
+def test_a_swapped_module_its_parent_bypasses_is_reported_at_the_first_step(tmp_path, op_spy):
+    """New-user pass 8: the parent calls the swapped module's helper, not its forward — the module is reported
+    swapped, serves nothing and counts no fallback; the first optimizer step says so, naming it."""
+    with pytest.warns(GProjFallbackWarning, match=r"1 of 1 swapped attention modules saw no call in the first training "
+                                                   r"step: attn\. .*self\.attn\.attend"):
+        records, metrics = _fit_logged(LitHelperAttention(), GProjPlugin("32-true", attention_dtype="bf16"), tmp_path)
+    assert not op_spy.calls
+    assert float(metrics["gproj_calls/attn/served"]) == 0 and float(metrics["gproj_calls/attn/fallbacks"]) == 0
+
+
 def test_served_calls_are_summarized_without_a_warning(tmp_path, op_spy):
     with warnings.catch_warnings():
         warnings.simplefilter("error", GProjFallbackWarning)

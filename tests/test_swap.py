@@ -723,6 +723,12 @@ MHA_FALLBACK = {
     "float_key_bias": (dict(need_weights=False, key_padding_mask=torch.tensor([[0.0] * 5 + [-1.0]] * 2)),
                        "key_padding_mask that is not right padding"),
     "non_causal_mask": (dict(need_weights=False, attn_mask=torch.eye(6, dtype=torch.bool)), "not the causal mask"),
+    # a causal sliding window (not the causal mask) with the is_causal hint and right padding: the original merges the
+    # padding into the mask and drops the hint (new-user pass 8: the swap trusted the hint, 62% off, silently)
+    "causal_hint_window_mask_key_padding": (dict(
+        need_weights=False, is_causal=True,
+        attn_mask=(torch.arange(6)[None, :] > torch.arange(6)[:, None]) | (torch.arange(6)[None, :] < torch.arange(6)[:, None] - 2),
+        key_padding_mask=torch.arange(6)[None, :] >= torch.tensor([[4], [6]])), "not the causal mask"),
 }
 
 

@@ -86,8 +86,9 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
     padding, boolean or float of 0 and -inf (as ``nn.TransformerEncoderLayer`` passes a boolean mask on)
     (each batch row masks a suffix of the keys and keeps at least one; served
     with ``seqlens_k``, alone or with the causal mask), ``attn_mask`` None or the causal mask
-    (``is_causal=True`` with a mask, trusted as the original does on this path; or a mask whose
-    values are exactly causal), ``dropout`` (applied while training, as the original does, by the op's
+    (``is_causal=True`` with a mask and no ``key_padding_mask``, trusted as the original does on this path; or a
+    mask whose values are exactly causal — with a ``key_padding_mask`` the original ignores the hint and follows the
+    mask), ``dropout`` (applied while training, as the original does, by the op's
     own Philox mask), causal only with L == S,
     head dim (embed_dim / num_heads) a multiple of 8 up to the op's ``MAX_HEAD_DIM``.
     Any other call runs ``nn.MultiheadAttention.forward`` unchanged (one
@@ -131,7 +132,9 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
             return None, False, seqlens_k
         if n_q != n_k:
             return f"attn_mask with L={n_q} != S={n_k} (causal alignment differs)", False, None
-        if is_causal or _is_causal_mha_mask(attn_mask, n_q, n_k):
+        # The original trusts the is_causal hint only without a key_padding_mask: with one it merges the padding
+        # into attn_mask and follows the mask (torch.nn.functional.multi_head_attention_forward), and so do we.
+        if (is_causal and key_padding_mask is None) or _is_causal_mha_mask(attn_mask, n_q, n_k):
             return None, True, seqlens_k
         return "attn_mask is not the causal mask", False, None
 

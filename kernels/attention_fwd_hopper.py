@@ -981,13 +981,22 @@ def schedule(m_blocks: int, rows: int, window: bool, packed: bool, keypad: bool,
     heads. Where the kernel is persistent (:func:`persistent`: dense inputs, causal or not, softcap or not) items of
     PER = 2 tile slots, each head's slots an even number (m_blocks rounded up; :func:`tile_span`: a causal head's
     blocks paired heaviest with lightest, so that items balance), at most one program per SM of ``device`` looping
-    over them (on a device that is not CUDA, one per item); elsewhere, or with GPROJ_FWD_PERSISTENT=0 (for A/B timing),
-    one tile per program, heaviest first, balanced by the block scheduler. Measured on an H200: benchmarks/NOTES.md,
+    over them (on a device that is not CUDA, one per item) where they fill the device (:func:`fills_the_device`);
+    elsewhere, or with GPROJ_FWD_PERSISTENT=0 (for A/B timing), one tile per program, heaviest first, balanced by the
+    block scheduler. Measured on an H200: benchmarks/NOTES.md,
     run 33."""
-    if os.environ.get("GPROJ_FWD_PERSISTENT", "1") == "0" or not persistent(window, packed, keypad, dropout):
-        return 1, m_blocks * rows, m_blocks * rows
     items = (m_blocks + m_blocks % 2) * rows // 2
+    if (os.environ.get("GPROJ_FWD_PERSISTENT", "1") == "0" or not persistent(window, packed, keypad, dropout)
+            or not fills_the_device(items, device)):
+        return 1, m_blocks * rows, m_blocks * rows
     return 2, 2 * items, items if device.type != "cuda" else min(items, _sm_count(device))
+
+
+def fills_the_device(items: int, device: torch.device) -> bool:
+    """Whether ``items`` items of two tiles give every SM of ``device`` one at least (always on a device that is not
+    CUDA, so that CPU runs exercise the loop). With fewer, a persistent kernel would run an item's two tiles one after
+    the other on one SM where the kernel without the loop runs them on two SMs at once."""
+    return device.type != "cuda" or items >= _sm_count(device)
 
 
 @functools.lru_cache(maxsize=None)

@@ -375,18 +375,23 @@ def test_key_padding_variant_compiles_for_sm90_with_device_made_descriptors(ones
 
 
 @pytest.mark.parametrize("window, packed, keypad, m_blocks, rows, expected", [
-    (False, False, False, 16, 64, (2, 1024, 132)), (False, False, False, 3, 33, (2, 132, 66)),
-    (False, False, False, 5, 8, (2, 48, 24)), (True, False, False, 16, 64, (1, 1024, 1024)),
+    (False, False, False, 16, 64, (2, 1024, 132)), (False, False, False, 3, 33, (1, 99, 99)),
+    (False, False, False, 5, 60, (2, 360, 132)), (False, False, False, 261, 1, (1, 261, 261)),
+    (False, False, False, 131, 2, (2, 264, 132)),
+    (True, False, False, 16, 64, (1, 1024, 1024)),
     (False, True, False, 16, 64, (1, 1024, 1024)), (False, False, True, 5, 8, (1, 40, 40)),
-], ids=["dense", "dense, odd blocks, fewer items than SMs", "dense, odd blocks", "window", "packed", "key padding"])
+], ids=["dense", "dense, fewer items than SMs", "dense, odd blocks", "dense, one item short of the SMs",
+        "dense, one item per SM", "window",
+        "packed", "key padding"])
 def test_schedule_is_persistent_over_pairs_of_tiles_where_the_kernel_loops(monkeypatch, window, packed, keypad,
                                                                            m_blocks, rows, expected):
     """(PER, TILES, programs). Dense inputs: items of two tile slots, each head's slots an even number (an odd head's
     last one is skipped, so a causal head's heaviest block pairs with its lightest and no item spans two heads), one
     program per SM looping over them; windows, packed sequences and key padding: the kernel variants without the
     loop, one program per tile for the block scheduler (the grid must match the variant: a loop-less kernel on fewer
-    programs than tiles would leave tiles unwritten)."""
+    programs than tiles would leave tiles unwritten). Fewer items than SMs (a small batch, few heads): no loop either —
+    it would run two tiles one after the other on one SM where two SMs run them at once."""
     monkeypatch.delenv("GPROJ_FWD_PERSISTENT", raising=False)
     monkeypatch.setattr(H, "_sm_count", lambda device: 132)
-    assert H.persistent(window, packed, keypad) == (expected[0] == 2)
+    assert H.persistent(window, packed, keypad) == (not (window or packed or keypad))
     assert H.schedule(m_blocks, rows, window, packed, keypad, torch.device("cuda", 0)) == expected

@@ -51,6 +51,7 @@ else:  # Triton 3.6: the builder has the op, the language does not
         coord = _semantic._convert_to_ir_values(coord, require_i64=False)
         _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
+_reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.shared_memory_descriptor._reinterpret  # 3.9 / 3.6
 cta_sync = getattr(gl, "barrier", None) or gl.thread_barrier  # 3.9 / 3.6: bar.sync of the partition's warps
 
 _HALF_N = gl.constexpr(64)
@@ -124,6 +125,36 @@ def _dq_out(dq, dq_smem, dq_desc, dq_row, dq_col, buf, WAIT: gl.constexpr = True
         tma_reduce_add(dq_desc, [dq_row, dq_col + HALF_N], dq_smem.index(2 * buf + 1))
 
 
+#: The [64, 64] fp32 staging tile of "bulk": thread-major, so that each thread's accumulator registers land at 16-byte
+#: vectors and a warp's stores fill 512 contiguous bytes (no bank conflicts). Offset bits from low to high: the wgmma
+#: accumulator's (NVMMA v3, 4 warps, n 64) register bits c0 and r3, its lane bits c1, c2, r0, r1, r2, its warp bits r4,
+#: r5, then its remaining register bits c3, c4, c5 (r, c: row and column bits; gl.to_linear_layout of that layout).
+_BULK_BASES = [[0, 1], [8, 0], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [16, 0], [32, 0], [0, 8], [0, 16], [0, 32]]
+_BULK_STAGE = gl.constexpr(gl.SharedLinearLayout(_BULK_BASES))  # of each [64, 64] buffer of a [NBUF, 64, 64] allocation
+
+
+def bulk_table(device):
+    """[64 · 64] int32: where row r, column c (index 64 r + c) of a staged dQ half-tile sits in its 4096-float chunk."""
+    r, c = torch.arange(64).repeat_interleave(64), torch.arange(64).repeat(64)
+    off = torch.zeros(4096, dtype=torch.int32)
+    for i, (br, bc) in enumerate(_BULK_BASES):
+        off |= (((r & br) if br else (c & bc)) != 0).int() << i
+    assert sorted(off.tolist()) == list(range(4096))
+    return off.to(device)
+
+
+@gluon.jit
+def _dq_bulk(dq, dq_smem, dqc_desc, chunk, buf, PENDING: gl.constexpr):
+    """Add this consumer's [64, 64] dQ partial as one contiguous 16 KB chunk (chunk index ``chunk`` of the fp32 buffer
+    viewed as [chunks · 16, 256]) by one TMA reduce-add of a [16, 256] box without swizzle, staged through the
+    thread-major layout _BULK_STAGE (FlashAttention-3's dQaccum layout: the postprocess un-permutes)."""
+    tma.store_wait(pendings=PENDING)
+    stage = dq_smem.index(buf)
+    stage.store(dq)
+    fence_async_shared()
+    tma_reduce_add(dqc_desc, [chunk * 16, 0], _reinterpret(stage, gl.float32, [16, 256], dqc_desc.layout))
+
+
 @gluon.jit
 def _dq_red(dq, DQA, dq_row, dq_col, stride, PACK: gl.constexpr):
     """Add this consumer's [64, d/2] dQ partial into the fp32 buffer DQA (rows dq_row …, columns dq_col …, row stride
@@ -151,15 +182,20 @@ def _partition(half: int, causal: bool, variant: str = "full"):
     HALF, CAUSAL = gl.constexpr(half), gl.constexpr(causal)
     REDUCE, DQ = gl.constexpr(variant not in ("noreduce", "nodq")), gl.constexpr(variant != "nodq")
     WAIT, BOTH = gl.constexpr(variant != "nowait"), gl.constexpr(variant != "onehalf")
-    NBUF = gl.constexpr(2 if variant == "dbuf" else 1)  # dq staging buffers
+    NBUF = gl.constexpr(2 if variant in ("dbuf", "bulk2") else 1)  # dq staging buffers
+    BULK = gl.constexpr(variant in ("bulk", "bulk2"))  # one contiguous 16 KB reduce a tile (_dq_bulk)
     RED = gl.constexpr({"red2": 2, "red1": 1}.get(variant, 0))  # dQ by red.global.add from registers
-    PENDING = gl.constexpr(2 if variant == "dbuf" else 0)
+    PENDING = gl.constexpr({"dbuf": 2, "bulk2": 1}.get(variant, 0))
 
     @gluon.jit
     def _dq_add(dq, dq_smem, dq_desc, DQA, dq_row, dq_col, stride, buf):
         """The variant's way of adding this consumer's dQ partial (rows dq_row …, columns dq_col …) into the buffer
         (noreduce: only staged, so that the GEMM stays)."""
-        if RED != 0:
+        if BULK:
+            HEAD_DIM: gl.constexpr = 2 * dq.shape[1]
+            chunk = ((dq_row // 64) * (stride // HEAD_DIM) + dq_col // HEAD_DIM) * 2 + HALF
+            _dq_bulk(dq, dq_smem, dq_desc, chunk, buf, PENDING)
+        elif RED != 0:
             _dq_red(dq, DQA, dq_row, dq_col, stride, RED)
         elif REDUCE:
             _dq_out(dq, dq_smem, dq_desc, dq_row, dq_col, buf, WAIT, BOTH, PENDING)
@@ -175,7 +211,10 @@ def _partition(half: int, causal: bool, variant: str = "full"):
                                                            instr_shape=[16, 64, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_DIM, 16])
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * NBUF, _BLOCK_M, DQ_N // 2], dq_desc.layout)
+        if BULK:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [NBUF, _BLOCK_M, DQ_N], _BULK_STAGE)
+        else:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2 * NBUF, _BLOCK_M, DQ_N // 2], dq_desc.layout)
         key0 = start_n + HALF * _HALF_N
         keys = key0 + gl.arange(0, _HALF_N, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([_HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
@@ -304,8 +343,27 @@ def _scale_kernel(X, Y, tau, BLOCK: tl.constexpr):
     tl.store(Y + offs, (tl.load(X + offs) * tau).to(Y.dtype.element_ty))
 
 
-def _dq_layout():
+@triton.jit
+def _unperm_kernel(ACC, TABLE, DQ, tau, H, HEAD_DIM: tl.constexpr):
+    """dq[row block rb, head h] = τ · the two staged chunks of "bulk" (bulk_table's positions), (batch·seqlen, nheads,
+    headdim) out."""
+    rb = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.arange(0, 64)[:, None]
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    chunk = (rb.to(tl.int64) * H + h) * 2 + d // 64
+    x = tl.load(ACC + chunk * 4096 + tl.load(TABLE + r * 64 + d % 64))
+    tl.store(DQ + ((rb.to(tl.int64) * 64 + r) * H + h) * HEAD_DIM + d, (x * tau).to(DQ.dtype.element_ty))
+
+
+def _dq_layout(variant: str = "full"):
+    if variant in ("bulk", "bulk2"):
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     return gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32)
+
+
+def _dq_block(variant: str, d: int):
+    return [16, 256] if variant in ("bulk", "bulk2") else [64, d // 4]
 
 
 def backward(q, k, v, do, o, m, log2l, softmax_scale: float, causal: bool, variant: str = "full"):
@@ -321,12 +379,18 @@ def backward(q, k, v, do, o, m, log2l, softmax_scale: float, causal: bool, varia
     dk = torch.empty((b, n, hk, d), device=q.device, dtype=q.dtype)
     dv = torch.empty_like(dk)
     descs, where = HB._descriptors(q, do, k, v)
-    dq_desc = TensorDescriptor(acc, [b * n, h * d], [h * d, 1], [64, d // 4], _dq_layout())
+    if variant in ("bulk", "bulk2"):
+        dq_desc = TensorDescriptor(acc, [acc.numel() // 256, 256], [256, 1], _dq_block(variant, d), _dq_layout(variant))
+    else:
+        dq_desc = TensorDescriptor(acc, [b * n, h * d], [h * d, 1], _dq_block(variant, d), _dq_layout(variant))
     c = softmax_scale * 1.4426950408889634
     HF.launch(kernel_for(bool(causal), variant), (n // 128, b * hk), q.device, False, *descs, dq_desc, acc, dk, dv, m, log2l, delta,
               float(c), float(softmax_scale), h, h // hk, n, *where)
     dq = torch.empty_like(q)
-    _scale_kernel[(acc.numel() // 1024,)](acc, dq, float(softmax_scale), BLOCK=1024)
+    if variant in ("bulk", "bulk2"):
+        _unperm_kernel[(b * n // 64, h)](acc, bulk_table(q.device), dq, float(softmax_scale), h, HEAD_DIM=d)
+    else:
+        _scale_kernel[(acc.numel() // 1024,)](acc, dq, float(softmax_scale), BLOCK=1024)
     return dq, dk, dv
 
 
@@ -345,7 +409,7 @@ def two_pass(q, k, v, do, o, m, log2l, softmax_scale: float, causal: bool):
 def compile_sm90(causal: bool, dtype=torch.bfloat16, variant: str = "full"):
     """Compile the one-pass kernel for sm_90 without a GPU (HF.aot_compile_sm90)."""
     t = HF.tensordesc_type(dtype, 64, 128, HB._layout(128, dtype))
-    dq_t = f"tensordesc<fp32[64, 32],{_dq_layout()!r}>"
+    dq_t = f"tensordesc<fp32{_dq_block(variant, 128)},{_dq_layout(variant)!r}>"
     sig = {"q_desc": t, "do_desc": t, "k_desc": t, "v_desc": t, "dq_desc": dq_t, "DQA": "*fp32", "DK": HF.pointer_type(dtype),
            "DV": HF.pointer_type(dtype), "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32", "tau": "fp32",
            "H": "i32", "GROUP": "i32", "N_CTX": "i32",
@@ -398,7 +462,7 @@ def main(argv=None):
             extra = {}
             for var in filter(None, args.variants.split(",")):
                 extra[var] = flops / kernel_time(lambda: backward(q, k, v, do, o, m, l2, tau, causal, var)) / 1e9
-                if var in ("dbuf", "red2", "red1"):  # correct variants: checked too
+                if var in ("dbuf", "red2", "red1", "bulk", "bulk2"):  # correct variants: checked too
                     got_v = backward(q, k, v, do, o, m, l2, tau, causal, var)
                     errs[f"dq_{var}"] = _rel(got_v[0], ref[0])
             qg, kg, vg = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))

@@ -492,16 +492,15 @@ class GProjFabricPlugin(fabric_precision.Precision):
             served0, fell0 = before.get(path, (0, 0))
             if not site.keep and site.served == served0 and site.fallback_count > fell0:
                 idle.append(f"{display_path(path)} ({'; '.join(site.fallbacks)})")
-            elif not site.keep and site.served == served0 and site.fallback_count == fell0:
+            elif not (site.keep or site.catch_all) and site.served == served0 and site.fallback_count == fell0:
                 unseen.append(display_path(path))
         if unseen:
             rank_zero_warn(
                 f"GProj: {len(unseen)} of {len(self.report.swapped)} swapped attention modules saw no call in the first "
-                f"training step: {', '.join(unseen)}. If the model reaches their attention through another method "
+                f"training step: {', '.join(unseen)}. If the model reaches their attention through a method other "
                 f"than forward (e.g. a parent calling a helper such as self.attn.attend(q, k, v)), those calls run the "
-                f"original attention unseen: call the module itself, or use mode='sdpa_registry', which serves every "
-                f"F.scaled_dot_product_attention call in the process. A module simply unused in that step needs "
-                f"nothing.",
+                f"original attention unseen: call the module itself, or pass catch_all=True, which also serves SDPA "
+                f"calls made anywhere inside the model. A module simply unused in that step needs nothing.",
                 category=GProjFallbackWarning,
             )
         if idle:

@@ -401,6 +401,19 @@ def test_a_swapped_module_its_parent_bypasses_is_reported_at_the_first_step(tmp_
     assert float(metrics["gproj_calls/attn/served"]) == 0 and float(metrics["gproj_calls/attn/fallbacks"]) == 0
 
 
+def test_a_catch_all_region_that_serves_nothing_itself_is_not_warned_about(tmp_path, op_spy):
+    """catch_all=True adds a site for the whole model that serves only calls no swapped module inside serves: with
+    every call served by the attention modules it sees none, and that is not worth a warning (review of new-user
+    pass 8's fix)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        plugin = GProjPlugin("32-true", catch_all=True)
+        _fit_logged(LitTiny(), plugin, tmp_path)
+    sites = plugin.report.sites
+    assert sites[""].catch_all and sites[""].served == 0
+    assert [sites[p].served for p in ("model.blocks.0.attn", "model.blocks.1.attn")] == [3, 3]
+
+
 def test_served_calls_are_summarized_without_a_warning(tmp_path, op_spy):
     with warnings.catch_warnings():
         warnings.simplefilter("error", GProjFallbackWarning)

@@ -350,6 +350,7 @@ def _swap_catch_all(modules, first, not_selected, fix, report, previous) -> None
             path = first[path]
             old = previous.get(path)
             report.sites[path] = sdpa.swap_module(module, path, fix, site=old)
+            report.sites[path].catch_all = True
             again = "already swapped; " if old is not None and not old.keep else ""
             report.rows.append(SwapRow(
                 path, f"{type(module).__name__}: any other SDPA call inside",

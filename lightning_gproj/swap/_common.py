@@ -206,6 +206,9 @@ class Site:
         self.kind = kind
         self.fix = fix
         self.keep = keep
+        #: True for a catch-all region's site (``swap_attention(catch_all=True)``): it serves only the calls no swapped
+        #: module inside the region serves, so seeing none is normal.
+        self.catch_all = False
         self.strict = False
         self.compute_dtype: Optional[torch.dtype] = None
         self.ds_format = "bf16"

@@ -58,8 +58,9 @@ class Layout:
 
 
 #: Name components that wrappers insert between a module and its children (FSDP1, activation
-#: checkpointing); :func:`clean_name` drops them so that layers keep the model's own names.
-WRAPPER_COMPONENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+#: checkpointing, a submodule compiled in place by torch.compile); :func:`clean_name` drops them so that layers keep
+#: the model's own names.
+WRAPPER_COMPONENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 
 
 def clean_name(name: str) -> str:

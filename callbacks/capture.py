@@ -155,13 +155,15 @@ def slice_call(q, k, v, attn_mask, is_causal, enable_gqa, heads: int, queries: i
 
 
 def compiled_fullgraph(module: torch.nn.Module) -> bool:
-    """Whether Lightning runs ``module`` as ``torch.compile(..., fullgraph=True)`` (``trainer.fit(torch.compile(model,
-    fullgraph=True))``: Lightning keeps the compile context on the module as ``_compiler_ctx``). Read from Dynamo's
+    """Whether ``module`` runs under ``torch.compile(..., fullgraph=True)``, whole (``trainer.fit(torch.compile(model,
+    fullgraph=True))``: Lightning keeps the compile context on the module as ``_compiler_ctx``) or in part (a submodule
+    replaced by its compiled wrapper, ``self.attn = torch.compile(self.attn, fullgraph=True)``). Read from Dynamo's
     frame callback (its ``_one_graph``); False where that is absent (not compiled, or a torch that keeps it
-    elsewhere)."""
+    elsewhere). Not seen: a ``forward`` replaced by a compiled function."""
     ctx = getattr(module, "_compiler_ctx", None)
-    dynamo_ctx = ctx.get("dynamo_ctx") if isinstance(ctx, dict) else None
-    return bool(getattr(getattr(dynamo_ctx, "callback", None), "_one_graph", False))
+    contexts = [ctx.get("dynamo_ctx") if isinstance(ctx, dict) else None]
+    contexts += [getattr(m, "dynamo_ctx", None) for m in module.modules() if hasattr(m, "_orig_mod")]
+    return any(getattr(getattr(c, "callback", None), "_one_graph", False) for c in contexts)
 
 
 class AttentionCapture(TorchFunctionMode):
@@ -180,12 +182,8 @@ class AttentionCapture(TorchFunctionMode):
         probe_heads: int = 2,
         probe_queries: int = 512,
         probe_filter: Optional[Callable[[str], bool]] = None,
-        observe_compiled: bool = True,
     ) -> None:
         super().__init__()
-        #: False under torch.compile(fullgraph=True) (:func:`compiled_fullgraph`): calls traced into the graph are
-        #: not observed (no C2 term, no probe). True: they are, through the graph break Dynamo makes at the hook.
-        self.observe_compiled = observe_compiled
         self.names = names
         self.layers = layers
         self.c2 = c2
@@ -241,10 +239,6 @@ class AttentionCapture(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.observe_compiled and torch.compiler.is_compiling():
-            # Inside a graph torch.compile(fullgraph=True) traces: a gradient hook on an intermediate tensor, or any
-            # other state kept here, is a side effect Dynamo refuses; the call is left unobserved.
-            return func(*args, **kwargs)
         if func is SDPA:
             out = func(*args, **kwargs)
             try:

@@ -428,10 +428,11 @@ class ZeroSumMonitor(Monitor):
         self._fullgraph = compiled_fullgraph(pl_module)
         if self._fullgraph and (self.c2 or self.probe_every_n_steps is not None):
             rank_zero_warn(
-                "ZeroSumMonitor: the model is compiled with torch.compile(fullgraph=True), and a gradient hook inside "
-                "the compiled graph is a side effect Dynamo refuses, so the C2 residual and the probe are not "
-                "sampled (the op's statistics and the key-bias signals still are); compile with fullgraph=False "
-                "for them (each sampled step then runs a variant with a graph break at each attention call)."
+                "ZeroSumMonitor: the model (or a part of it) is compiled with torch.compile(fullgraph=True), and a "
+                "gradient hook inside the compiled graph is a side effect Dynamo refuses, so the C2 residual and the "
+                "probe are not sampled (the op's statistics and the key-bias signals still are); compile with "
+                "fullgraph=False for them (each sampled step then runs a variant with a graph break at each "
+                "attention call)."
             )
 
     @guarded
@@ -448,7 +449,7 @@ class ZeroSumMonitor(Monitor):
         sampled, probed = self._sampled(step), self._probed(step)
         if self._recording_step is None and sampled:
             self._start_recording(step)
-        if (sampled and self.c2) or probed:
+        if ((sampled and self.c2) or probed) and not self._fullgraph:  # no gradient hook Dynamo would refuse
             if self._capture is None:
                 probe_layer = None
                 if probed:
@@ -457,7 +458,6 @@ class ZeroSumMonitor(Monitor):
                 self._capture = AttentionCapture(
                     self._names, self.sdpa_layers, c2=sampled and self.c2, probe_layer=probe_layer,
                     probe_heads=self.probe_heads, probe_queries=self.probe_queries, probe_filter=self._probe_allowed,
-                    observe_compiled=not self._fullgraph,
                 )
                 self._capture_step = step
             self._capture.start()  # every micro-batch's forward

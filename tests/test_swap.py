@@ -756,6 +756,28 @@ def test_mha_fallback_warns_once_and_matches_original(case, op_spy):
     assert swapped.mha._gproj_site.fallbacks[next(iter(swapped.mha._gproj_site.fallbacks))] == 3
 
 
+def test_mha_causal_hint_in_inference_follows_the_mask_as_the_fast_path_does(op_spy):
+    """In eval mode without gradients nn.MultiheadAttention may take its fast path, which applies attn_mask and ignores
+    is_causal (review of new-user pass 8's fix): a causal sliding-window mask with the hint falls back there and
+    equals the original; with gradients the original trusts the hint, and so does the swap (served, causal)."""
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    x = torch.randn(2, 10, 32)
+    i, j = torch.arange(10)[:, None], torch.arange(10)[None, :]
+    window = (j > i) | (j < i - 2)
+    kwargs = dict(attn_mask=window, is_causal=True, need_weights=False)
+    with warnings.catch_warnings(record=True) as record, torch.no_grad():
+        warnings.simplefilter("always")
+        out, ref = swapped(x, x, x, **kwargs)[0], model(x, x, x, **kwargs)[0]
+    assert torch.equal(out, ref) and op_spy.calls == []
+    assert "not the causal mask" in _fallback_warnings(record)[0]
+    out = swapped(x, x, x, **kwargs)[0]  # gradients on: the hint is trusted, as the original's slow path does
+    plain = model(x, x, x, attn_mask=j > i, need_weights=False)[0]
+    assert len(op_spy.calls) == 1 and op_spy.calls[0]["causal"] and rel_err(out, plain) <= 1e-6
+
+
 @pytest.mark.parametrize(
     "kwargs, reason",
     [(dict(add_bias_kv=True), "add_bias_kv=True"), (dict(add_zero_attn=True), "add_zero_attn=True"),

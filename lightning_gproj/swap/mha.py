@@ -87,8 +87,8 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
     (each batch row masks a suffix of the keys and keeps at least one; served
     with ``seqlens_k``, alone or with the causal mask), ``attn_mask`` None or the causal mask
     (``is_causal=True`` with a mask and no ``key_padding_mask``, trusted as the original does on this path; or a
-    mask whose values are exactly causal — with a ``key_padding_mask`` the original ignores the hint and follows the
-    mask), ``dropout`` (applied while training, as the original does, by the op's
+    mask whose values are exactly causal — with a ``key_padding_mask``, or in eval mode without gradients, where the
+    original's fast path may run, the original follows the mask and so does the swap), ``dropout`` (applied while training, as the original does, by the op's
     own Philox mask), causal only with L == S,
     head dim (embed_dim / num_heads) a multiple of 8 up to the op's ``MAX_HEAD_DIM``.
     Any other call runs ``nn.MultiheadAttention.forward`` unchanged (one
@@ -97,6 +97,16 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
     """
 
     _gproj_site: Site
+
+    def _may_take_fast_path(self, query, key, value) -> bool:
+        """Whether ``nn.MultiheadAttention.forward`` might run its inference fast path on this call: not training,
+        and no gradient wanted (grad mode off, or no input or projection parameter requiring it). Its other conditions
+        (self-attention, batch_first, boolean masks, …) are not checked: True where the fast path is possible, not
+        certain."""
+        if self.training:
+            return False
+        args = (query, key, value, self.in_proj_weight, self.in_proj_bias, self.out_proj.weight, self.out_proj.bias)
+        return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args))
 
     def _plan(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
         """``(reason, causal, seqlens_k)``: reason None when the op serves the call."""
@@ -132,9 +142,11 @@ class GProjMultiheadAttention(nn.MultiheadAttention):
             return None, False, seqlens_k
         if n_q != n_k:
             return f"attn_mask with L={n_q} != S={n_k} (causal alignment differs)", False, None
-        # The original trusts the is_causal hint only without a key_padding_mask: with one it merges the padding
-        # into attn_mask and follows the mask (torch.nn.functional.multi_head_attention_forward), and so do we.
-        if (is_causal and key_padding_mask is None) or _is_causal_mha_mask(attn_mask, n_q, n_k):
+        # The original trusts the is_causal hint only without a key_padding_mask (with one it merges the padding
+        # into attn_mask and follows the mask: torch.nn.functional.multi_head_attention_forward), and not on its
+        # inference fast path (torch._native_multi_head_attention applies attn_mask): there the mask's values decide.
+        trust_hint = is_causal and key_padding_mask is None and not self._may_take_fast_path(query, key, value)
+        if trust_hint or _is_causal_mha_mask(attn_mask, n_q, n_k):
             return None, True, seqlens_k
         return "attn_mask is not the causal mask", False, None
 

@@ -9,7 +9,7 @@ incoming gradient do to (o, dq, dk, dv), and offers separate forward / backward 
 - ``cudnn``, ``sdpa_flash``: torch SDPA restricted to one backend (GQA: k, v repeated, autograd sums).
 - ``fa4``: flash-attn-4's CuTe kernels (``flash_attn.cute.flash_attn_func``, Hopper path) if importable.
 - ``sdpa_mask``: torch SDPA with the causal mask / sliding window as an explicit boolean ``attn_mask``
-  (whichever backend torch picks for a masked call); the one anchor that expresses a window.
+  (whichever backend torch picks for a masked call); with ``fa4``, the anchors that express a window.
 
 Our methods take ``window_size`` / ``softcap`` (flash-attn's, kernels/reference.py); :func:`unsupported`
 says which anchors cannot express them.
@@ -129,8 +129,8 @@ class Ours:
 class Anchor:
     """SDPA (one backend, or a boolean mask) or FA4 through autograd."""
 
-    def __init__(self, name, q, k, v, do, causal, window_size=(-1, -1), softcap=0.0, dropout_p=0.0):
-        reason = unsupported(name, window_size, softcap, dropout_p, timing=True)
+    def __init__(self, name, q, k, v, do, causal, window_size=(-1, -1), softcap=0.0, dropout_p=0.0, timing=False):
+        reason = unsupported(name, window_size, softcap, dropout_p, timing=timing)
         if reason is not None:
             raise ValueError(reason)
         self.name = name
@@ -191,13 +191,17 @@ class Anchor:
         return out.detach(), dq, dk, dv, {}
 
 
-def make(name, q, k, v, do, causal, window_size=(-1, -1), softcap=0.0, dropout_p=0.0, **kw):
+def make(name, q, k, v, do, causal, window_size=(-1, -1), softcap=0.0, dropout_p=0.0, timing=False, **kw):
     """Method ``name`` on these inputs; ``kw`` (want_stats, grad_dtype, dropout_seed / dropout_offset, seqlens_k) for
-    ours only. An anchor given ``dropout_p`` draws SDPA's own mask (timing only). Raises ValueError for an anchor that
-    cannot express ``window_size`` / ``softcap`` / ``dropout_p`` (:func:`unsupported` with ``timing``)."""
+    ours only. ``timing`` (benchmarks/attention.py): an anchor given ``dropout_p`` draws SDPA's own mask. Raises
+    ValueError for an anchor that cannot express ``window_size`` / ``softcap`` / ``dropout_p`` (:func:`unsupported`)
+    or is given one of ``kw``."""
     if name in OURS:
         return Ours(name, q, k, v, do, causal, window_size=window_size, softcap=softcap, dropout_p=dropout_p, **kw)
-    return Anchor(name, q, k, v, do, causal, window_size=window_size, softcap=softcap, dropout_p=dropout_p)
+    if kw:
+        raise ValueError(f"{name}: {sorted(kw)} apply to our kernels only")
+    return Anchor(name, q, k, v, do, causal, window_size=window_size, softcap=softcap, dropout_p=dropout_p,
+                  timing=timing)
 
 
 def attn_flops(b, h, nq, nk, d, causal, mode):

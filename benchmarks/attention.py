@@ -189,7 +189,7 @@ def measure(shape, name, smoke, window=0, softcap=0.0, dropout=0.0):
     for key, _ in MODES:
         row[f"{key}_tflops"] = row[f"{key}_ms"] = None
     try:
-        meth = M.make(name, q, k, v, do, causal, **feat)
+        meth = M.make(name, q, k, v, do, causal, timing=True, **feat)
         meth.fwd_bwd()  # compile / autotune
         if not smoke:
             torch.cuda.synchronize()

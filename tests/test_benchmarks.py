@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from _scripts import REPO, load_script
 
@@ -181,6 +182,13 @@ def test_anchors_take_only_the_features_they_express():
                 if reason is not None:
                     assert reason.startswith(name + ":"), reason
     assert methods.unsupported("cudnn", dropout_p=0.1, softcap=30.0, timing=True) is not None  # every feature counts
+    # make(): an anchor refuses dropout unless timing, and our kernels' own arguments (a seed it would not use)
+    x = torch.zeros(1, 4, 1, 8)
+    with pytest.raises(ValueError, match="another generator"):
+        methods.make("cudnn", x, x, x, x, False, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"cudnn: \['dropout_seed'\] apply to our kernels only"):
+        methods.make("cudnn", x, x, x, x, False, dropout_p=0.1, timing=True, dropout_seed=1)
+    assert methods.make("cudnn", x, x, x, x, False, dropout_p=0.1, timing=True).dropout_p == 0.1
 
 
 def test_fidelity_rejects_bad_window():

@@ -994,8 +994,10 @@ def schedule(m_blocks: int, rows: int, window: bool, packed: bool, keypad: bool,
 
 def fills_the_device(items: int, device: torch.device) -> bool:
     """Whether ``items`` items of two tiles give every SM of ``device`` one at least (always on a device that is not
-    CUDA, so that CPU runs exercise the loop). With fewer, a persistent kernel would run an item's two tiles one after
-    the other on one SM where the kernel without the loop runs them on two SMs at once."""
+    CUDA, so that CPU runs exercise the loop). With fewer the loop gains no round over the kernel without it (both
+    take about two tile times), and with fewer than half as many it loses one: an item's two tiles run one after the
+    other on one SM where the kernel without the loop runs them on two SMs at once (fix none's backward at 4×16×2048×128
+    GQA 8:1, 64 items: 304–308 TFLOP/s with the loop, 475 without; benchmarks/NOTES.md, run 42)."""
     return device.type != "cuda" or items >= _sm_count(device)
 
 

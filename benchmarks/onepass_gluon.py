@@ -133,6 +133,7 @@ _BULK_BASES = [[0, 1], [8, 0], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [16, 0], 
 _BULK_STAGE = gl.constexpr(gl.SharedLinearLayout(_BULK_BASES))  # of each [64, 64] buffer of a [NBUF, 64, 64] allocation
 
 
+@functools.lru_cache(maxsize=None)
 def bulk_table(device):
     """[64 · 64] int32: where row r, column c (index 64 r + c) of a staged dQ half-tile sits in its 4096-float chunk."""
     r, c = torch.arange(64).repeat_interleave(64), torch.arange(64).repeat(64)

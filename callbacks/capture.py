@@ -27,6 +27,7 @@ captured dtype and autocast state) and in float64, see its docstring. Training i
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable, Optional
 
 import torch
@@ -159,11 +160,19 @@ def compiled_fullgraph(module: torch.nn.Module) -> bool:
     fullgraph=True))``: Lightning keeps the compile context on the module as ``_compiler_ctx``) or in part (a submodule
     replaced by its compiled wrapper, ``self.attn = torch.compile(self.attn, fullgraph=True)``). Read from Dynamo's
     frame callback (its ``_one_graph``); False where that is absent (not compiled, or a torch that keeps it
-    elsewhere). Not seen: a ``forward`` replaced by a compiled function."""
+    elsewhere), or a ``forward`` replaced by a compiled function (``m.forward = torch.compile(m.forward,
+    fullgraph=True)``: its wrapper's closure holds the callback)."""
     ctx = getattr(module, "_compiler_ctx", None)
-    contexts = [ctx.get("dynamo_ctx") if isinstance(ctx, dict) else None]
-    contexts += [getattr(m, "dynamo_ctx", None) for m in module.modules() if hasattr(m, "_orig_mod")]
-    return any(getattr(getattr(c, "callback", None), "_one_graph", False) for c in contexts)
+    callbacks = [getattr(ctx.get("dynamo_ctx") if isinstance(ctx, dict) else None, "callback", None)]
+    for m in module.modules():
+        callbacks.append(getattr(getattr(m, "dynamo_ctx", None), "callback", None) if hasattr(m, "_orig_mod") else None)
+        forward = m.__dict__.get("forward")
+        if hasattr(forward, "_torchdynamo_orig_callable"):
+            try:
+                callbacks.append(inspect.getclosurevars(forward).nonlocals.get("callback"))
+            except (TypeError, ValueError):
+                pass
+    return any(getattr(cb, "_one_graph", False) for cb in callbacks)
 
 
 class AttentionCapture(TorchFunctionMode):

@@ -347,17 +347,21 @@ def test_monitor_under_torch_compile_samples_what_dynamo_lets_it(tmp_path):
     """trainer.fit(torch.compile(model)): with fullgraph=False the sampled steps' C2 residual and probe are those of
     the eager run (the hooks graph-break); with fullgraph=True a gradient hook in the graph is a side effect Dynamo
     refuses (new-user pass 8: the run died at step 0), so C2 and the probe are not sampled, one warning says so, and
-    the run and the other signals (the key bias here) go on — also with only the attention layer compiled."""
+    the run and the other signals (the key bias here) go on — also with only the attention layer compiled, as a module
+    or as its forward."""
     import warnings
 
     import torch._dynamo
 
-    def run(compile_kw, sub, part=False):
+    def run(compile_kw, sub, part=None):
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = CompiledAttention()
-        if part:  # only the attention layer compiled, inside the module
+        if part == "module":  # only the attention layer compiled, inside the module
             model.attn = torch.compile(model.attn, backend="aot_eager", **compile_kw)
+            module = model
+        elif part == "forward":  # its forward replaced by a compiled function
+            model.attn.forward = torch.compile(model.attn.forward, backend="aot_eager", **compile_kw)
             module = model
         else:
             module = torch.compile(model, backend="aot_eager", **compile_kw) if compile_kw is not None else model
@@ -382,7 +386,8 @@ def test_monitor_under_torch_compile_samples_what_dynamo_lets_it(tmp_path):
         assert one_graph["gproj/attn/key_bias_grad_norm"][step] == pytest.approx(eager["gproj/attn/key_bias_grad_norm"][step], rel=1e-4)
     assert len(warned) == 1 and "fullgraph=True" in warned[0]
     # the same with only the attention layer compiled (metric names keep its path: the wrapper is transparent)
-    part, warned = run({"fullgraph": True}, "part", part=True)
-    assert not [k for k in part if k.endswith(("c2_residual", "probe_dq_error"))]
-    assert sorted(part["gproj/attn/key_bias_grad_norm"]) == [0, 1]
-    assert len(warned) == 1 and "fullgraph=True" in warned[0]
+    for how in ("module", "forward"):
+        part, warned = run({"fullgraph": True}, how, part=how)
+        assert not [k for k in part if k.endswith(("c2_residual", "probe_dq_error"))], how
+        assert sorted(part["gproj/attn/key_bias_grad_norm"]) == [0, 1], how
+        assert len(warned) == 1 and "fullgraph=True" in warned[0], how

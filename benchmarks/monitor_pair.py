@@ -12,7 +12,6 @@ alerts (false alarms) with the default detectors. Same seed and data in both arm
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -42,4 +41,10 @@ def main(fix: str, steps: int = 150, save_dir: str = "logs/monitor_pair") -> Non
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "gproj")
+    import argparse
+
+    from lightning_gproj.ops import FIXES
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("fix", nargs="?", default="gproj", choices=FIXES, help="the arm (default gproj)")
+    main(ap.parse_args().fix)

@@ -12,11 +12,13 @@ Probe, not package code: dense (batch, seqlen, nheads, headdim) contiguous bf16,
 of 128, GQA, causal or not, fix "none" only. Checked against the package's two passes (kernels/attention_bwd_hopper
 dq_pass + dkdv) before timing; times (attention.py's kernel timer: summed kernel durations, L2 flushed) the two
 passes, the one pass (all its kernels) and cuDNN's backward. ``--variants`` adds variants of the kernel (see
-:func:`_partition`): two staging buffers, dQ by red.global.add from registers, and timing-only ones that leave out
-the reduce-add, the wait before the staging tile is rewritten, half the reduce, or the whole dQ step.
-Measured in benchmarks/NOTES.md, run 40 (results/run40/): correct, and at parity with the two passes at best.
+:func:`_partition`): two staging buffers, dQ by red.global.add from registers, each partial as one contiguous chunk
+(bulk, bulk2: FlashAttention-3's dQaccum layout, :func:`_dq_bulk`), and timing-only ones that leave out the
+reduce-add, the wait before the staging tile is rewritten, half the reduce, or the whole dQ step.
+Measured in benchmarks/NOTES.md: run 40 (results/run40/) at parity with the two passes at best; run 42 (results/run42/)
+with the contiguous chunk +5–22% over them on full attention.
 
-    python3 benchmarks/onepass_gluon.py --json out.json [--shapes "4,16,2048,128;..."] [--variants dbuf,noreduce]
+    python3 benchmarks/onepass_gluon.py --json out.json [--shapes "4,16,2048,128;..."] [--variants bulk,noreduce]
 
 Needs an sm_90 GPU; ``--compile`` only compiles for sm_90 on any machine (Triton's ahead-of-time path).
 """
@@ -427,7 +429,9 @@ def main(argv=None):
     ap.add_argument("--shapes", default="4,16,2048,128;1,16,8192,128;1,8,16384,128;4,16,2048,128,8")
     ap.add_argument("--json", default=None)
     ap.add_argument("--causal", choices=("both", "0", "1"), default="both")
-    ap.add_argument("--variants", default="", help="also time these timing-only variants: noreduce,nodq")
+    ap.add_argument("--variants", default="", help="also time these variants, comma-separated: correct ones (checked "
+                    "against the two passes) dbuf, red2, red1, bulk, bulk2; timing-only ones (wrong dq) noreduce, "
+                    "nodq, nowait, onehalf")
     ap.add_argument("--compile", action="store_true", help="only compile both variants for sm_90 (no GPU needed)")
     args = ap.parse_args(argv)
     if args.compile:

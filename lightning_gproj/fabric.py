@@ -499,8 +499,8 @@ class GProjFabricPlugin(fabric_precision.Precision):
                 f"GProj: {len(unseen)} of {len(self.report.swapped)} swapped attention modules saw no call in the first "
                 f"training step: {', '.join(unseen)}. If the model reaches their attention through a method other "
                 f"than forward (e.g. a parent calling a helper such as self.attn.attend(q, k, v)), those calls run the "
-                f"original attention unseen: call the module itself, or pass catch_all=True, which also serves SDPA "
-                f"calls made anywhere inside the model. A module simply unused in that step needs nothing.",
+                f"original attention unseen: call the module itself, or pass catch_all=True, which also serves the SDPA "
+                f"calls made anywhere inside the model's forward. A module simply unused in that step needs nothing.",
                 category=GProjFallbackWarning,
             )
         if idle:

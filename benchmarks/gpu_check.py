@@ -206,8 +206,8 @@ def hopper_bwd_check(dev, softcap=0.0, window=(-1, -1), shapes=None):
     dq, dk, dv against reference.py and against the tl.dot kernels (GPROJ_HOPPER_BWD=0) for fix none, gproj (own
     GEMM and folded dK term) and gproj_uniform; GQA, fp16, heads-major q / v, a do that needs a copy; an fp32 dk (C2: |Σ_j dk_j| relative
     to Σ_j |dk_j|, expect ~1e-7 for gproj on both paths; with softcap not a law); head dim 64 must not be served;
-    where the persistent dK/dV kernel serves a call (fix none and gproj_uniform, no window), its dk, dv against one
-    block per program (GPROJ_BWD_PERSISTENT=0), bit for bit.
+    where the persistent dK/dV kernel can serve a call (fix none and gproj_uniform, no window), its dk, dv, looping on
+    4 programs, against one block per program (GPROJ_BWD_PERSISTENT=0), bit for bit.
     ``softcap`` > 0: every call with that logit softcap; ``window``: with that sliding window."""
     import os
     from unittest import mock
@@ -237,16 +237,21 @@ def hopper_bwd_check(dev, softcap=0.0, window=(-1, -1), shapes=None):
             g_r = R.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold, softcap=softcap, window_size=window)
             same = "n/a"  # the persistent dK/dV kernel serves only none's pass (none, gproj_uniform) without a window
             if fix in ("none", "gproj_uniform") and window == (-1, -1) and HB.serves(q, k, v, do):
+                # These shapes have fewer items than the GPU has SMs, so the schedule runs them one block per program
+                # (attention_fwd_hopper.paired_items); 4 SMs make it loop (each program several items).
+                with mock.patch.object(HF, "_sm_count", lambda device: 4):
+                    g_p = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold, softcap=softcap,
+                                     window_size=window)
                 with mock.patch.dict(os.environ, {"GPROJ_BWD_PERSISTENT": "0"}):  # every dK/dV block its own program
                     g_1 = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold, softcap=softcap,
                                      window_size=window)
-                same = all(torch.equal(x, y) for x, y in zip(g[1:3], g_1[1:3]))
+                same = all(torch.equal(x, y) for x, y in zip(g_p[1:3], g_1[1:3]))
             errs = [rel(x, y) for x, y in zip(g[:3], g_r[:3])]
             worst = max(worst, *errs)
             nan = any(torch.isnan(x).any().item() for x in g[:3])
             row.append(f"{fix}{'/fold' if fold else ''}: vs reference " + "/".join(f"{e:.1e}" for e in errs) + " vs tl.dot "
                        + "/".join(f"{rel(x, y):.1e}" for x, y in zip(g[:3], g_t[:3])) + (" NAN" if nan else "")
-                       + f", dk,dv as one block per program: {same}")
+                       + f", persistent dk,dv (4 programs) as one block per program: {same}")
         print(f"hopper_bwd {(b, n, h, hk, d, causal, str(dt)[6:], 'q,v (B,H,N,d), strided do' if odd else '')} softcap={softcap} window={window}",
               "; ".join(row), flush=True)
     for causal in (False, True):

@@ -53,7 +53,7 @@ import triton
 
 from lightning_gproj.kernels.attention_fwd_hopper import (
     DROPOUT_SCALARS, DROPOUT_SIGNATURE, GLUON_ERROR, dropout_kernel_args, _gl_dtype, _layouts, _require_gluon, _tma_view, accepts as _fwd_accepts, feature_args, launch, on_sm90,
-    pointer_type, packed_ok, persistent, tma_descriptor, _sm_count, fills_the_device,
+    pointer_type, packed_ok, paired_items, persistent, tma_descriptor,
 )
 
 if GLUON_ERROR is None:
@@ -1073,19 +1073,20 @@ def dkdv_schedule(m_blocks: int, rows: int, window: bool, packed: bool, keypad: 
                   device: torch.device) -> tuple[bool, int, tuple[int, ...]]:
     """(persist, TILES, grid) of the dK/dV kernel for ``m_blocks`` key blocks of ``rows`` (batch rows or sequences) ·
     kv heads. Without GProj's dK term (``gproj``) and where kernels/attention_fwd_hopper.persistent allows it (dense, no
-    window, key padding or dropout), the persistent kernel: TILES block slots (each head's an even number,
-    :func:`dkdv_block`: causal blocks paired heaviest with lightest) in items of two, at most one program per SM of
-    ``device`` (one per item on a device that is not CUDA) — where the items fill the device
-    (kernels/attention_fwd_hopper.fills_the_device: with fewer items than SMs the loop would run two blocks one after
-    the other on one SM where two SMs run them at once; a 4×16×2048×128 GQA 8:1 backward lost 36% that way, run 42);
-    elsewhere, or with GPROJ_BWD_PERSISTENT=0 (for A/B timing), one block per program, grid (m_blocks, rows). On an H200 the persistent kernel ran fix "none"'s backward
-    3–6% faster with the causal mask and at head dim 64, as fast on full attention at head dim 128; GProj's (one K/V
-    buffer: the −ρ∘Q ring leaves no shared memory for a second) −2.3…+3.5% (benchmarks/NOTES.md, run 41)."""
-    items = (m_blocks + m_blocks % 2) * rows // 2
-    if (os.environ.get("GPROJ_BWD_PERSISTENT", "1") == "0" or gproj
-            or not persistent(window, packed, keypad, dropout) or not fills_the_device(items, device)):
+    window, key padding or dropout), the persistent kernel where its items fill the device
+    (kernels/attention_fwd_hopper.paired_items): TILES block slots (each head's an even number, :func:`dkdv_block`:
+    causal blocks paired heaviest with lightest) in items of two, one program per SM; elsewhere, or with
+    GPROJ_BWD_PERSISTENT=0 (for A/B timing), one block per program, grid (m_blocks, rows). On an H200 the persistent
+    kernel ran fix "none"'s backward 3–6% faster with the causal mask and at head dim 64, as fast on full attention at
+    head dim 128; GProj's (one K/V buffer: the −ρ∘Q ring leaves no shared memory for a second) −2.3…+3.5%
+    (benchmarks/NOTES.md, run 41)."""
+    paired = None
+    if os.environ.get("GPROJ_BWD_PERSISTENT", "1") != "0" and not gproj and persistent(window, packed, keypad, dropout):
+        paired = paired_items(m_blocks, rows, device)
+    if paired is None:
         return False, m_blocks * rows, (m_blocks, rows)
-    return True, 2 * items, (items if device.type != "cuda" else min(items, _sm_count(device)),)
+    tiles, programs = paired
+    return True, tiles, (programs,)
 
 
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, gproj: bool = True, causal: bool = False,

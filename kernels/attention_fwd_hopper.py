@@ -980,25 +980,32 @@ def schedule(m_blocks: int, rows: int, window: bool, packed: bool, keypad: bool,
     """(PER, TILES, programs): how the forward runs ``m_blocks`` query blocks of ``rows`` (batch rows or sequences) ·
     heads. Where the kernel is persistent (:func:`persistent`: dense inputs, causal or not, softcap or not) items of
     PER = 2 tile slots, each head's slots an even number (m_blocks rounded up; :func:`tile_span`: a causal head's
-    blocks paired heaviest with lightest, so that items balance), at most one program per SM of ``device`` looping
-    over them (on a device that is not CUDA, one per item) where they fill the device (:func:`fills_the_device`);
-    elsewhere, or with GPROJ_FWD_PERSISTENT=0 (for A/B timing), one tile per program, heaviest first, balanced by the
-    block scheduler. Measured on an H200: benchmarks/NOTES.md,
+    blocks paired heaviest with lightest, so that items balance), one program per SM of ``device`` looping over them
+    where they fill it (:func:`paired_items`); elsewhere, or with GPROJ_FWD_PERSISTENT=0 (for A/B timing), one tile
+    per program (PER = 1), heaviest first, balanced by the block scheduler. Measured on an H200: benchmarks/NOTES.md,
     run 33."""
-    items = (m_blocks + m_blocks % 2) * rows // 2
-    if (os.environ.get("GPROJ_FWD_PERSISTENT", "1") == "0" or not persistent(window, packed, keypad, dropout)
-            or not fills_the_device(items, device)):
+    paired = None
+    if os.environ.get("GPROJ_FWD_PERSISTENT", "1") != "0" and persistent(window, packed, keypad, dropout):
+        paired = paired_items(m_blocks, rows, device)
+    if paired is None:
         return 1, m_blocks * rows, m_blocks * rows
-    return 2, 2 * items, items if device.type != "cuda" else min(items, _sm_count(device))
+    return (2, *paired)
 
 
-def fills_the_device(items: int, device: torch.device) -> bool:
-    """Whether ``items`` items of two tiles give every SM of ``device`` one at least (always on a device that is not
-    CUDA, so that CPU runs exercise the loop). With fewer the loop gains no round over the kernel without it (both
-    take about two tile times), and with fewer than half as many it loses one: an item's two tiles run one after the
-    other on one SM where the kernel without the loop runs them on two SMs at once (fix none's backward at 4×16×2048×128
-    GQA 8:1, 64 items: 304–308 TFLOP/s with the loop, 475 without; benchmarks/NOTES.md, run 42)."""
-    return device.type != "cuda" or items >= _sm_count(device)
+def paired_items(m_blocks: int, rows: int, device: torch.device) -> tuple[int, int] | None:
+    """(TILES, programs) of a persistent kernel over items of two block slots, ``m_blocks`` blocks of each of ``rows``
+    heads (each head's slots an even number, m_blocks rounded up): TILES slots, one program per SM of ``device`` (one
+    per item on a device that is not CUDA, so that CPU runs exercise the loop); None where the items do not give every
+    SM one at least. With fewer items than SMs the loop gains no round over the kernel without it (both take about two
+    block times), and with fewer than half as many it loses one: an item's two blocks run one after the other on one
+    SM where the kernel without the loop runs them on two SMs at once (fix none's backward at 4×16×2048×128 GQA 8:1,
+    64 items: 304–308 TFLOP/s with the loop, 475 without; benchmarks/NOTES.md, run 42). Used by this forward and by
+    kernels/attention_bwd_hopper.dkdv_schedule."""
+    items = (m_blocks + m_blocks % 2) * rows // 2
+    if device.type != "cuda":
+        return 2 * items, items
+    sms = _sm_count(device)
+    return (2 * items, sms) if items >= sms else None
 
 
 @functools.lru_cache(maxsize=None)

@@ -357,8 +357,7 @@ def test_dkdv_schedule_is_persistent_where_the_kernel_loops(monkeypatch, window,
     allowed is refused. Fewer items than SMs: no loop either (two blocks one after the other on one SM where two SMs
     run them at once: a 4×16×2048×128 GQA 8:1 backward lost 36% that way, run 42)."""
     monkeypatch.delenv("GPROJ_BWD_PERSISTENT", raising=False)
-    monkeypatch.setattr(HB, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(HF, "_sm_count", lambda device: 132)  # fills_the_device's
+    monkeypatch.setattr(HF, "_sm_count", lambda device: 132)  # kernels/attention_fwd_hopper.paired_items'
     cuda = torch.device("cuda", 0)
     assert HB.dkdv_schedule(m_blocks, rows, window, packed, keypad, dropout, gproj, cuda) == expected
     monkeypatch.setenv("GPROJ_BWD_PERSISTENT", "0")

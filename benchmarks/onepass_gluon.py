@@ -132,6 +132,8 @@ def _dq_out(dq, dq_smem, dq_desc, dq_row, dq_col, buf, WAIT: gl.constexpr = True
 #: accumulator's (NVMMA v3, 4 warps, n 64) register bits c0 and r3, its lane bits c1, c2, r0, r1, r2, its warp bits r4,
 #: r5, then its remaining register bits c3, c4, c5 (r, c: row and column bits; gl.to_linear_layout of that layout).
 _BULK_BASES = [[0, 1], [8, 0], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [16, 0], [32, 0], [0, 8], [0, 16], [0, 32]]
+#: The variants that add each dQ partial as one contiguous chunk (:func:`_dq_bulk`): one staging buffer, two.
+BULK_VARIANTS = ("bulk", "bulk2")
 _BULK_STAGE = gl.constexpr(gl.SharedLinearLayout(_BULK_BASES))  # of each [64, 64] buffer of a [NBUF, 64, 64] allocation
 
 
@@ -186,7 +188,7 @@ def _partition(half: int, causal: bool, variant: str = "full"):
     REDUCE, DQ = gl.constexpr(variant not in ("noreduce", "nodq")), gl.constexpr(variant != "nodq")
     WAIT, BOTH = gl.constexpr(variant != "nowait"), gl.constexpr(variant != "onehalf")
     NBUF = gl.constexpr(2 if variant in ("dbuf", "bulk2") else 1)  # dq staging buffers
-    BULK = gl.constexpr(variant in ("bulk", "bulk2"))  # one contiguous 16 KB reduce a tile (_dq_bulk)
+    BULK = gl.constexpr(variant in BULK_VARIANTS)  # one contiguous 16 KB reduce a tile (_dq_bulk)
     RED = gl.constexpr({"red2": 2, "red1": 1}.get(variant, 0))  # dQ by red.global.add from registers
     PENDING = gl.constexpr({"dbuf": 2, "bulk2": 1}.get(variant, 0))
 
@@ -360,13 +362,13 @@ def _unperm_kernel(ACC, TABLE, DQ, tau, H, HEAD_DIM: tl.constexpr):
 
 
 def _dq_layout(variant: str = "full"):
-    if variant in ("bulk", "bulk2"):
+    if variant in BULK_VARIANTS:
         return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     return gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32)
 
 
 def _dq_block(variant: str, d: int):
-    return [16, 256] if variant in ("bulk", "bulk2") else [64, d // 4]
+    return [16, 256] if variant in BULK_VARIANTS else [64, d // 4]
 
 
 def backward(q, k, v, do, o, m, log2l, softmax_scale: float, causal: bool, variant: str = "full"):
@@ -382,7 +384,7 @@ def backward(q, k, v, do, o, m, log2l, softmax_scale: float, causal: bool, varia
     dk = torch.empty((b, n, hk, d), device=q.device, dtype=q.dtype)
     dv = torch.empty_like(dk)
     descs, where = HB._descriptors(q, do, k, v)
-    if variant in ("bulk", "bulk2"):
+    if variant in BULK_VARIANTS:
         dq_desc = TensorDescriptor(acc, [acc.numel() // 256, 256], [256, 1], _dq_block(variant, d), _dq_layout(variant))
     else:
         dq_desc = TensorDescriptor(acc, [b * n, h * d], [h * d, 1], _dq_block(variant, d), _dq_layout(variant))
@@ -390,7 +392,7 @@ def backward(q, k, v, do, o, m, log2l, softmax_scale: float, causal: bool, varia
     HF.launch(kernel_for(bool(causal), variant), (n // 128, b * hk), q.device, False, *descs, dq_desc, acc, dk, dv, m, log2l, delta,
               float(c), float(softmax_scale), h, h // hk, n, *where)
     dq = torch.empty_like(q)
-    if variant in ("bulk", "bulk2"):
+    if variant in BULK_VARIANTS:
         _unperm_kernel[(b * n // 64, h)](acc, bulk_table(q.device), dq, float(softmax_scale), h, HEAD_DIM=d)
     else:
         _scale_kernel[(acc.numel() // 1024,)](acc, dq, float(softmax_scale), BLOCK=1024)
@@ -467,7 +469,7 @@ def main(argv=None):
             extra = {}
             for var in filter(None, args.variants.split(",")):
                 extra[var] = flops / kernel_time(lambda: backward(q, k, v, do, o, m, l2, tau, causal, var)) / 1e9
-                if var in ("dbuf", "red2", "red1", "bulk", "bulk2"):  # correct variants: checked too
+                if var in ("dbuf", "red2", "red1", *BULK_VARIANTS):  # correct variants: checked too
                     got_v = backward(q, k, v, do, o, m, l2, tau, causal, var)
                     errs[f"dq_{var}"] = _rel(got_v[0], ref[0])
             qg, kg, vg = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))

@@ -490,9 +490,11 @@ class GProjFabricPlugin(fabric_precision.Precision):
         idle, unseen = [], []
         for path, site in self.report.sites.items():
             served0, fell0 = before.get(path, (0, 0))
-            if not site.keep and site.served == served0 and site.fallback_count > fell0:
+            if site.keep or site.served > served0:
+                continue
+            if site.fallback_count > fell0:
                 idle.append(f"{display_path(path)} ({'; '.join(site.fallbacks)})")
-            elif not (site.keep or site.catch_all) and site.served == served0 and site.fallback_count == fell0:
+            elif not site.catch_all:  # a catch-all region serves only what no swapped module inside serves
                 unseen.append(display_path(path))
         if unseen:
             rank_zero_warn(

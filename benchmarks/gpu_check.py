@@ -22,6 +22,7 @@ import torch
 from lightning_gproj.kernels import attention_bwd as B
 from lightning_gproj.kernels import attention_fwd as F
 from lightning_gproj.kernels import attention_bwd_hopper as HB
+from lightning_gproj.kernels import attention_bwd_onepass as OP
 from lightning_gproj.kernels import attention_fwd_hopper as HF
 from lightning_gproj.kernels import reference as R
 
@@ -207,7 +208,9 @@ def hopper_bwd_check(dev, softcap=0.0, window=(-1, -1), shapes=None):
     GEMM and folded dK term) and gproj_uniform; GQA, fp16, heads-major q / v, a do that needs a copy; an fp32 dk (C2: |Σ_j dk_j| relative
     to Σ_j |dk_j|, expect ~1e-7 for gproj on both paths; with softcap not a law); head dim 64 must not be served;
     where the persistent dK/dV kernel can serve a call (fix none and gproj_uniform, no window), its dk, dv, looping on
-    4 programs, against one block per program (GPROJ_BWD_PERSISTENT=0), bit for bit.
+    4 programs, against one block per program (GPROJ_BWD_PERSISTENT=0), bit for bit; where fix none takes the one pass
+    (kernels/attention_bwd_onepass.py), against the two passes (dv bit for bit; dq, dk to the order of fp32 sums: D
+    comes from another kernel) and dq against its own rerun (its reduce-adds land in any order).
     ``softcap`` > 0: every call with that logit softcap; ``window``: with that sliding window."""
     import os
     from unittest import mock
@@ -215,7 +218,8 @@ def hopper_bwd_check(dev, softcap=0.0, window=(-1, -1), shapes=None):
     for (b, n, h, hk, d, causal, dt) in shapes or [
             (2, 1024, 8, 2, 128, False, torch.bfloat16), (2, 1024, 8, 2, 128, True, torch.bfloat16),
             (1, 512, 4, 4, 128, True, torch.float16), (2, 1024, 8, 8, 128, True, "bhsd"), (1, 384, 2, 2, 64, False, torch.bfloat16),
-            (3, 640, 4, 2, 128, True, torch.bfloat16)]:  # 5 key blocks: the persistent dK/dV pass's odd causal pairs
+            (3, 640, 4, 2, 128, True, torch.bfloat16),  # 5 key blocks: the persistent dK/dV pass's odd causal pairs
+            (1, OP.CAUSAL_MIN_SEQLEN, 4, 2, 128, True, torch.bfloat16)]:  # causal rows long enough for the one pass
         odd = dt == "bhsd"  # q, v in (B, H, N, d) memory, do a strided slice (copied for the kernel)
         dt = torch.bfloat16 if odd else dt
         q = torch.randn(b, n, h, d, device=dev, dtype=dt)
@@ -238,20 +242,31 @@ def hopper_bwd_check(dev, softcap=0.0, window=(-1, -1), shapes=None):
             same = "n/a"  # the persistent dK/dV kernel serves only none's pass (none, gproj_uniform) without a window
             if fix in ("none", "gproj_uniform") and window == (-1, -1) and HB.serves(q, k, v, do):
                 # These shapes have fewer items than the GPU has SMs, so the schedule runs them one block per program
-                # (attention_fwd_hopper.paired_items); 4 SMs make it loop (each program several items).
-                with mock.patch.object(HF, "_sm_count", lambda device: 4):
+                # (attention_fwd_hopper.paired_items); 4 SMs make it loop (each program several items). Two passes
+                # (fix none may take the one pass).
+                with mock.patch.object(HF, "_sm_count", lambda device: 4), \
+                        mock.patch.dict(os.environ, {"GPROJ_ONEPASS_BWD": "0"}):
                     g_p = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold, softcap=softcap,
                                      window_size=window)
-                with mock.patch.dict(os.environ, {"GPROJ_BWD_PERSISTENT": "0"}):  # every dK/dV block its own program
+                # every dK/dV block its own program
+                with mock.patch.dict(os.environ, {"GPROJ_BWD_PERSISTENT": "0", "GPROJ_ONEPASS_BWD": "0"}):
                     g_1 = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix, dk_fold=fold, softcap=softcap,
                                      window_size=window)
                 same = all(torch.equal(x, y) for x, y in zip(g_p[1:3], g_1[1:3]))
+            onepass = ""  # fix none through the one pass: against the two passes (dv bit for bit; dq, dk: fp32 order)
+            if fix == "none" and softcap == 0 and window == (-1, -1) and HB.serves(q, k, v, do) and OP.serves(
+                    q, k, v, do, causal):
+                with mock.patch.dict(os.environ, {"GPROJ_ONEPASS_BWD": "0", "GPROJ_BWD_PERSISTENT": "0"}):
+                    g_2 = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix)
+                g_again = B.backward(do, q, k, v, o_r, m_r, l_r, tau, causal, fix)
+                onepass = (f", one pass vs two passes dq {rel(g[0], g_2[0]):.1e} dk {rel(g[1], g_2[1]):.1e} dv "
+                           f"bit-identical {torch.equal(g[2], g_2[2])}, dq vs its rerun {rel(g_again[0], g[0]):.1e}")
             errs = [rel(x, y) for x, y in zip(g[:3], g_r[:3])]
             worst = max(worst, *errs)
             nan = any(torch.isnan(x).any().item() for x in g[:3])
             row.append(f"{fix}{'/fold' if fold else ''}: vs reference " + "/".join(f"{e:.1e}" for e in errs) + " vs tl.dot "
                        + "/".join(f"{rel(x, y):.1e}" for x, y in zip(g[:3], g_t[:3])) + (" NAN" if nan else "")
-                       + f", persistent dk,dv (4 programs) as one block per program: {same}")
+                       + f", persistent dk,dv (4 programs) as one block per program: {same}" + onepass)
         print(f"hopper_bwd {(b, n, h, hk, d, causal, str(dt)[6:], 'q,v (B,H,N,d), strided do' if odd else '')} softcap={softcap} window={window}",
               "; ".join(row), flush=True)
     for causal in (False, True):

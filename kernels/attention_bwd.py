@@ -32,7 +32,9 @@ for queries and keys served), both passes
 run as that module's warp-specialized Gluon kernels, with the
 same rounding points: the dQ pass for fix "none" and "gproj" without want_stats, the dK/dV pass for "none",
 "gproj" with the "gemm" schedule and the PyTorch "gproj_uniform" (not the in-kernel uniform one of windows and
-softcap).
+softcap). Fix "none" on dense inputs at head dim 128 (no window, softcap, dropout, key padding or packing, no
+statistics; full attention, or causal from 8192 keys) instead runs kernels/attention_bwd_onepass.py: one pass, dq added
+into an fp32 buffer by reduce-adds (not bit-reproducible; not under torch.use_deterministic_algorithms).
 
 fix="gproj_uniform" (the orthogonal projection) runs both passes without corrections, with fp32 dq/dk
 outputs, and applies the rank-one corrections in PyTorch (O(N·d): prefix means / suffix sums when
@@ -50,7 +52,7 @@ kernels/reference.dropout_scale), dV += (P̃ ∘ M)ᵀ·dO is scaled by 1/(1 −
 everything else — D, dS = P ∘ (dP' − D) with the undropped P, r, the GProj direction P̃ — is unchanged:
 dS's rows still sum to zero (kernels/reference.py).
 
-Extra memory: D and r (B·H·Nq fp32 each); with want_stats also abs_dS (B·H·Nq) and the leak
+Extra memory: D and r (B·H·Nq fp32 each; the one pass: D and dq's fp32 buffer, B·Nq·H·d); with want_stats also abs_dS (B·H·Nq) and the leak
 (B·H·Nq·d fp32). Never N×N.
 """
 
@@ -60,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_gproj.kernels import attention_bwd_hopper, attention_fwd_hopper
+from lightning_gproj.kernels import attention_bwd_hopper, attention_bwd_onepass, attention_fwd_hopper
 from lightning_gproj.kernels._triton_utils import (
     INTERPRET, autotune_enabled, batch_strides, check_seqlens, check_varlen, dropout_args, dropout_groups,
     dropout_keep, exponent_factor, in_window, interpreting, load_pair, load_rows, mma, on_input_device, padded_head_dim, rcp_ftz,
@@ -838,6 +840,14 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     # or shape keeps the tl.dot pass.
     o_tma = (attention_bwd_hopper.tma_ready(o) if hopper and not want_stats and need_r == gproj
              and o.dtype == q.dtype and o.shape == q.shape else None)
+    dk_dtype = torch.float32 if out32[1] else k.dtype
+    # Fix "none" on dense inputs: dq, dk, dv in one pass (kernels/attention_bwd_onepass.py) where it is faster.
+    if (o_tma is not None and fix == "none" and not (packed or has_seqlens or win["WINDOW"] or win["SOFTCAP"]
+                                                     or drop["DROPOUT"])
+            and attention_bwd_onepass.serves(q, k, v, do, causal)):
+        dk, dv = attention_bwd_onepass.backward(q, k, v, do, o_tma, m, log2l, delta, dq, c, tau, causal, dk_dtype, gdv,
+                                                descriptors=gluon_args["descriptors"])
+        return dq, dk, dv, None, None, None, None
     if o_tma is not None:
         attention_bwd_hopper.dq_pass(q, k, v, do, o_tma, m, log2l, delta, dq, c, tau, causal,
                                      r if gproj else None, qr if dk_mode == _DK_GEMM else None, softcap, window,
@@ -853,7 +863,6 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
             IS_VARLEN=packed, INTERP=INTERPRET, STORE_QR=dk_mode == _DK_GEMM, **wconst,
         )
 
-    dk_dtype = torch.float32 if out32[1] else k.dtype
     if hopper and dk_mode != _DK_FOLD:
         dk, dv, key_sums = attention_bwd_hopper.dkdv(
             q, k, v, do, m, log2l, delta, qr if dk_mode == _DK_GEMM else None, c, tau, causal, dk_dtype, gdv,

@@ -240,6 +240,7 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # supports()' CPU condition; no kernel below really launches
     kwargs = dict(kwargs)
     monkeypatch.setenv("GPROJ_HOPPER_DROPOUT", kwargs.pop("env", "1"))
+    monkeypatch.setenv("GPROJ_ONEPASS_BWD", "0")  # the two passes (the one pass's routing: test_onepass_backward.py)
     monkeypatch.setattr(HB, "on_sm90", lambda x: True)  # the real predicate, off the GPU
     monkeypatch.setattr(HB, "dkdv", fake_dkdv)
     monkeypatch.setattr(HB, "dq_pass", fake_dq_pass)

@@ -6,11 +6,12 @@ rows, 64 keys). This kernel does FlashAttention-3's one pass, 5 GEMMs: one progr
 1-warp loader (the dK/dV pass's own, kernels/attention_bwd_hopper._dkdv_partitions) streams (Q, dO) tiles of 64 query
 rows with their m, log2l, D rows; two 4-warp consumers own 64 keys each and compute per tile, as the dK/dV pass,
 Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, P̃ᵀ, dV += P̃ᵀ dO, dS̃ᵀ = bf16(Pᵀ∘(dPᵀ − D)), dK += dS̃ᵀ Q — and also store dS̃ᵀ to shared
-memory. They meet at an mbarrier, and consumer h computes columns [64 h, 64 h + 64) of the tile's dQ partial over all
-128 keys (dS̃ · K[:, cols], two wgmmas from shared memory) and adds it into an fp32 buffer by one TMA reduce-add of a
-contiguous 16 KB chunk (FlashAttention-3's dQaccum layout: the partial is staged in the wgmma accumulator's own thread
-order, :data:`BULK_BASES`, and added as a [16, 256] box; chunk ((b·seqlen + row) / 64 · nheads + h) · 2 + half). Before
-it, a small kernel computes D = rowsum(dO∘O); after it, another un-permutes the chunks into dq = τ dQ, rounded once.
+memory. They meet at an mbarrier, and consumer h computes columns [h·d/2, (h + 1)·d/2) of the tile's dQ partial over
+all 128 keys (dS̃ · K[:, cols], two wgmmas from shared memory) and adds it into an fp32 buffer by one TMA reduce-add of
+a contiguous chunk of 64 · d/2 floats (16 KB at d 128; FlashAttention-3's dQaccum layout: the partial is staged in the
+wgmma accumulator's own thread order, :func:`bulk_bases`, and added as a [d/8, 256] box; chunk ((b·seqlen + row) / 64
+· nheads + h) · 2 + half). Before it, a small kernel computes D = rowsum(dO∘O); after it, another un-permutes the
+chunks into dq = τ dQ, rounded once.
 
 The rounding points are the two passes' (kernels/reference.py, fix "none"): P̃ and dS̃ rounded to the input dtype, every
 sum in fp32. dk, dv equal the loop-less dK/dV pass's bit for bit (the same tile code and order); dq differs from the dQ
@@ -18,8 +19,8 @@ pass's in the order of its fp32 additions only — and, since the reduce-adds la
 it is not bit-reproducible from call to call (as FlashAttention-3's and cuDNN's default backwards are not): calls under
 ``torch.use_deterministic_algorithms(True)`` keep the two passes.
 
-Served (:func:`serves`): what the Gluon passes serve (kernels/attention_bwd_hopper.serves) at head dim 128 and a seqlen
-that is a multiple of 128, dense (no packed sequences, key padding, window, softcap or dropout), without statistics;
+Served (:func:`serves`): what the Gluon passes serve (kernels/attention_bwd_hopper.serves) at head dim 128 or 64 and a
+seqlen that is a multiple of 128, dense (no packed sequences, key padding, window, softcap or dropout), without statistics;
 full attention at any such seqlen, causal from :data:`CAUSAL_MIN_SEQLEN` on. Measured on an H200 (benchmarks/NOTES.md,
 run 42, the probe this kernel came from): the backward 5–22% faster than the two passes on full attention (4×16×2048,
 1×16×8192, 1×8×16384, GQA 8:1), 5–15% on causal rows of 8192 and 16384 keys, 9% slower on causal rows of 2048 (the
@@ -38,17 +39,23 @@ import triton.language as tl
 from lightning_gproj.kernels import attention_bwd_hopper as HB
 from lightning_gproj.kernels.attention_fwd_hopper import GLUON_ERROR, _require_gluon, launch, pointer_type
 
-__all__ = ["serves", "backward", "compile_sm90", "BULK_BASES", "CAUSAL_MIN_SEQLEN", "HEAD_DIM"]
+__all__ = ["serves", "backward", "compile_sm90", "bulk_bases", "CAUSAL_MIN_SEQLEN", "HEAD_DIMS"]
 
-#: The head dim the kernel is written for (two consumers' dQ column halves of 64).
-HEAD_DIM = 128
+#: The head dims the kernel is written for (the two consumers' dQ column halves of 64 or 32).
+HEAD_DIMS = (128, 64)
 #: Causal calls take the one pass from this seqlen on (run 42: 2048 lost 9%, 8192 and 16384 gained 5–15%).
 CAUSAL_MIN_SEQLEN = 8192
-#: Offset bits, low to high, of a staged [64 rows, 64 columns] fp32 dQ partial in its 4096-float chunk, as (row bit,
-#: column bit) pairs: the wgmma accumulator's (NVMMA v3, 4 warps, n 64; gl.to_linear_layout) register bits c0 and r3,
-#: its lane bits c1, c2, r0, r1, r2, its warp bits r4, r5, then its remaining register bits c3, c4, c5. Thread-major:
-#: each thread's registers land at 16-byte vectors and a warp's stores fill 512 contiguous bytes (no bank conflicts).
-BULK_BASES = ((0, 1), (8, 0), (0, 2), (0, 4), (1, 0), (2, 0), (4, 0), (16, 0), (32, 0), (0, 8), (0, 16), (0, 32))
+
+
+def bulk_bases(head_dim: int) -> tuple:
+    """Offset bits, low to high, of a staged [64 rows, head_dim / 2 columns] fp32 dQ partial in its chunk (32 · head_dim
+    floats), as (row bit, column bit) pairs: the wgmma accumulator's (NVMMA v3, 4 warps, n = head_dim / 2;
+    gl.to_linear_layout) register bits c0 and r3, its lane bits c1, c2, r0, r1, r2, its warp bits r4, r5, then its
+    remaining register bits c3, c4[, c5]. Thread-major: each thread's registers land at 16-byte vectors and a warp's
+    stores fill 512 contiguous bytes (no bank conflicts)."""
+    cols = ((0, 8), (0, 16), (0, 32))[:(head_dim // 2).bit_length() - 4]
+    return ((0, 1), (8, 0), (0, 2), (0, 4), (1, 0), (2, 0), (4, 0), (16, 0), (32, 0)) + cols
+
 
 if GLUON_ERROR is None:
     from triton.experimental import gluon
@@ -79,7 +86,8 @@ if GLUON_ERROR is None:
 
     _HALF_N = gl.constexpr(HB.TILE_ROWS)  # keys per consumer
     _BLOCK_M = gl.constexpr(HB.TILE_ROWS)  # query rows per tile
-    _BULK_STAGE = gl.constexpr(gl.SharedLinearLayout([list(b) for b in BULK_BASES]))
+    _STAGE_64 = gl.constexpr(gl.SharedLinearLayout([list(b) for b in bulk_bases(128)]))  # [64, 64] partials
+    _STAGE_32 = gl.constexpr(gl.SharedLinearLayout([list(b) for b in bulk_bases(64)]))  # [64, 32] partials
 
     @gluon.jit
     def _tile(k, v, q, do, dk, dv, keys, key0, rows, start_m, c, m_s, l_s, d_s, ds_out, CAUSAL: gl.constexpr):
@@ -131,13 +139,14 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _dq_add(dq, stage, dqc_desc, chunk):
-        """Add this consumer's [64, 64] dQ partial into chunk ``chunk`` of the fp32 buffer (viewed as [chunks · 16,
-        256]) by one TMA reduce-add of a [16, 256] box without swizzle, staged in ``stage`` (layout _BULK_STAGE)
+        """Add this consumer's [64, d/2] dQ partial into chunk ``chunk`` of the fp32 buffer (viewed as [chunks · d/8,
+        256]) by one TMA reduce-add of a [d/8, 256] box without swizzle, staged in ``stage`` (layout bulk_bases(d))
         once the previous tile's reduce has read it."""
+        BOX: gl.constexpr = dqc_desc.block_type.shape[0]
         tma.store_wait(pendings=0)
         stage.store(dq)
         fence_async_shared()
-        tma_reduce_add(dqc_desc, [chunk * 16, 0], _reinterpret(stage, gl.float32, [16, 256], dqc_desc.layout))
+        tma_reduce_add(dqc_desc, [chunk * BOX, 0], _reinterpret(stage, gl.float32, [BOX, 256], dqc_desc.layout))
 
     def _consumer_for(half: int, causal: bool):
         """Consumer ``half`` (its 64 keys of the block) with the causal mask compiled in or out (closure constants
@@ -153,7 +162,11 @@ if GLUON_ERROR is None:
                                                                instr_shape=[16, 64, 16])
             acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                  instr_shape=[16, HEAD, 16])
-            stage = gl.allocate_shared_memory(gl.float32, [_BLOCK_M, DQ_N], _BULK_STAGE)
+            if DQ_N == 64:
+                STAGE: gl.constexpr = _STAGE_64
+            else:
+                STAGE: gl.constexpr = _STAGE_32
+            stage = gl.allocate_shared_memory(gl.float32, [_BLOCK_M, DQ_N], STAGE)
             key0 = start_n + HALF * _HALF_N
             keys = key0 + gl.arange(0, _HALF_N, layout=gl.SliceLayout(1, s_layout))
             dk = gl.zeros([_HALF_N, HEAD], gl.float32, layout=acc_layout)
@@ -280,19 +293,19 @@ def _delta_kernel(O, DO, D, N, H, o_sb, o_sn, o_sh, do_sb, do_sn, do_sh, HEAD: t
 
 @triton.jit
 def _unperm_kernel(ACC, DQ, tau, H, HEAD: tl.constexpr):
-    """dq[rows 64·rb …, head h] = τ · its two chunks of the fp32 buffer (column halves), each [64, 64] partial at the
-    offsets of BULK_BASES (spelled out below, bit i of the offset from the i-th base); dq (batch · seqlen, nheads, HEAD)
-    contiguous. Grid (batch · seqlen / 64, nheads)."""
+    """dq[rows 64·rb …, head h] = τ · its two chunks of the fp32 buffer (column halves), each [64, HEAD/2] partial at
+    the offsets of bulk_bases(HEAD) (spelled out below, bit i of the offset from the i-th base; c5's term is 0 at HEAD
+    64); dq (batch · seqlen, nheads, HEAD) contiguous. Grid (batch · seqlen / 64, nheads)."""
     rb = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.arange(0, 64)[:, None]
     d = tl.arange(0, HEAD)[None, :]
-    c = d % 64
+    c = d % (HEAD // 2)
     off = ((c & 1) | ((r >> 3) & 1) << 1 | ((c >> 1) & 1) << 2 | ((c >> 2) & 1) << 3 | (r & 1) << 4
            | ((r >> 1) & 1) << 5 | ((r >> 2) & 1) << 6 | ((r >> 4) & 1) << 7 | ((r >> 5) & 1) << 8
            | ((c >> 3) & 1) << 9 | ((c >> 4) & 1) << 10 | ((c >> 5) & 1) << 11)
-    chunk = (rb.to(tl.int64) * H + h) * 2 + d // 64
-    x = tl.load(ACC + chunk * 4096 + off)
+    chunk = (rb.to(tl.int64) * H + h) * 2 + d // (HEAD // 2)
+    x = tl.load(ACC + chunk * (32 * HEAD) + off)
     tl.store(DQ + ((rb.to(tl.int64) * 64 + r) * H + h) * HEAD + d, (x * tau).to(DQ.dtype.element_ty))
 
 
@@ -305,11 +318,11 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, 
     """Whether :func:`backward` serves these inputs, given that the Gluon passes serve them
     (kernels/attention_bwd_hopper.serves) and the call is fix "none" without statistics on dense inputs (no packed
     sequences, key padding, window, softcap or dropout: the caller checks those): GPROJ_ONEPASS_BWD not 0, PyTorch's
-    deterministic algorithms off (dq's fp32 reduce-adds land in any order), head dim 128, a seqlen that is a multiple of
-    128, and full attention or a seqlen of at least :data:`CAUSAL_MIN_SEQLEN`. Never raises."""
+    deterministic algorithms off (dq's fp32 reduce-adds land in any order), a head dim in HEAD_DIMS, a seqlen that is a
+    multiple of 128, and full attention or a seqlen of at least :data:`CAUSAL_MIN_SEQLEN`. Never raises."""
     n = q.shape[1]
     return (enabled() and GLUON_ERROR is None and not torch.are_deterministic_algorithms_enabled()
-            and q.shape[3] == HEAD_DIM and n % HB.BLOCK_N == 0 and (not causal or n >= CAUSAL_MIN_SEQLEN))
+            and q.shape[3] in HEAD_DIMS and n % HB.BLOCK_N == 0 and (not causal or n >= CAUSAL_MIN_SEQLEN))
 
 
 def backward(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float, causal: bool, dk_dtype: torch.dtype,
@@ -341,7 +354,7 @@ def backward(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float
     dk = torch.empty((b, n, hk, d), device=q.device, dtype=dk_dtype)
     dv = torch.empty((b, n, hk, d), device=q.device, dtype=dv_dtype)
     descs, where = HB._descriptors(q, do, k, v, shared=descriptors)
-    dqc_desc = TensorDescriptor(acc, list(acc.shape), [256, 1], [16, 256], _chunk_layout())
+    dqc_desc = TensorDescriptor(acc, list(acc.shape), [256, 1], [d // 8, 256], _chunk_layout())
     launch(_kernel_for(bool(causal)), (n // HB.BLOCK_N, b * hk), q.device, False, *descs, dqc_desc, dk, dv, m, log2l,
            delta, float(c), float(softmax_scale), h, h // hk, n, *where)
     _unperm_kernel[(b * n // 64, h)](acc, dq, float(softmax_scale), h, HEAD=d)
@@ -349,15 +362,15 @@ def backward(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float
 
 
 def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, grad_dtype: torch.dtype | None = None,
-                 ones: tuple[str, ...] = ()):
+                 ones: tuple[str, ...] = (), head_dim: int = HEAD_DIMS[0]):
     """Compile the one-pass kernel for sm_90 without a GPU (kernels/attention_fwd_hopper.aot_compile_sm90), as CI does;
     dk, dv in ``grad_dtype`` (default ``dtype``); ``ones`` names integer arguments compiled as the constant 1
     (``GROUP`` without GQA). Returns the compiled kernel. Raises RuntimeError if Gluon is not importable."""
     _require_gluon()
-    t = tensordesc_type(dtype, HB.TILE_ROWS, HEAD_DIM, HB._layout(HEAD_DIM, dtype))
+    t = tensordesc_type(dtype, HB.TILE_ROWS, head_dim, HB._layout(head_dim, dtype))
     g = pointer_type(grad_dtype or dtype)
     sig = {"q_desc": t, "do_desc": t, "k_desc": t, "v_desc": t,
-           "dqc_desc": f"tensordesc<fp32[16, 256],{_chunk_layout()!r}>", "DK": g, "DV": g, "M": "*fp32",
+           "dqc_desc": f"tensordesc<fp32[{head_dim // 8}, 256],{_chunk_layout()!r}>", "DK": g, "DV": g, "M": "*fp32",
            "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32", "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32",
            **{f"{x}_{w}": "i32" for x in ("q", "do", "k", "v") for w in ("rb", "rh", "ch")}}
     return aot_compile_sm90(_kernel_for(bool(causal)), sig, {arg: 1 for arg in ones})

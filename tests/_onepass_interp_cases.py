@@ -1,6 +1,6 @@
 """Runs the one-pass backward's host side and its two small Triton kernels (kernels/attention_bwd_onepass.py: D by
 _delta_kernel, the un-permute of dq's fp32 chunks by _unperm_kernel) under the CPU interpreter, the Gluon kernel's launch
-replaced by a stand-in that adds a known dQ into the chunks at the offsets BULK_BASES documents (see
+replaced by a stand-in that adds a known dQ into the chunks at the offsets bulk_bases documents (see
 tests/_triton_interp_cases.py for why this is a subprocess).
 
 Executed by tests/test_onepass_backward.py with TRITON_INTERPRET=1. Output: one JSON object on the last stdout line.
@@ -19,17 +19,16 @@ import torch  # noqa: E402
 from lightning_gproj.kernels import attention_bwd_onepass as OP  # noqa: E402
 
 
-def chunk_offsets(bases) -> torch.Tensor:
-    """[64, 64] int64: the offset in its 4096-float chunk of row r, column c of a staged partial (bit i from base i)."""
-    r, c = torch.arange(64)[:, None], torch.arange(64)[None, :]
-    off = torch.zeros(64, 64, dtype=torch.int64)
+def chunk_offsets(bases, cols) -> torch.Tensor:
+    """[64, cols] int64: the offset in its chunk of row r, column c of a staged partial (bit i from base i)."""
+    r, c = torch.arange(64)[:, None], torch.arange(cols)[None, :]
+    off = torch.zeros(64, cols, dtype=torch.int64)
     for i, (br, bc) in enumerate(bases):
         off |= (((r & br) if br else (c & bc)) != 0).long() << i
     return off
 
 
-def case(b, n, h, hk, dtype, heads_major, seed, grad_dtype=None):
-    d = OP.HEAD_DIM
+def case(b, n, h, hk, d, dtype, heads_major, seed, grad_dtype=None):
     gen = torch.Generator().manual_seed(seed)
     q, do = (torch.randn(b, n, h, d, generator=gen).to(dtype) for _ in range(2))
     k, v = (torch.randn(b, n, hk, d, generator=gen).to(dtype) for _ in range(2))
@@ -41,7 +40,8 @@ def case(b, n, h, hk, dtype, heads_major, seed, grad_dtype=None):
     grad_dtype = grad_dtype or dtype
     dq = torch.empty(b, n, h, d, dtype=grad_dtype)
     x = torch.randn(b, n, h, d, generator=gen)  # the dQ the stand-in adds, fp32
-    off = chunk_offsets(OP.BULK_BASES)
+    half_d = d // 2
+    off = chunk_offsets(OP.bulk_bases(d), half_d)
     seen = {}
 
     def fake_launch(kernel, grid, device, keypad, *args):
@@ -56,8 +56,8 @@ def case(b, n, h, hk, dtype, heads_major, seed, grad_dtype=None):
                 for hh in range(h):
                     for half in range(2):
                         chunk = ((bb * n + row0) // 64 * h + hh) * 2 + half
-                        part = x[bb, row0:row0 + 64, hh, 64 * half:64 * half + 64]
-                        acc[chunk * 4096 + off.flatten()] += part.flatten()
+                        part = x[bb, row0:row0 + 64, hh, half_d * half:half_d * (half + 1)]
+                        acc[chunk * 64 * half_d + off.flatten()] += part.flatten()
         named["DK"].fill_(1.0)
         named["DV"].fill_(2.0)
 
@@ -77,10 +77,12 @@ def case(b, n, h, hk, dtype, heads_major, seed, grad_dtype=None):
                                                   * torch.finfo(grad_dtype).eps)).max().item(),
         "dk_dv": [dk.shape == k.shape, dv.shape == v.shape, dk.dtype == dv.dtype == grad_dtype, bool((dk == 1).all()),
                   bool((dv == 2).all())],
-        "offsets_bijective": sorted(off.flatten().tolist()) == list(range(4096)),
+        "offsets_bijective": sorted(off.flatten().tolist()) == list(range(64 * half_d)),
     }
 
 
-out = {"bshd": case(2, 256, 4, 2, torch.bfloat16, False, 0), "bhsd_fp16": case(1, 384, 2, 1, torch.float16, True, 1),
-       "fp32_grads": case(1, 128, 2, 2, torch.bfloat16, False, 2, torch.float32)}
+out = {"bshd": case(2, 256, 4, 2, 128, torch.bfloat16, False, 0),
+       "bhsd_fp16": case(1, 384, 2, 1, 128, torch.float16, True, 1),
+       "fp32_grads": case(1, 128, 2, 2, 128, torch.bfloat16, False, 2, torch.float32),
+       "d64": case(2, 256, 4, 2, 64, torch.bfloat16, False, 3)}
 print(json.dumps(out))

@@ -28,19 +28,20 @@ from _hopper import assert_hopper_kernel
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.mark.parametrize("causal, dtype, grad_dtype, ones", [
-    (False, torch.bfloat16, None, ()), (True, torch.bfloat16, None, ()), (False, torch.float16, None, ("GROUP",)),
-    (True, torch.bfloat16, torch.float32, ("GROUP",)),
-], ids=["full", "causal", "fp16-1group", "causal-fp32grads"])
-def test_compiles_for_sm90_with_one_bulk_reduce_per_tile(causal, dtype, grad_dtype, ones):
-    kernel = OP.compile_sm90(causal, dtype, grad_dtype, ones)
+@pytest.mark.parametrize("causal, dtype, grad_dtype, ones, head_dim", [
+    (False, torch.bfloat16, None, (), 128), (True, torch.bfloat16, None, (), 128),
+    (False, torch.float16, None, ("GROUP",), 128), (True, torch.bfloat16, torch.float32, ("GROUP",), 128),
+    (False, torch.bfloat16, None, (), 64), (True, torch.float16, None, ("GROUP",), 64),
+], ids=["full", "causal", "fp16-1group", "causal-fp32grads", "d64-full", "d64-causal-fp16-1group"])
+def test_compiles_for_sm90_with_one_bulk_reduce_per_tile(causal, dtype, grad_dtype, ones, head_dim):
+    kernel = OP.compile_sm90(causal, dtype, grad_dtype, ones, head_dim)
     # Two consumers × (Sᵀ, dPᵀ, dV, dK and dQ's two 64-key halves) per (Q, dO) tile.
     assert_hopper_kernel(kernel, 2 * 6)
     ptx = kernel.asm["ptx"]
     # dQ: one 2-D bulk reduce-add a tile (causal: also the second consumer's empty first tile), staged by 16-byte
     # stores (thread-major layout); never an element-wise atomic.
     assert 1 <= ptx.count("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add") <= 3 * 2
-    assert ptx.count("st.shared.v4.b32") >= 8 and not re.search(r"\s(atom|red)\.global", ptx)
+    assert ptx.count("st.shared.v4.b32") >= head_dim // 16 and not re.search(r"\s(atom|red)\.global", ptx)
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +53,17 @@ def interp() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["bshd", "bhsd_fp16", "fp32_grads"])
+@pytest.mark.parametrize("case", ["bshd", "bhsd_fp16", "fp32_grads", "d64"])
 def test_host_side_and_small_kernels_under_the_interpreter(interp, case):
     """backward() on CPU tensors, the Gluon launch replaced by a stand-in that adds a known dQ into the chunks as
-    BULK_BASES lays them out: one program per (128 keys, batch · kv head), every kernel parameter one argument, the
+    bulk_bases lays them out: one program per (128 keys, batch · kv head), every kernel parameter one argument, the
     chunk buffer zeroed and O(N) (B·N·H·d floats); D = rowsum(dO∘O) to fp32 rounding (o in either memory order) and
     dq = τ·dQ rounded once (within an ulp: the interpreter's bf16 casts truncate)."""
     got = interp[case]
-    b, n, h, hk = {"bshd": (2, 256, 4, 2), "bhsd_fp16": (1, 384, 2, 1), "fp32_grads": (1, 128, 2, 2)}[case]
+    b, n, h, hk, d = {"bshd": (2, 256, 4, 2, 128), "bhsd_fp16": (1, 384, 2, 1, 128), "fp32_grads": (1, 128, 2, 2, 128),
+                      "d64": (2, 256, 4, 2, 64)}[case]
     assert got["grid"] == [n // 128, b * hk] and got["n_args"] == got["n_names"] and not got["keypad"]
-    assert got["acc_zero"] and got["acc_numel"] == b * n * h * OP.HEAD_DIM and got["block"] == [16, 256]
+    assert got["acc_zero"] and got["acc_numel"] == b * n * h * d and got["block"] == [d // 8, 256]
     assert (got["H"], got["GROUP"], got["N_CTX"]) == (h, h // hk, n)
     assert got["tau"] == 1.25 and got["c"] == pytest.approx(1.25 * 1.4426950408889634, rel=1e-12)
     assert got["delta_rel"] < 1e-6
@@ -76,9 +78,9 @@ def _t(b=2, n=256, h=4, d=128, dtype=torch.bfloat16):
 @pytest.mark.parametrize("n, d, causal, env, deterministic, served", [
     (256, 128, False, "1", False, True), (384, 128, False, "1", False, True),
     (256, 128, True, "1", False, False), (OP.CAUSAL_MIN_SEQLEN, 128, True, "1", False, True),
-    (320, 128, False, "1", False, False), (256, 64, False, "1", False, False),
-    (256, 128, False, "0", False, False), (256, 128, False, "1", True, False),
-], ids=["full", "full-384", "causal-short", "causal-long", "seqlen-320", "d64", "env-off", "deterministic"])
+    (320, 128, False, "1", False, False), (256, 64, False, "1", False, True),
+    (256, 128, False, "0", False, False), (256, 128, False, "1", True, False), (256, 96, False, "1", False, False),
+], ids=["full", "full-384", "causal-short", "causal-long", "seqlen-320", "d64", "env-off", "deterministic", "d96"])
 def test_serves_dense_d128_full_or_long_causal(monkeypatch, n, d, causal, env, deterministic, served):
     monkeypatch.setenv("GPROJ_ONEPASS_BWD", env)
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)

@@ -21,10 +21,12 @@ it is not bit-reproducible from call to call (as FlashAttention-3's and cuDNN's 
 
 Served (:func:`serves`): what the Gluon passes serve (kernels/attention_bwd_hopper.serves) at head dim 128 or 64 and a
 seqlen that is a multiple of 128, dense (no packed sequences, key padding, window, softcap or dropout), without statistics;
-full attention at any such seqlen, causal from :data:`CAUSAL_MIN_SEQLEN` on. Measured on an H200 (benchmarks/NOTES.md,
-run 42, the probe this kernel came from): the backward 5–22% faster than the two passes on full attention (4×16×2048,
-1×16×8192, 1×8×16384, GQA 8:1), 5–15% on causal rows of 8192 and 16384 keys, 9% slower on causal rows of 2048 (the
-diagonal tiles stall one consumer at the dQ barrier). ``GPROJ_ONEPASS_BWD=0`` keeps every call on the two passes.
+full attention at any such seqlen, causal without GQA from :data:`CAUSAL_MIN_SEQLEN` on. Measured on an H200
+(benchmarks/NOTES.md, run 43, benchmarks/onepass_ab.py): the backward 7–25% faster than the two passes on full attention
+(d 128: 4×16×2048, 1×16×4096, 1×16×8192, 1×8×16384, GQA 8:1; d 64: 4×16×2048, 2×16×4096, GQA 8:1), −7…+5% on causal
+rows of 8192 keys and +10–11% on 16384; slower on shorter causal rows (−2…−5% at 2048 and 4096: the diagonal tiles stall
+one consumer at the dQ barrier) and on causal rows with GQA (−6…−14% at 2048–8192 keys, even at 16384: the stall comes
+once per query head of the group). ``GPROJ_ONEPASS_BWD=0`` keeps every call on the two passes.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ __all__ = ["serves", "backward", "compile_sm90", "bulk_bases", "CAUSAL_MIN_SEQLE
 
 #: The head dims the kernel is written for (the two consumers' dQ column halves of 64 or 32).
 HEAD_DIMS = (128, 64)
-#: Causal calls take the one pass from this seqlen on (run 42: 2048 lost 9%, 8192 and 16384 gained 5–15%).
+#: Causal calls without GQA take the one pass from this seqlen on (benchmarks/NOTES.md, run 43: 2048 and 4096 lost 2–5%,
+#: 8192 −7…+5%, 16384 +10–11%; with GQA 8:1 or 2:1, 8192 lost 6–12%).
 CAUSAL_MIN_SEQLEN = 8192
 
 
@@ -319,10 +322,12 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, 
     (kernels/attention_bwd_hopper.serves) and the call is fix "none" without statistics on dense inputs (no packed
     sequences, key padding, window, softcap or dropout: the caller checks those): GPROJ_ONEPASS_BWD not 0, PyTorch's
     deterministic algorithms off (dq's fp32 reduce-adds land in any order), a head dim in HEAD_DIMS, a seqlen that is a
-    multiple of 128, and full attention or a seqlen of at least :data:`CAUSAL_MIN_SEQLEN`. Never raises."""
+    multiple of 128, and full attention, or causal without GQA at a seqlen of at least :data:`CAUSAL_MIN_SEQLEN`.
+    Never raises."""
     n = q.shape[1]
     return (enabled() and GLUON_ERROR is None and not torch.are_deterministic_algorithms_enabled()
-            and q.shape[3] in HEAD_DIMS and n % HB.BLOCK_N == 0 and (not causal or n >= CAUSAL_MIN_SEQLEN))
+            and q.shape[3] in HEAD_DIMS and n % HB.BLOCK_N == 0
+            and (not causal or (n >= CAUSAL_MIN_SEQLEN and k.shape[2] == q.shape[2])))
 
 
 def backward(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float, causal: bool, dk_dtype: torch.dtype,

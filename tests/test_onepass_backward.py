@@ -75,17 +75,22 @@ def _t(b=2, n=256, h=4, d=128, dtype=torch.bfloat16):
     return torch.zeros(b, n, h, d, dtype=dtype)
 
 
-@pytest.mark.parametrize("n, d, causal, env, deterministic, served", [
-    (256, 128, False, "1", False, True), (384, 128, False, "1", False, True),
-    (256, 128, True, "1", False, False), (OP.CAUSAL_MIN_SEQLEN, 128, True, "1", False, True),
-    (320, 128, False, "1", False, False), (256, 64, False, "1", False, True),
-    (256, 128, False, "0", False, False), (256, 128, False, "1", True, False), (256, 96, False, "1", False, False),
-], ids=["full", "full-384", "causal-short", "causal-long", "seqlen-320", "d64", "env-off", "deterministic", "d96"])
-def test_serves_dense_d128_full_or_long_causal(monkeypatch, n, d, causal, env, deterministic, served):
+@pytest.mark.parametrize("n, d, causal, hk, env, deterministic, served", [
+    (256, 128, False, 4, "1", False, True), (384, 128, False, 4, "1", False, True),
+    (256, 128, False, 1, "1", False, True),  # GQA, full attention
+    (256, 128, True, 4, "1", False, False), (OP.CAUSAL_MIN_SEQLEN, 128, True, 4, "1", False, True),
+    (OP.CAUSAL_MIN_SEQLEN, 128, True, 2, "1", False, False),  # causal with GQA: the two passes
+    (320, 128, False, 4, "1", False, False), (256, 64, False, 4, "1", False, True),
+    (256, 128, False, 4, "0", False, False), (256, 128, False, 4, "1", True, False),
+    (256, 96, False, 4, "1", False, False),
+], ids=["full", "full-384", "full-gqa", "causal-short", "causal-long", "causal-long-gqa", "seqlen-320", "d64",
+        "env-off", "deterministic", "d96"])
+def test_serves_dense_full_or_long_causal(monkeypatch, n, d, causal, hk, env, deterministic, served):
     monkeypatch.setenv("GPROJ_ONEPASS_BWD", env)
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
-    q = torch.empty(1, n, 2, d, dtype=torch.bfloat16, device="meta")
-    assert OP.serves(q, q, q, q, causal) == served
+    q = torch.empty(1, n, 4, d, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, n, hk, d, dtype=torch.bfloat16, device="meta")
+    assert OP.serves(q, k, k, q, causal) == served
 
 
 class _Routed(Exception):

@@ -35,3 +35,24 @@ def assert_softcap_code(ptx: str, softcap: bool) -> None:
     """The softcap's tanh is compiled in exactly when asked for: an ex2.approx.ftz (the softmax's exp2 lowers to one
     as well) and an rcp.approx.ftz per score, as the tl.dot kernels form it."""
     assert ("rcp.approx.ftz.f32" in ptx) == softcap
+
+
+class Routed(Exception):
+    """Raised by a stand-in for a Gluon pass: the call was routed to it."""
+
+
+class TlDot(Exception):
+    """Raised by a stand-in for a tl.dot kernel: the call stayed on it."""
+
+
+class StubKernel:
+    """Stands in for a triton.autotune'd kernel: ``kernel[grid](...)`` runs nothing, or raises ``exc``."""
+
+    def __init__(self, exc=None):
+        self.exc = exc
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            if self.exc is not None:
+                raise self.exc
+        return launch

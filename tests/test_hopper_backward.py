@@ -17,7 +17,7 @@ from lightning_gproj.kernels import attention_bwd as B
 from lightning_gproj.kernels import attention_bwd_hopper as HB
 from lightning_gproj.kernels import attention_fwd_hopper as HF
 
-from _hopper import assert_hopper_kernel, assert_softcap_code
+from _hopper import Routed, StubKernel, TlDot, assert_hopper_kernel, assert_softcap_code
 
 
 _VARIANTS = [(False, False), (True, False), (False, True), (True, True)]
@@ -148,27 +148,6 @@ def test_not_served_off_sm90_or_when_disabled(monkeypatch):
     assert not HB.enabled()
 
 
-class _Routed(Exception):
-    pass
-
-
-class _TlDot(Exception):
-    pass
-
-
-class _Launcher:
-    """Stands in for a triton.autotune'd kernel: ``kernel[grid](...)`` runs nothing, or raises ``exc``."""
-
-    def __init__(self, exc=None):
-        self.exc = exc
-
-    def __getitem__(self, grid):
-        def launch(*args, **meta):
-            if self.exc is not None:
-                raise self.exc
-        return launch
-
-
 @pytest.mark.parametrize("kwargs, dq_routed, dkdv_routed, gemm_term", [
     (dict(fix="none"), True, True, False),
     (dict(fix="none", want_stats=True), False, True, False),  # r, abs_dS, leak: the tl.dot dQ pass
@@ -226,7 +205,7 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
         assert descriptors == {} and (seen.get("descriptors") is descriptors or seen["dq"][0] == "tl.dot")  # one dict
         assert args[-2:] == (kwargs.get("softcap", 0.0), expected_window)  # the softcap and the window, last
         assert_seqlens(seqlens_k)
-        raise _Routed
+        raise Routed
 
     def assert_seqlens(seqlens_k):  # key padding reaches both Gluon passes as int32 key lengths
         if "seqlens_k" in kwargs:
@@ -245,7 +224,7 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
     monkeypatch.setattr(HB, "dkdv", fake_dkdv)
     monkeypatch.setattr(HB, "dq_pass", fake_dq_pass)
     monkeypatch.setattr(B, "_dq_kernel", DqLauncher())
-    monkeypatch.setattr(B, "_dkdv_kernel", _Launcher(_TlDot()))
+    monkeypatch.setattr(B, "_dkdv_kernel", StubKernel(TlDot()))
     torch.manual_seed(0)
     b, n, h, d = 2, 256, 2, 128
     q, k, v, do = (torch.randn(b, n, h, d, dtype=torch.bfloat16) for _ in range(4))
@@ -258,9 +237,9 @@ def test_backward_routes_only_the_features_the_gluon_passes_implement(monkeypatc
     try:
         B.backward(do, q, k, v, o, m, log2l, d ** -0.5, causal, fix, want_stats, **kwargs)
         raise AssertionError("neither dK/dV kernel was launched")
-    except _TlDot:
+    except TlDot:
         assert not dkdv_routed, "the Gluon dK/dV pass was skipped"
-    except _Routed:
+    except Routed:
         assert dkdv_routed, "a call with a feature the Gluon dK/dV pass lacks was routed to it"
         assert (seen["qr"] is not None) == gemm_term
         if gemm_term:
@@ -445,20 +424,20 @@ def test_backward_routes_packed_sequences_to_the_gluon_passes(monkeypatch, grad_
 
     def fake_dkdv(*args, cu_seqlens=None, max_seqlen=0, seqlens_k=None, descriptors=None):
         seen["dkdv"] = (cu_seqlens, max_seqlen)
-        raise _Routed
+        raise Routed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(HF, "on_sm90", lambda x: True)  # the real predicate (packed_ok), off the GPU
     monkeypatch.setattr(HB, "dq_pass", fake_dq_pass)
     monkeypatch.setattr(HB, "dkdv", fake_dkdv)
-    monkeypatch.setattr(B, "_dq_kernel", _Launcher())
-    monkeypatch.setattr(B, "_dkdv_kernel", _Launcher(_TlDot()))
+    monkeypatch.setattr(B, "_dq_kernel", StubKernel())
+    monkeypatch.setattr(B, "_dkdv_kernel", StubKernel(TlDot()))
     total, h, d = 300, 2, 128
     q, k, v, do, o = (torch.randn(total, h, d, dtype=torch.bfloat16) for _ in range(5))
     m, log2l = torch.zeros(h, total), torch.full((h, total), 8.0)
     cu = torch.tensor([0, 40, 300], dtype=torch.int32)
     vl = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=260, max_seqlen_k=260)
-    with pytest.raises(_Routed if routed else _TlDot):
+    with pytest.raises(Routed if routed else TlDot):
         B.backward(do, q, k, v, o, m, log2l, d ** -0.5, True, "gproj", grad_dtype=grad_dtype, **vl)
     if routed:
         assert seen == {"dq": (cu, 260), "dkdv": (cu, 260)}
@@ -472,17 +451,17 @@ def test_backward_keeps_key_sums_off_the_edge_variant(monkeypatch, n, grad_dtype
     """A seqlen that is not a multiple of 128 reaches the Gluon dK/dV pass, except for an fp32 dk under GProj: the
     per-64-key sums of its C2 projection would include the rows past the sequence's end."""
     def fake_dkdv(*args, **kw):
-        raise _Routed
+        raise Routed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(HB, "on_sm90", lambda x: True)  # the real predicate, off the GPU
     monkeypatch.setattr(HB, "dq_pass", lambda *a, **kw: None)
     monkeypatch.setattr(HB, "dkdv", fake_dkdv)
-    monkeypatch.setattr(B, "_dq_kernel", _Launcher())
-    monkeypatch.setattr(B, "_dkdv_kernel", _Launcher(_TlDot()))
+    monkeypatch.setattr(B, "_dq_kernel", StubKernel())
+    monkeypatch.setattr(B, "_dkdv_kernel", StubKernel(TlDot()))
     q, k, v, do, o = (torch.randn(1, n, 2, 128, dtype=torch.bfloat16) for _ in range(5))
     m, log2l = torch.zeros(1, 2, n), torch.full((1, 2, n), 8.0)
-    with pytest.raises(_Routed if routed else _TlDot):
+    with pytest.raises(Routed if routed else TlDot):
         B.backward(do, q, k, v, o, m, log2l, 128 ** -0.5, True, "gproj", grad_dtype=grad_dtype)
 
 

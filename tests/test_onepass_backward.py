@@ -23,7 +23,7 @@ from lightning_gproj.kernels import attention_bwd as B
 from lightning_gproj.kernels import attention_bwd_hopper as HB
 from lightning_gproj.kernels import attention_bwd_onepass as OP
 
-from _hopper import assert_hopper_kernel
+from _hopper import Routed, StubKernel, assert_hopper_kernel
 
 HERE = Path(__file__).resolve().parent
 
@@ -93,23 +93,6 @@ def test_serves_dense_full_or_long_causal(monkeypatch, n, d, causal, hk, env, de
     assert OP.serves(q, k, k, q, causal) == served
 
 
-class _Routed(Exception):
-    pass
-
-
-class _Launcher:
-    """Stands in for a triton.autotune'd kernel: ``kernel[grid](...)`` runs nothing, or raises ``exc``."""
-
-    def __init__(self, exc=None):
-        self.exc = exc
-
-    def __getitem__(self, grid):
-        def launch(*args, **meta):
-            if self.exc is not None:
-                raise self.exc
-        return launch
-
-
 @pytest.mark.parametrize("kwargs, onepass", [
     (dict(), True),
     (dict(grad_dtype=torch.float32), True),
@@ -132,10 +115,10 @@ def test_backward_routes_dense_fix_none_to_the_one_pass(monkeypatch, kwargs, one
 
     def fake_onepass(q, k, v, do, o, m, log2l, delta, dq, c, tau, causal, dk_dtype, dv_dtype, descriptors=None):
         seen.update(dq=dq.dtype, dk=dk_dtype, dv=dv_dtype, o=o.dtype, delta=delta.shape, causal=causal)
-        raise _Routed
+        raise Routed
 
     def fake_dkdv(*args, **kw):
-        raise _Routed
+        raise Routed
 
     kwargs = dict(kwargs)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # supports()' CPU condition; no kernel below really launches
@@ -144,8 +127,8 @@ def test_backward_routes_dense_fix_none_to_the_one_pass(monkeypatch, kwargs, one
     monkeypatch.setattr(OP, "backward", fake_onepass)
     monkeypatch.setattr(HB, "dq_pass", lambda *a, **kw: None)
     monkeypatch.setattr(HB, "dkdv", fake_dkdv)
-    monkeypatch.setattr(B, "_dq_kernel", _Launcher())
-    monkeypatch.setattr(B, "_dkdv_kernel", _Launcher(_Routed()))  # the second of two passes, either kind
+    monkeypatch.setattr(B, "_dq_kernel", StubKernel())
+    monkeypatch.setattr(B, "_dkdv_kernel", StubKernel(Routed()))  # the second of two passes, either kind
     if kwargs.pop("long_causal", False):
         monkeypatch.setattr(OP, "CAUSAL_MIN_SEQLEN", 256)
     b, n, h, d = 2, 256, 2, 128
@@ -155,7 +138,7 @@ def test_backward_routes_dense_fix_none_to_the_one_pass(monkeypatch, kwargs, one
     causal = kwargs.pop("causal", False)
     fix = kwargs.pop("fix", "none")
     want_stats = kwargs.pop("want_stats", False)
-    with pytest.raises(_Routed):
+    with pytest.raises(Routed):
         B.backward(do, q, k, v, o, m, log2l, d ** -0.5, causal, fix, want_stats, **kwargs)
     assert ("dq" in seen) == onepass
     if onepass:

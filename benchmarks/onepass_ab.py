@@ -1,9 +1,10 @@
 """Fix "none"'s backward on an H200: the one pass (kernels/attention_bwd_onepass.py) against the two passes
 (GPROJ_ONEPASS_BWD=0) and cuDNN's backward, per shape and mask — the measurements behind the one pass's serving rule
-(attention_bwd_onepass.serves: full attention, causal from CAUSAL_MIN_SEQLEN).
+(attention_bwd_onepass.pays: full attention, causal at head dim 128 without GQA from CAUSAL_MIN_SEQLEN keys).
 
 Each call goes through kernels/attention_bwd.backward (fix "none", its m, log2l from the Gluon forward); the one pass is
-timed where its rule would not pick it too (``ONEPASS_FORCE``: the rule's seqlen bound lifted). Checks the one pass
+timed where that rule would not pick it too (``pays`` patched to True; the rest of ``serves`` still applies; the JSON's
+``served`` says what the rule picks). Checks the one pass
 against the two passes first (dq, dk relative, dv bit for bit). Times: benchmarks/attention.py's kernel timer (summed
 kernel durations, L2 flushed), backward TFLOP/s (2.5 × the forward's 4·B·H·N²·d, halved when causal).
 
@@ -57,7 +58,7 @@ def main(argv=None):
 
             def run(one: bool):
                 env = {"GPROJ_ONEPASS_BWD": "1" if one else "0"}
-                with mock.patch.dict(os.environ, env), mock.patch.object(OP, "CAUSAL_MIN_SEQLEN", 0):
+                with mock.patch.dict(os.environ, env), mock.patch.object(OP, "pays", lambda *a: True):
                     return B.backward(do, q, k, v, o, m, l2, tau, causal, "none")[:3]
 
             one, two = run(True), run(False)

@@ -731,7 +731,7 @@ def backward(
         raise ValueError(f"grad_dtype must be None, the input dtype, torch.float32 or a (dq, dk, dv) triple of "
                          f"those, got {grad_dtype}")
 
-    delta = torch.empty((b, h, nq), dtype=torch.float32, device=dev)  # D, written by the dQ pass
+    delta = torch.empty((b, h, nq), dtype=torch.float32, device=dev)  # D, written by the dQ pass (or the one pass)
     nk = k.shape[1]
     win = window_args(bool(causal), window_size, float(softcap), nq, nk)
     # Windows and softcap: the uniform projection runs in the kernels (its direction is not constant
@@ -779,7 +779,8 @@ def backward(
 
 def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_fold, out32, gdv, seqlens_k, ds_bits,
               varlen, win, drop, want_key_sums):
-    """dQ pass then dK/dV pass (module docstring). Returns dq, dk (each fp32 where its flag in the pair
+    """dQ pass then dK/dV pass (module docstring), or for fix "none" on plain dense inputs the one pass
+    (kernels/attention_bwd_onepass.py). Returns dq, dk (each fp32 where its flag in the pair
     ``out32`` is set, else the input dtype), dv (``gdv``), r, abs_dS, leak, key_sums (r None unless
     needed; abs_dS, leak None unless want_stats; key_sums, Σ_j dK_j of the fp32 dk as (batch, nheads_k,
     headdim) fp64, per sequence when packed, None unless ``want_key_sums``). ``varlen``: None, or (cu_seqlens_q,

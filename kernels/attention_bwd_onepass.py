@@ -14,19 +14,20 @@ wgmma accumulator's own thread order, :func:`bulk_bases`, and added as a [d/8, 2
 chunks into dq = τ dQ, rounded once.
 
 The rounding points are the two passes' (kernels/reference.py, fix "none"): P̃ and dS̃ rounded to the input dtype, every
-sum in fp32. dk, dv equal the loop-less dK/dV pass's bit for bit (the same tile code and order); dq differs from the dQ
-pass's in the order of its fp32 additions only — and, since the reduce-adds land in the order the programs reach them,
-it is not bit-reproducible from call to call (as FlashAttention-3's and cuDNN's default backwards are not): calls under
-``torch.use_deterministic_algorithms(True)`` keep the two passes.
+sum in fp32. dv equals the loop-less dK/dV pass's bit for bit (the same tile code and order); dk and dq differ from the
+two passes' in the order of fp32 sums only (D = rowsum(dO∘O) comes from another kernel, dq's partials are added in
+another order: 1e-6–3e-4 relative on an H200, benchmarks/NOTES.md run 43) — and, since the reduce-adds land in the order
+the programs reach them, dq is not bit-reproducible from call to call (as FlashAttention-3's and cuDNN's default
+backwards are not): calls under ``torch.use_deterministic_algorithms(True)`` keep the two passes.
 
 Served (:func:`serves`): what the Gluon passes serve (kernels/attention_bwd_hopper.serves) at head dim 128 or 64 and a
 seqlen that is a multiple of 128, dense (no packed sequences, key padding, window, softcap or dropout), without statistics;
-full attention at any such seqlen, causal without GQA from :data:`CAUSAL_MIN_SEQLEN` on. Measured on an H200
+full attention at any such seqlen, causal at head dim 128 without GQA from :data:`CAUSAL_MIN_SEQLEN` on (:func:`pays`). Measured on an H200
 (benchmarks/NOTES.md, run 43, benchmarks/onepass_ab.py): the backward 7–25% faster than the two passes on full attention
 (d 128: 4×16×2048, 1×16×4096, 1×16×8192, 1×8×16384, GQA 8:1; d 64: 4×16×2048, 2×16×4096, GQA 8:1), −7…+5% on causal
 rows of 8192 keys and +10–11% on 16384; slower on shorter causal rows (−2…−5% at 2048 and 4096: the diagonal tiles stall
-one consumer at the dQ barrier) and on causal rows with GQA (−6…−14% at 2048–8192 keys, even at 16384: the stall comes
-once per query head of the group). ``GPROJ_ONEPASS_BWD=0`` keeps every call on the two passes.
+one consumer at the dQ barrier) and on causal rows with GQA (−6…−14% at 2048–8192 keys, +0.4% at 16384: the stall comes
+once per query head of the group); causal rows at head dim 64 were measured to 4096 keys only (−2…−5%). ``GPROJ_ONEPASS_BWD=0`` keeps every call on the two passes.
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ import triton.language as tl
 from lightning_gproj.kernels import attention_bwd_hopper as HB
 from lightning_gproj.kernels.attention_fwd_hopper import GLUON_ERROR, _require_gluon, launch, pointer_type
 
-__all__ = ["serves", "backward", "compile_sm90", "bulk_bases", "CAUSAL_MIN_SEQLEN", "HEAD_DIMS"]
+__all__ = ["serves", "pays", "backward", "compile_sm90", "bulk_bases", "CAUSAL_MIN_SEQLEN", "HEAD_DIMS"]
 
 #: The head dims the kernel is written for (the two consumers' dQ column halves of 64 or 32).
 HEAD_DIMS = (128, 64)
-#: Causal calls without GQA take the one pass from this seqlen on (benchmarks/NOTES.md, run 43: 2048 and 4096 lost 2–5%,
-#: 8192 −7…+5%, 16384 +10–11%; with GQA 8:1 or 2:1, 8192 lost 6–12%).
+#: Causal calls at head dim 128 without GQA take the one pass from this seqlen on (benchmarks/NOTES.md, run 43: 2048 and
+#: 4096 lost 2–5%, 8192 −7…+5%, 16384 +10–11%; with GQA 8:1 or 2:1, 8192 lost 6–12%).
 CAUSAL_MIN_SEQLEN = 8192
 
 
@@ -55,7 +56,9 @@ def bulk_bases(head_dim: int) -> tuple:
     floats), as (row bit, column bit) pairs: the wgmma accumulator's (NVMMA v3, 4 warps, n = head_dim / 2;
     gl.to_linear_layout) register bits c0 and r3, its lane bits c1, c2, r0, r1, r2, its warp bits r4, r5, then its
     remaining register bits c3, c4[, c5]. Thread-major: each thread's registers land at 16-byte vectors and a warp's
-    stores fill 512 contiguous bytes (no bank conflicts)."""
+    stores fill 512 contiguous bytes (no bank conflicts). Raises ValueError for a head_dim not in HEAD_DIMS."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim!r}")
     cols = ((0, 8), (0, 16), (0, 32))[:(head_dim // 2).bit_length() - 4]
     return ((0, 1), (8, 0), (0, 2), (0, 4), (1, 0), (2, 0), (4, 0), (16, 0), (32, 0)) + cols
 
@@ -289,8 +292,8 @@ def _delta_kernel(O, DO, D, N, H, o_sb, o_sn, o_sh, do_sb, do_sn, do_sh, HEAD: t
     h = bh % H
     rows = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     cols = tl.arange(0, HEAD)[None, :]
-    o = tl.load(O + b.to(tl.int64) * o_sb + h * o_sh + rows[:, None] * o_sn + cols).to(tl.float32)
-    do = tl.load(DO + b.to(tl.int64) * do_sb + h * do_sh + rows[:, None] * do_sn + cols).to(tl.float32)
+    o = tl.load(O + b.to(tl.int64) * o_sb + h.to(tl.int64) * o_sh + rows[:, None] * o_sn + cols).to(tl.float32)
+    do = tl.load(DO + b.to(tl.int64) * do_sb + h.to(tl.int64) * do_sh + rows[:, None] * do_sn + cols).to(tl.float32)
     tl.store(D + bh.to(tl.int64) * N + rows, tl.sum(o * do, axis=1))
 
 
@@ -322,12 +325,16 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, 
     (kernels/attention_bwd_hopper.serves) and the call is fix "none" without statistics on dense inputs (no packed
     sequences, key padding, window, softcap or dropout: the caller checks those): GPROJ_ONEPASS_BWD not 0, PyTorch's
     deterministic algorithms off (dq's fp32 reduce-adds land in any order), a head dim in HEAD_DIMS, a seqlen that is a
-    multiple of 128, and full attention, or causal without GQA at a seqlen of at least :data:`CAUSAL_MIN_SEQLEN`.
-    Never raises."""
-    n = q.shape[1]
+    multiple of 128, and where the one pass was measured faster (:func:`pays`). Never raises."""
     return (enabled() and GLUON_ERROR is None and not torch.are_deterministic_algorithms_enabled()
-            and q.shape[3] in HEAD_DIMS and n % HB.BLOCK_N == 0
-            and (not causal or (n >= CAUSAL_MIN_SEQLEN and k.shape[2] == q.shape[2])))
+            and q.shape[3] in HEAD_DIMS and q.shape[1] % HB.BLOCK_N == 0 and pays(q, k, causal))
+
+
+def pays(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+    """Where the one pass ran faster than the two passes on an H200 (benchmarks/NOTES.md, run 43): full attention, or
+    causal at head dim 128 without GQA from :data:`CAUSAL_MIN_SEQLEN` keys on. (benchmarks/onepass_ab.py lifts this
+    rule to time the one pass everywhere.)"""
+    return not causal or (q.shape[1] >= CAUSAL_MIN_SEQLEN and k.shape[2] == q.shape[2] and q.shape[3] == 128)
 
 
 def backward(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float, causal: bool, dk_dtype: torch.dtype,
@@ -337,16 +344,16 @@ def backward(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float
 
     Args:
         q, k, v, do, o: as :func:`lightning_gproj.kernels.attention_bwd.backward` takes them (batch, seqlen, nheads[_k],
-            128), bf16 or fp16, in a memory order the Gluon passes serve.
+            headdim 128 or 64), bf16 or fp16, in a memory order the Gluon passes serve.
         m, log2l: (batch, nheads, seqlen) fp32 from the forward. delta: same shape, written: D = rowsum(dO∘O).
-        dq: (batch, seqlen, nheads, 128) contiguous in q's dtype or fp32, written: τ Σ_j dS̃_ij k_j, accumulated in
-            fp32 and rounded once.
+        dq: (batch, seqlen, nheads, headdim) contiguous in q's dtype or fp32, written: τ Σ_j dS̃_ij k_j, accumulated
+            in fp32 and rounded once.
         c: τ·log2e. softmax_scale: τ. causal: the causal mask.
         dk_dtype, dv_dtype: q's dtype or torch.float32.
         descriptors: None, or a dict of TMA descriptors to reuse (kernels/attention_bwd_hopper._descriptors).
 
     Returns:
-        dk, dv: (batch, seqlen, nheads_k, 128) contiguous in dk_dtype / dv_dtype (GQA: summed over each kv head's query
+        dk, dv: (batch, seqlen, nheads_k, headdim) contiguous in dk_dtype / dv_dtype (GQA: summed over each kv head's query
         heads).
     """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor

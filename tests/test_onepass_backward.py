@@ -22,6 +22,7 @@ import torch
 from lightning_gproj.kernels import attention_bwd as B
 from lightning_gproj.kernels import attention_bwd_hopper as HB
 from lightning_gproj.kernels import attention_bwd_onepass as OP
+from lightning_gproj.kernels import attention_fwd_hopper as HF
 
 from _hopper import Routed, StubKernel, assert_hopper_kernel
 
@@ -38,9 +39,9 @@ def test_compiles_for_sm90_with_one_bulk_reduce_per_tile(causal, dtype, grad_dty
     # Two consumers × (Sᵀ, dPᵀ, dV, dK and dQ's two 64-key halves) per (Q, dO) tile.
     assert_hopper_kernel(kernel, 2 * 6)
     ptx = kernel.asm["ptx"]
-    # dQ: one 2-D bulk reduce-add a tile (causal: also the second consumer's empty first tile), staged by 16-byte
-    # stores (thread-major layout); never an element-wise atomic.
-    assert 1 <= ptx.count("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add") <= 3 * 2
+    # dQ: one 2-D bulk reduce-add a tile and consumer (causal: one more, for the second consumer's empty first tile),
+    # staged by 16-byte stores (thread-major layout); never an element-wise atomic.
+    assert ptx.count("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add") == (3 if causal else 2)
     assert ptx.count("st.shared.v4.b32") >= head_dim // 16 and not re.search(r"\s(atom|red)\.global", ptx)
 
 
@@ -80,11 +81,12 @@ def _t(b=2, n=256, h=4, d=128, dtype=torch.bfloat16):
     (256, 128, False, 1, "1", False, True),  # GQA, full attention
     (256, 128, True, 4, "1", False, False), (OP.CAUSAL_MIN_SEQLEN, 128, True, 4, "1", False, True),
     (OP.CAUSAL_MIN_SEQLEN, 128, True, 2, "1", False, False),  # causal with GQA: the two passes
+    (OP.CAUSAL_MIN_SEQLEN, 64, True, 4, "1", False, False),  # causal at d 64: not measured past 4096 keys
     (320, 128, False, 4, "1", False, False), (256, 64, False, 4, "1", False, True),
     (256, 128, False, 4, "0", False, False), (256, 128, False, 4, "1", True, False),
     (256, 96, False, 4, "1", False, False),
-], ids=["full", "full-384", "full-gqa", "causal-short", "causal-long", "causal-long-gqa", "seqlen-320", "d64",
-        "env-off", "deterministic", "d96"])
+], ids=["full", "full-384", "full-gqa", "causal-short", "causal-long", "causal-long-gqa", "causal-long-d64",
+        "seqlen-320", "d64", "env-off", "deterministic", "d96"])
 def test_serves_dense_full_or_long_causal(monkeypatch, n, d, causal, hk, env, deterministic, served):
     monkeypatch.setenv("GPROJ_ONEPASS_BWD", env)
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
@@ -96,20 +98,23 @@ def test_serves_dense_full_or_long_causal(monkeypatch, n, d, causal, hk, env, de
 @pytest.mark.parametrize("kwargs, onepass", [
     (dict(), True),
     (dict(grad_dtype=torch.float32), True),
-    (dict(causal=True), False),  # short causal rows: the two passes (run 42: one pass 9% slower at 2048)
+    (dict(grad_dtype=(torch.bfloat16, torch.bfloat16, torch.float32)), True),
+    (dict(causal=True), False),  # short causal rows: the two passes (run 43: one pass 2–5% slower at 2048 and 4096)
     (dict(causal=True, long_causal=True), True),
     (dict(fix="gproj"), False), (dict(fix="gproj_uniform"), False),
     (dict(want_stats=True), False),
     (dict(window_size=(64, 64)), False), (dict(softcap=30.0), False),
     (dict(dropout_p=0.1, dropout_seed=1), False),
     (dict(seqlens_k=torch.tensor([256, 200])), False),
+    (dict(packed=True), False),  # packed sequences (one cu_seqlens): the one pass would attend across them
+    (dict(ds_format="e4m3"), False),
     (dict(o_dtype=torch.float16), False),  # an o the Gluon passes do not read: the tl.dot dQ pass
     (dict(env="0"), False),
 ])
 def test_backward_routes_dense_fix_none_to_the_one_pass(monkeypatch, kwargs, onepass):
     """With on_sm90 forced true (the real predicates otherwise), attention_bwd.backward hands the one pass exactly the
-    dense fix "none" calls without statistics, window, softcap, dropout or key padding (causal only from
-    CAUSAL_MIN_SEQLEN), with o as the Gluon passes read it, the D buffer, dq in the requested dtype and dk, dv
+    dense fix "none" calls without statistics, window, softcap, dropout, key padding, packing or an FP8 dS (causal only
+    from CAUSAL_MIN_SEQLEN), with o as the Gluon passes read it, the D buffer, dq in the requested dtype and dk, dv
     dtypes; every other call runs two passes."""
     seen = {}
 
@@ -123,7 +128,9 @@ def test_backward_routes_dense_fix_none_to_the_one_pass(monkeypatch, kwargs, one
     kwargs = dict(kwargs)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # supports()' CPU condition; no kernel below really launches
     monkeypatch.setenv("GPROJ_ONEPASS_BWD", kwargs.pop("env", "1"))
+    monkeypatch.setenv("GPROJ_HOPPER_DROPOUT", "1")  # dropout calls reach the Gluon passes' predicate
     monkeypatch.setattr(HB, "on_sm90", lambda x: True)
+    monkeypatch.setattr(HF, "on_sm90", lambda x: True)  # packed_ok's
     monkeypatch.setattr(OP, "backward", fake_onepass)
     monkeypatch.setattr(HB, "dq_pass", lambda *a, **kw: None)
     monkeypatch.setattr(HB, "dkdv", fake_dkdv)
@@ -135,6 +142,11 @@ def test_backward_routes_dense_fix_none_to_the_one_pass(monkeypatch, kwargs, one
     q, k, v, do = (torch.randn(b, n, h, d, dtype=torch.bfloat16) for _ in range(4))
     o = torch.randn(b, n, h, d, dtype=kwargs.pop("o_dtype", torch.bfloat16))
     m, log2l = torch.zeros(b, h, n), torch.full((b, h, n), 8.0)
+    if kwargs.pop("packed", False):  # the two rows as two sequences of one packed batch, total 512
+        q, k, v, do, o = (x.reshape(b * n, h, d) for x in (q, k, v, do, o))
+        m, log2l = m.transpose(0, 1).reshape(h, b * n), log2l.transpose(0, 1).reshape(h, b * n)
+        cu = torch.tensor([0, n, 2 * n], dtype=torch.int32)
+        kwargs.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n)
     causal = kwargs.pop("causal", False)
     fix = kwargs.pop("fix", "none")
     want_stats = kwargs.pop("want_stats", False)
@@ -143,4 +155,5 @@ def test_backward_routes_dense_fix_none_to_the_one_pass(monkeypatch, kwargs, one
     assert ("dq" in seen) == onepass
     if onepass:
         want = kwargs.get("grad_dtype", torch.bfloat16)
-        assert seen == dict(dq=want, dk=want, dv=want, o=torch.bfloat16, delta=(b, h, n), causal=causal)
+        want = want if isinstance(want, tuple) else (want,) * 3
+        assert seen == dict(dq=want[0], dk=want[1], dv=want[2], o=torch.bfloat16, delta=(b, h, n), causal=causal)

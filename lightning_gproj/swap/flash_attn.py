@@ -33,8 +33,10 @@ bottom-right causal mask, so a served call is a direct op call. Served (``flash_
 ``flash_attn_varlen_func`` alike): ``dropout_p`` in [0, 1) (the op's own Philox mask, drawn from torch's
 CPU generator: the same distribution as flash-attn's, not the same draws), any sliding window (``window_size``, ints >= −1 or None
 for unbounded as FA4 spells it), any ``softcap`` >= 0, no ALiBi / sink / score or mask mods / descales /
-qv, ``return_attn_probs``/``return_lse`` False, head dims the op takes. Performance knobs (``deterministic``, ``num_splits``, ``pack_gqa``,
-``sm_margin``) do not change the result and are ignored. A function whose signature has neither
+qv, ``return_attn_probs``/``return_lse`` False, head dims the op takes. Performance knobs (``num_splits``, ``pack_gqa``,
+``sm_margin``) do not change the result and are ignored; so is ``deterministic`` — but ``fix="none"``'s one-pass Hopper
+backward (kernels/attention_bwd_onepass.py) adds dq's partials in any order, so for a bit-reproducible dq there turn on
+``torch.use_deterministic_algorithms(True)`` (the op then keeps the two passes). A function whose signature has neither
 ``return_attn_probs`` nor ``return_lse`` (FA3/FA4 versions that always return ``(out, lse)``) is
 never served: the op returns no lse.
 """

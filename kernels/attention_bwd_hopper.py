@@ -164,6 +164,26 @@ if GLUON_ERROR is None:
             gl.store(KS + slots, gl.zeros([2 * HEAD_DIM], gl.float32, sums_layout))
 
     @gluon.jit
+    def scores_t(k, v, q, do, m_s, l_s, rows):
+        """The start of a dK/dV tile (64 keys k, v; query rows q, do in shared memory): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued
+        together, Sᵀ waited for and dPᵀ left in flight, then the rows' m and log2l (m_s, l_s) read in the layout of
+        ``rows``. Returns (sT, dpT, m, l2). Shared by :func:`_dkdv_tile` and the one pass
+        (kernels/attention_bwd_onepass.py)."""
+        ROWS: gl.constexpr = q.shape[0]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, ROWS, 16])
+        zero = gl.zeros([_HALF_N, ROWS], gl.float32, layout=s_layout)
+        sT = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dpT = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+        sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
+        # m, log2l read here, not before the GEMMs: live across them they spilled (Triton 3.6). From the tile's
+        # shared-memory slot, where the loader put them with Q and dO (from global memory, each tile's loads stalled
+        # the consumer and spilled: benchmarks/NOTES.md, run 28).
+        m = m_s.load(rows.type.layout)
+        l2 = l_s.load(rows.type.layout)
+        return sT, dpT, m, l2
+
+    @gluon.jit
     def _dkdv_tile(k, v, q, do, qr, dk, dv, keys, key0, rows, start_m, c, sc, cap, wl, wr, seqlen, kend, m_s, l_s, d_s,
                    drow, DG, bh, seed_lo, seed_hi, drop_off, drop_thr, drop_scale,
                    GPROJ: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
@@ -189,15 +209,7 @@ if GLUON_ERROR is None:
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_DIM, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        zero = gl.zeros([_HALF_N, ROWS], gl.float32, layout=s_layout)
-        sT = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
-        dpT = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
-        sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
-        # m, log2l read here, not before the GEMMs: live across them they spilled (Triton 3.6). From the tile's
-        # shared-memory slot, where the loader put them with Q and dO (from global memory, each tile's loads stalled
-        # the consumer and spilled: benchmarks/NOTES.md, run 28).
-        m = m_s.load(rows.type.layout)
-        l2 = l_s.load(rows.type.layout)
+        sT, dpT, m, l2 = scores_t(k, v, q, do, m_s, l_s, rows)
         if EDGES:  # rows from seqlen on (the next sequence's, batch row's or head's) read none: P = exp2(… − inf) = 0
             m = gl.where(rows < seqlen, m, 0.0)
             l2 = gl.where(rows < seqlen, l2, float("inf"))

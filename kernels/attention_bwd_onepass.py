@@ -102,17 +102,10 @@ if GLUON_ERROR is None:
         the wait). Returns (dk, dv)."""
         HEAD: gl.constexpr = k.shape[1]
         dtype: gl.constexpr = k.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, 64, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        zero = gl.zeros([_HALF_N, _BLOCK_M], gl.float32, layout=s_layout)
-        sT = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
-        dpT = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
-        sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
-        m = m_s.load(rows.type.layout)
-        l2 = l_s.load(rows.type.layout)
+        sT, dpT, m, l2 = HB.scores_t(k, v, q, do, m_s, l_s, rows)
         pT = gl.exp2((sT - m[None, :]) * c - l2[None, :])  # the forward's FMA-safe exponent
         if CAUSAL:
             if start_m < key0 + _HALF_N:

@@ -1,10 +1,13 @@
-"""Fix "none"'s backward on an H200: the one pass (kernels/attention_bwd_onepass.py) against the two passes
-(GPROJ_ONEPASS_BWD=0) and cuDNN's backward, per shape and mask — the measurements behind the one pass's serving rule
-(attention_bwd_onepass.pays: full attention, causal at head dim 128 without GQA from CAUSAL_MIN_SEQLEN keys).
+"""Fix "none"'s backward on an H200, one pass against two passes and cuDNN.
+
+The one pass (kernels/attention_bwd_onepass.py) against the two passes (GPROJ_ONEPASS_BWD=0) and cuDNN's backward, per
+shape and mask — the measurements behind the one pass's serving rule (attention_bwd_onepass.pays: full attention,
+causal at head dim 128 without GQA from CAUSAL_MIN_SEQLEN keys).
 
 Each call goes through kernels/attention_bwd.backward (fix "none", its m, log2l from the Gluon forward); the one pass is
-timed where that rule would not pick it too (``pays`` patched to True; the rest of ``serves`` still applies; the JSON's
-``served`` says what the rule picks). Checks the one pass
+timed where that rule would not pick it too (``pays`` patched to True; the rest of ``serves`` still applies, and a
+shape it excludes — seqlen not a multiple of 128, head dim not 64 / 128 — stops the script; the JSON's ``served`` says
+what the rule picks). Checks the one pass
 against the two passes first (dq, dk relative, dv bit for bit). Times: benchmarks/attention.py's kernel timer (summed
 kernel durations, L2 flushed), backward TFLOP/s (2.5 × the forward's 4·B·H·N²·d, halved when causal).
 
@@ -24,6 +27,7 @@ from unittest import mock
 import torch
 
 from lightning_gproj.kernels import attention_bwd as B
+from lightning_gproj.kernels import attention_bwd_hopper as HB
 from lightning_gproj.kernels import attention_bwd_onepass as OP
 from lightning_gproj.kernels import attention_fwd as F
 
@@ -38,14 +42,21 @@ def _rel(a, b):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="4,16,2048,128;1,16,4096,128;1,16,8192,128;1,8,16384,128;4,16,2048,128,8;"
-                                        "1,16,8192,128,8")
-    ap.add_argument("--causal", choices=("both", "0", "1"), default="both")
-    ap.add_argument("--json", default=None)
+                                        "1,16,8192,128,8", help="';'-separated B,H,N,d[,G] (G query heads per kv head)")
+    ap.add_argument("--causal", choices=("both", "0", "1"), default="both", help="which masks (default both)")
+    ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
-    torch.manual_seed(0)
-    rows = []
+    shapes = []
     for spec in args.shapes.split(";"):
         dims = [int(x) for x in spec.split(",")]
+        if len(dims) not in (4, 5):
+            ap.error(f"--shapes: {spec!r} is not B,H,N,d[,G]")
+        shapes.append(dims)
+    if not torch.cuda.is_available():
+        sys.exit("onepass_ab.py needs an sm_90 GPU (CUDA is not available)")
+    torch.manual_seed(0)
+    rows = []
+    for dims in shapes:
         b, h, n, d = dims[:4]
         hk = h // dims[4] if len(dims) > 4 else h
         for causal in {"both": (False, True), "0": (False,), "1": (True,)}[args.causal]:
@@ -56,12 +67,23 @@ def main(argv=None):
             tau = 1 / math.sqrt(d)
             o, m, l2 = F.forward(q, k, v, tau, causal)
 
+            launched = []
+
+            def counted(*a, real=OP.backward, **kw):
+                launched.append(1)
+                return real(*a, **kw)
+
             def run(one: bool):
                 env = {"GPROJ_ONEPASS_BWD": "1" if one else "0"}
-                with mock.patch.dict(os.environ, env), mock.patch.object(OP, "pays", lambda *a: True):
+                with mock.patch.dict(os.environ, env), mock.patch.object(OP, "pays", lambda *a: True), \
+                        mock.patch.object(OP, "backward", counted):
                     return B.backward(do, q, k, v, o, m, l2, tau, causal, "none")[:3]
 
-            one, two = run(True), run(False)
+            one = run(True)
+            if len(launched) != 1:
+                sys.exit(f"{b}x{h}x{n}x{d} hk={hk} causal={causal}: the one pass did not serve this call (sm_90, a "
+                         "seqlen that is a multiple of 128, head dim 64 or 128, deterministic algorithms off)")
+            two = run(False)
             errs = {"dq": _rel(one[0], two[0]), "dk": _rel(one[1], two[1]), "dv_equal": torch.equal(one[2], two[2])}
             flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0) * 2.5
             t1 = kernel_time(lambda: run(True))
@@ -77,7 +99,8 @@ def main(argv=None):
             except Exception as exc:  # cuDNN without GQA support in this torch
                 print(f"cudnn: {exc.__class__.__name__}: {str(exc)[:200]}")
                 tc = float("nan")
-            row = {"shape": [b, h, n, d], "hk": hk, "causal": causal, "served": OP.serves(q, k, v, do, causal),
+            served = HB.serves(q, k, v, do) and OP.serves(q, k, v, do, causal)  # what the package's rule picks
+            row = {"shape": [b, h, n, d], "hk": hk, "causal": causal, "served": served,
                    "one_vs_two": errs, "one_pass_ms": t1, "two_pass_ms": t2, "cudnn_bwd_ms": tc,
                    "one_pass_tflops": flops / t1 / 1e9, "two_pass_tflops": flops / t2 / 1e9,
                    "cudnn_tflops": flops / tc / 1e9}

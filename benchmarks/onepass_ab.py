@@ -81,9 +81,12 @@ def main(argv=None):
 
             one = run(True)
             if len(launched) != 1:
-                sys.exit(f"{b}x{h}x{n}x{d} hk={hk} causal={causal}: the one pass did not serve this call (sm_90, a "
-                         "seqlen that is a multiple of 128, head dim 64 or 128, deterministic algorithms off)")
+                sys.exit(f"{b}x{h}x{n}x{d} hk={hk} causal={causal}: the one pass did not serve this call (it needs sm_90, a "
+                         "seqlen that is a multiple of 128, head dim 64 or 128, deterministic algorithms off, "
+                         "GPROJ_HOPPER_BWD and GPROJ_ONEPASS_BWD not 0)")
             two = run(False)
+            if len(launched) != 1:
+                sys.exit("GPROJ_ONEPASS_BWD=0 did not keep the two passes")
             errs = {"dq": _rel(one[0], two[0]), "dk": _rel(one[1], two[1]), "dv_equal": torch.equal(one[2], two[2])}
             flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0) * 2.5
             t1 = kernel_time(lambda: run(True))

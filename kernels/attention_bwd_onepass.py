@@ -324,8 +324,9 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, 
 
 
 def pays(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
-    """Where the one pass ran faster than the two passes on an H200 (benchmarks/NOTES.md, run 43): full attention, or
-    causal at head dim 128 without GQA from :data:`CAUSAL_MIN_SEQLEN` keys on. (benchmarks/onepass_ab.py lifts this
+    """Where the one pass ran faster than the two passes on an H200 (benchmarks/NOTES.md, run 43; at 8192 causal keys in
+    three of four readings, −7…+5%): full attention, or causal at head dim 128 without GQA from :data:`CAUSAL_MIN_SEQLEN`
+    keys on. (benchmarks/onepass_ab.py lifts this
     rule to time the one pass everywhere.)"""
     return not causal or (q.shape[1] >= CAUSAL_MIN_SEQLEN and k.shape[2] == q.shape[2] and q.shape[3] == 128)
 

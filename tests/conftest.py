@@ -11,8 +11,8 @@ import pytest
 # kernels/ (installed as lightning_gproj.kernels) shadows PyPI's `kernels` package, which transformers (5.25 and newer)
 # finds and imports (`from kernels import CUDAProperties`): every test that builds a Hugging Face model then failed. The
 # package is installed (README), so the tests never need the root on sys.path.
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _REPO]
+_REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _REPO]
 
 
 @pytest.fixture

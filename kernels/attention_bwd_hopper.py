@@ -361,6 +361,18 @@ if GLUON_ERROR is None:
         return i
 
     @gluon.jit
+    def program_block(H, GROUP):
+        """The key block of a loop-less dK/dV program (grid (key blocks, batch rows · kv heads)): (pid_n, pid_bh, b, hk,
+        h0, start_n) — its program ids, batch row, kv head, first query head of the GQA group and first key position.
+        Also the one pass's (kernels/attention_bwd_onepass.py)."""
+        pid_n = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        HK = H // GROUP
+        b = pid_bh // HK
+        hk = pid_bh % HK
+        return pid_n, pid_bh, b, hk, hk * GROUP, pid_n * _BLOCK_N
+
+    @gluon.jit
     def dkdv_block(t, M_BLOCKS, H, GROUP, CAUSAL: gl.constexpr):
         """Key block t of the persistent dK/dV kernel's (key block, batch row · kv head) blocks of dense inputs:
         (b, hk, start_n) — the batch row, the kv head and the block's first key position. Blocks run key block fastest,
@@ -540,13 +552,8 @@ if GLUON_ERROR is None:
                                 qr_rb, qr_rh, qr_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, sc, cap, wl, wr, DG, seed_lo,
                                 seed_hi, drop_off, drop_thr, drop_scale):
             HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-            pid_n = gl.program_id(0)
-            pid_bh = gl.program_id(1)
+            pid_n, pid_bh, b, hk, h0, start_n = program_block(H, GROUP)
             HK = H // GROUP
-            b = pid_bh // HK
-            hk = pid_bh % HK
-            h0 = hk * GROUP
-            start_n = pid_n * _BLOCK_N
             b, start, seqlen = sequence_span(CU, b, N_CTX, VARLEN)
             if start_n >= seqlen:  # VARLEN: the grid spans the longest sequence
                 return

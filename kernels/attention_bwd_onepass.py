@@ -70,7 +70,7 @@ if GLUON_ERROR is None:
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
     )
 
-    from lightning_gproj.kernels.attention_fwd_hopper import aot_compile_sm90, ring_barriers, tensordesc_type
+    from lightning_gproj.kernels.attention_fwd_hopper import aot_compile_sm90, tensordesc_type
 
     if hasattr(tma, "async_atomic_add"):  # Triton 3.9
         tma_reduce_add = tma.async_atomic_add
@@ -228,35 +228,19 @@ if GLUON_ERROR is None:
             # Tile (row, col) of a tensor's 2-D TMA view for batch b, head h, position n: (b·rb + h·rh + n, h·ch)
             # (kernels/attention_fwd_hopper._tma_view). dk, dv: (batch, seqlen, nheads_k, headdim) contiguous.
             HEAD: gl.constexpr = q_desc.block_type.shape[1]
-            dtype: gl.constexpr = q_desc.dtype
-            pid_n = gl.program_id(0)
-            pid_bh = gl.program_id(1)
+            _, _, b, hk, h0, start_n = HB.program_block(H, GROUP)
             HK = H // GROUP
-            b = pid_bh // HK
-            hk = pid_bh % HK
-            h0 = hk * GROUP
-            start_n = pid_n * (2 * _HALF_N)
             lo = 0
             if CAUSAL:
                 lo = start_n  # earlier query rows see none of these keys
-            q_smem = gl.allocate_shared_memory(dtype, [2, _BLOCK_M, HEAD], q_desc.layout)
-            do_smem = gl.allocate_shared_memory(dtype, [2, _BLOCK_M, HEAD], do_desc.layout)
-            k_smem = gl.allocate_shared_memory(dtype, [2, _HALF_N, HEAD], k_desc.layout)
-            v_smem = gl.allocate_shared_memory(dtype, [2, _HALF_N, HEAD], v_desc.layout)
+            # The dK/dV pass's (Q, dO) ring with its m, log2l, D rows and one K/V buffer (one block per program: the
+            # loader's one wait on kv_empty passes, a fresh barrier); no −ρ∘Q ring.
+            q_smem, do_smem, _, k_smem, v_smem, m_smem, l_smem, d_smem, kv_bar, kv_empty, ready, empty = \
+                HB._dkdv_smem(q_desc, do_desc, q_desc, k_desc, v_desc, False, 1)
             # dS̃ᵀ of both consumers for both ring slots: slot 2·st + half
-            ds_smem = gl.allocate_shared_memory(dtype, [4, _HALF_N, _BLOCK_M],
+            ds_smem = gl.allocate_shared_memory(q_desc.dtype, [4, _HALF_N, _BLOCK_M],
                                                 gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                                                      rank=2))
-            stat_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-            m_smem = gl.allocate_shared_memory(gl.float32, [2, _BLOCK_M], stat_layout)
-            l_smem = gl.allocate_shared_memory(gl.float32, [2, _BLOCK_M], stat_layout)
-            d_smem = gl.allocate_shared_memory(gl.float32, [2, _BLOCK_M], stat_layout)
-            kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            # one block per program: the loader's one wait on kv_empty passes (a fresh barrier)
-            kv_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(kv_bar.index(0), count=1)
-            mbarrier.init(kv_empty.index(0), count=2)
-            ready, empty = ring_barriers(2)
             ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             for s in gl.static_range(2):
                 mbarrier.init(ds_bar.index(s), count=2)  # both consumers' dS̃ᵀ stored

@@ -35,7 +35,7 @@ same rounding points: the dQ pass for fix "none" and "gproj" without want_stats,
 softcap). Fix "none" on dense inputs at head dim 128 and 64 (a seqlen that is a multiple of 128; no window, softcap,
 dropout, key padding or packing, no statistics; full attention, or causal at d 128 without GQA from 8192 keys) instead runs
 kernels/attention_bwd_onepass.py: one pass, dq added into an fp32 buffer by reduce-adds (not bit-reproducible; not
-under torch.use_deterministic_algorithms).
+under torch.use_deterministic_algorithms or with ``deterministic=True``).
 
 fix="gproj_uniform" (the orthogonal projection) runs both passes without corrections, with fp32 dq/dk
 outputs, and applies the rank-one corrections in PyTorch (O(N·d): prefix means / suffix sums when
@@ -660,6 +660,7 @@ def backward(
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
     dropout_offset: int = 0,
+    deterministic: bool = False,
 ):
     """Attention backward with FA3-class rounding points and the GProj corrections.
 
@@ -699,6 +700,9 @@ def backward(
             rounded by the 8-bit keep test, kernels/reference.dropout_scale),
             dS = P ∘ (dP' − D) with the undropped P, whose rows still sum to zero
             (kernels/reference.py); r and the GProj direction P̃ are unchanged.
+        deterministic: True keeps fix "none" on the two passes, whose gradients are bit-reproducible, instead of the
+            one pass (kernels/attention_bwd_onepass.py: dq's fp32 partials are added in any order), as
+            ``torch.use_deterministic_algorithms(True)`` does (flash-attn's ``deterministic``).
 
     Returns:
         (dq, dk, dv, extras): dq like q, dk/dv like k/v (GQA: summed over each kv head's query heads),
@@ -746,7 +750,7 @@ def backward(
         do, q, k, v, o, m.contiguous(), log2l.contiguous(), delta, float(softmax_scale), win["CAUSAL"], fix,
         bool(want_stats), dk_fold, out32, gdv, seqlens_k, ds_bits, varlen, win,
         dict(dropout_args(dropout_p, dropout_seed, dropout_offset), p=dropout_p, seed=dropout_seed, offset=dropout_offset),
-        want_key_sums=c2 and not torch_uniform,
+        want_key_sums=c2 and not torch_uniform, deterministic=deterministic,
     )
     if torch_uniform:
         if varlen:  # each sequence on its own: its rows see only its keys
@@ -778,7 +782,7 @@ def backward(
 
 
 def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_fold, out32, gdv, seqlens_k, ds_bits,
-              varlen, win, drop, want_key_sums):
+              varlen, win, drop, want_key_sums, deterministic):
     """dQ pass then dK/dV pass (module docstring), or for fix "none" on plain dense inputs the one pass
     (kernels/attention_bwd_onepass.py). Returns dq, dk (each fp32 where its flag in the pair
     ``out32`` is set, else the input dtype), dv (``gdv``), r, abs_dS, leak, key_sums (r None unless
@@ -787,7 +791,7 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     cu_seqlens_k, max_seqlen_q, max_seqlen_k) with the tensors as packed (1, total, ...) views. ``win``:
     the window / softcap arguments of :func:`~lightning_gproj.kernels._triton_utils.window_args`; ``drop``:
     those of :func:`~lightning_gproj.kernels._triton_utils.dropout_args` and the call's own p, seed, offset (which the
-    Gluon passes take)."""
+    Gluon passes take). ``deterministic``: never the one pass."""
     b, nq, h, d = q.shape
     nk, hk = k.shape[1], k.shape[2]
     dev = q.device
@@ -846,7 +850,7 @@ def _two_pass(do, q, k, v, o, m, log2l, delta, tau, causal, fix, want_stats, dk_
     # Fix "none" on dense inputs: dq, dk, dv in one pass (kernels/attention_bwd_onepass.py) where it is faster.
     if (o_tma is not None and fix == "none" and not (packed or has_seqlens or win["WINDOW"] or win["SOFTCAP"]
                                                      or drop["DROPOUT"])
-            and attention_bwd_onepass.serves(q, k, v, do, causal)):
+            and attention_bwd_onepass.serves(q, k, v, do, causal, deterministic)):
         dk, dv = attention_bwd_onepass.backward(q, k, v, do, o_tma, m, log2l, delta, dq, c, tau, causal, dk_dtype, gdv,
                                                 descriptors=gluon_args["descriptors"])
         return dq, dk, dv, None, None, None, None

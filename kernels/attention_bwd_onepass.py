@@ -18,7 +18,8 @@ sum in fp32. dv equals the loop-less dK/dV pass's bit for bit (the same tile cod
 two passes' in the order of fp32 sums only (D = rowsum(dO∘O) comes from another kernel, dq's partials are added in
 another order: 1e-6–3e-4 relative on an H200, benchmarks/NOTES.md run 43) — and, since the reduce-adds land in the order
 the programs reach them, dq is not bit-reproducible from call to call (as FlashAttention-3's and cuDNN's default
-backwards are not): calls under ``torch.use_deterministic_algorithms(True)`` keep the two passes.
+backwards are not): calls under ``torch.use_deterministic_algorithms(True)`` or with ``deterministic=True`` keep the two
+passes.
 
 Served (:func:`serves`): what the Gluon passes serve (kernels/attention_bwd_hopper.serves) at head dim 128 or 64 and a
 seqlen that is a multiple of 128, dense (no packed sequences, key padding, window, softcap or dropout), without statistics;
@@ -297,13 +298,15 @@ def enabled() -> bool:
     return os.environ.get("GPROJ_ONEPASS_BWD", "1") != "0"
 
 
-def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool) -> bool:
+def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool,
+           deterministic: bool = False) -> bool:
     """Whether :func:`backward` serves these inputs, given that the Gluon passes serve them
     (kernels/attention_bwd_hopper.serves) and the call is fix "none" without statistics on dense inputs (no packed
-    sequences, key padding, window, softcap or dropout: the caller checks those): GPROJ_ONEPASS_BWD not 0, PyTorch's
-    deterministic algorithms off (dq's fp32 reduce-adds land in any order), a head dim in HEAD_DIMS, a seqlen that is a
-    multiple of 128, and where the one pass was measured faster (:func:`pays`). Never raises."""
-    return (enabled() and GLUON_ERROR is None and not torch.are_deterministic_algorithms_enabled()
+    sequences, key padding, window, softcap or dropout: the caller checks those): GPROJ_ONEPASS_BWD not 0, neither
+    ``deterministic`` (the call's) nor PyTorch's deterministic algorithms on (dq's fp32 reduce-adds land in any order),
+    a head dim in HEAD_DIMS, a seqlen that is a multiple of 128, and where the one pass was measured faster
+    (:func:`pays`). Never raises."""
+    return (enabled() and GLUON_ERROR is None and not (deterministic or torch.are_deterministic_algorithms_enabled())
             and q.shape[3] in HEAD_DIMS and q.shape[1] % HB.BLOCK_N == 0 and pays(q, k, causal))
 
 

@@ -144,6 +144,7 @@ def _attn_fwd(
     softcap: float = 0.0,
     dropout_p: float = 0.0,
     rng: Optional[Tensor] = None,
+    deterministic: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(o, m, log2l, q16, k16, v16) of :func:`gproj_attn_func` (q (batch, seqlen_q, nheads, headdim), k, v (batch,
     seqlen_k, nheads_k, headdim); m, log2l (batch, nheads, seqlen_q)) or, with ``cu_seqlens_q``,
@@ -151,7 +152,8 @@ def _attn_fwd(
     (q (total_q, nheads, headdim), k, v (total_k, nheads_k, headdim); m, log2l (nheads, total_q)).
     q16, k16, v16: the inputs ``compute_dtype`` cast (the backward reads these, not the uncast inputs),
     empty where an input was not cast (an op's output cannot be its input)."""
-    # ``fix`` and ``ds_format`` do not change the forward; they are inputs so that the backward can read them.
+    # ``fix``, ``ds_format`` and ``deterministic`` do not change the forward; they are inputs so that the backward can
+    # read them.
     inputs = (q, k, v)
     q, k, v = _cast(compute_dtype, q, k, v)
     if cu_seqlens_q is not None:
@@ -209,12 +211,14 @@ def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causa
     return reference.forward(q, k, v, softmax_scale, causal, **options)
 
 
-def _kernel_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, *args, **options) -> tuple:
-    """The Triton backward where it serves, else kernels/reference.py (arguments as theirs)."""
+def _kernel_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, *args, deterministic: bool = False,
+                     **options) -> tuple:
+    """The Triton backward where it serves, else kernels/reference.py (arguments as theirs; ``deterministic`` is
+    the Triton backward's: the reference is deterministic anyway)."""
     if _use_triton(q, k, v, options.get("cu_seqlens_q")):
         from lightning_gproj.kernels import attention_bwd
 
-        return attention_bwd.backward(do, q, k, v, *args, **options)
+        return attention_bwd.backward(do, q, k, v, *args, deterministic=deterministic, **options)
     return reference.backward(do, q, k, v, *args, **options)
 
 
@@ -269,7 +273,7 @@ def _sequence_means(x: Tensor, cu_seqlens: Tensor) -> Tensor:
 @_attn_fwd.register_fake
 def _(q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
       max_seqlen_q=None, max_seqlen_k=None, compute_dtype=None, ds_format="bf16", window_left=-1, window_right=-1,
-      softcap=0.0, dropout_p=0.0, rng=None):
+      softcap=0.0, dropout_p=0.0, rng=None, deterministic=False):
     dtype = compute_dtype or q.dtype
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     # Row statistics: packed (nheads, total_q), as flash-attn's varlen softmax_lse; else (batch, nheads, seqlen_q).
@@ -318,6 +322,7 @@ def _attn_bwd(
     softcap: float = 0.0,
     dropout_p: float = 0.0,
     rng: Optional[Tensor] = None,
+    deterministic: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     # q, k, v as the forward computed with (cast under autocast). fp32_grads (dq, dk, dv): return that
     # gradient as the fp32 accumulator — for an input the forward cast, so that a gradient headed for
@@ -327,7 +332,7 @@ def _attn_bwd(
     want_stats = RECORDER.enabled
     dq, dk, dv, extras = _kernel_backward(
         do, q, k, v, o, m, log2l, softmax_scale, causal, fix, want_stats, grad_dtype=grad_dtype, ds_format=ds_format,
-        **_kernel_options(seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
+        deterministic=deterministic, **_kernel_options(seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
                           softcap, dropout_p, rng),
     )
     if want_stats:
@@ -339,7 +344,7 @@ def _attn_bwd(
 @_attn_bwd.register_fake
 def _(do, q, k, v, o, m, log2l, softmax_scale, causal, fix, stats_name, seqlens_k=None, cu_seqlens_q=None,
       cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, fp32_grads=None, ds_format="bf16", window_left=-1,
-      window_right=-1, softcap=0.0, dropout_p=0.0, rng=None):
+      window_right=-1, softcap=0.0, dropout_p=0.0, rng=None, deterministic=False):
     flags = fp32_grads or (False,) * 3
     return tuple(torch.empty(x.shape, dtype=torch.float32 if f else x.dtype, device=x.device) for x, f in zip((q, k, v), flags))
 
@@ -408,7 +413,7 @@ def _visible_keys(i: Tensor, nq, nk, left: int, right: int, n_valid: Optional[Te
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, causal, fix, stats_name, seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-     max_seqlen_k, compute_dtype, ds_format, wl, wr, softcap, dropout_p, rng) = inputs
+     max_seqlen_k, compute_dtype, ds_format, wl, wr, softcap, dropout_p, rng, deterministic) = inputs
     o, m, log2l, *casts = output
     # The backward reads the inputs as the forward computed with: the cast copies where it cast (not
     # the wider originals), and records which gradients then come back as fp32 accumulators.
@@ -423,23 +428,23 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, o, m, log2l, seqlens_k, cu_seqlens_q, cu_seqlens_k, rng)
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name = softmax_scale, causal, fix, stats_name
-    ctx.ds_format = ds_format
+    ctx.ds_format, ctx.deterministic = ds_format, deterministic
     ctx.window_left, ctx.window_right, ctx.softcap, ctx.dropout_p = wl, wr, softcap, dropout_p
 
 
 def _backward(ctx, do, _dm, _dlog2l, _dq16, _dk16, _dv16):
     # m, log2l and the cast copies are for the backward; nothing differentiates through them.
     if do is None:  # a gradient for them alone (gradcheck asks): o's gradient is zero, and so are ours
-        return (None,) * 19
+        return (None,) * 20
     q, k, v, o, m, log2l, seqlens_k, cu_seqlens_q, cu_seqlens_k, rng = ctx.saved_tensors
     dq, dk, dv = _attn_bwd(
         do.contiguous(), q, k, v, o, m, log2l, ctx.softmax_scale, ctx.causal, ctx.fix, ctx.stats_name, seqlens_k,
         cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.fp32_grads, ctx.ds_format,
-        ctx.window_left, ctx.window_right, ctx.softcap, ctx.dropout_p, rng,
+        ctx.window_left, ctx.window_right, ctx.softcap, ctx.dropout_p, rng, ctx.deterministic,
     )
     # Each gradient in its input's dtype (fp32 for an fp32 input, unrounded; see _attn_bwd); none for
-    # the 16 other inputs.
-    return tuple(g.to(dt) for g, dt in zip((dq, dk, dv), ctx.grad_dtypes)) + (None,) * 16
+    # the 17 other inputs.
+    return tuple(g.to(dt) for g, dt in zip((dq, dk, dv), ctx.grad_dtypes)) + (None,) * 17
 
 
 _attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -629,7 +634,8 @@ def _check_dropout(dropout_p: object, warn: bool = True) -> float:
 
 
 def _check_options(
-    fix: object, ds_format: object, softmax_scale: object, stats_name: object, causal: object, head_dim: int,
+    fix: object, ds_format: object, softmax_scale: object, stats_name: object, causal: object, deterministic: object,
+    head_dim: int,
 ) -> float:
     """Validate the options both ops take; return softmax_scale (default ``1 / sqrt(head_dim)``)."""
     if fix not in FIXES:
@@ -645,10 +651,11 @@ def _check_options(
         )
     if stats_name is not None and not isinstance(stats_name, str):
         raise TypeError(f"stats_name must be a str or None, got {type(stats_name).__name__}")
-    if not isinstance(causal, bool):
-        kind = type(causal)
-        name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-        raise TypeError(f"causal must be a Python bool (True or False), got {name}")  # numpy.bool, not "bool"
+    for arg, value in (("causal", causal), ("deterministic", deterministic)):
+        if not isinstance(value, bool):
+            kind = type(value)
+            name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+            raise TypeError(f"{arg} must be a Python bool (True or False), got {name}")  # numpy.bool, not "bool"
     return softmax_scale
 
 
@@ -666,6 +673,7 @@ def gproj_attn_func(
     layout: Optional[str] = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    deterministic: bool = False,
 ) -> Tensor:
     """Softmax attention whose backward restores the zero-sum law of dS (GProj, DESIGN.md §4).
 
@@ -756,6 +764,12 @@ def gproj_attn_func(
             (kernels/reference.py, docs/architecture.md). Softcap breaks C2 in exact arithmetic (a
             shared key shift moves each row's capped logits by different amounts), so no C2 projection
             is applied to dk then.
+        deterministic: flash-attn's flag: True makes the backward bit-reproducible (the same inputs give the
+            same dq, dk, dv, bit for bit). Every path is, but one: ``fix="none"`` on Hopper
+            may run a one-pass backward that adds dq's fp32 partials in whatever order they arrive
+            (kernels/attention_bwd_onepass.py); True (or ``torch.use_deterministic_algorithms(True)``) keeps
+            the two passes there, whose backward took 7–25% longer on the shapes the one pass serves (H200,
+            benchmarks/NOTES.md, run 43). No other effect.
 
     Returns:
         o: (batch, seqlen_q, nheads, headdim) (``"bhsd"``: (batch, nheads, seqlen_q, headdim)), q's dtype.
@@ -774,7 +788,8 @@ def gproj_attn_func(
     Raises:
         TypeError: q, k or v not a tensor, not floating point, or of different dtypes (under autocast:
             after the cast above); ``seqlens_k``
-            not None / a tensor, or not int32 / int64.
+            not None / a tensor, or not int32 / int64; ``causal`` or ``deterministic`` not a bool; ``stats_name``
+            not a str.
         ValueError: wrong rank, mismatched batch / seqlen_k / heads / head dim, unsupported head dim,
             different devices, empty inputs, ``dropout_p`` not a number in [0, 1), unknown ``fix`` or ``ds_format``, bad
             ``softmax_scale``, ``window_size`` not a pair of ints >= −1, ``softcap`` not a finite float >= 0;
@@ -794,7 +809,7 @@ def gproj_attn_func(
     _check_inputs(q, k, v, compute_dtype, layout)
     if layout is None:
         _warn_if_sdpa_layout(q)
-    softmax_scale = _check_options(fix, ds_format, softmax_scale, stats_name, causal, q.shape[-1])
+    softmax_scale = _check_options(fix, ds_format, softmax_scale, stats_name, causal, deterministic, q.shape[-1])
     dropout_p = _check_dropout(dropout_p)
     if seqlens_k is not None:
         seqlens_k = _check_seqlens_k(seqlens_k, q, k)
@@ -804,7 +819,7 @@ def gproj_attn_func(
         o = _attn_fwd(
             q, k, v, float(softmax_scale), causal, fix, stats_name or "attention", seqlens_k=seqlens_k,
             compute_dtype=compute_dtype, ds_format=ds_format, window_left=window_left, window_right=window_right,
-            softcap=softcap, dropout_p=dropout_p, rng=_draw_rng(dropout_p),
+            softcap=softcap, dropout_p=dropout_p, rng=_draw_rng(dropout_p), deterministic=deterministic,
         )[0]
     return o.transpose(1, 2) if layout == "bhsd" else o
 
@@ -858,6 +873,7 @@ def gproj_attn_varlen_func(
     ds_format: str = "bf16",
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    deterministic: bool = False,
 ) -> Tensor:
     """:func:`gproj_attn_func` over packed sequences (flash-attn's ``flash_attn_varlen_func`` layout).
 
@@ -880,7 +896,8 @@ def gproj_attn_varlen_func(
         softmax_scale: τ, default ``1 / sqrt(headdim)``.
         causal: bottom-right aligned within each sequence, as flash-attn ≥ 2.1: query i of a sequence
             with n_q queries and n_k keys sees its key j iff ``j <= i + n_k - n_q`` (local positions).
-        fix, dropout_p, stats_name, ds_format: as :func:`gproj_attn_func`. The dropout mask is
+        fix, dropout_p, stats_name, ds_format, deterministic: as :func:`gproj_attn_func` (packed sequences
+            always take the bit-reproducible two passes). The dropout mask is
             drawn as one batch row over the packed query tokens i and, for each sequence, its own keys
             j = 0 .. n_k − 1 (:func:`lightning_gproj.kernels.reference.dropout_keep_mask`).
         window_size, softcap: as :func:`gproj_attn_func` (flash-attn's ``flash_attn_varlen_func`` takes
@@ -897,7 +914,7 @@ def gproj_attn_varlen_func(
 
     Raises:
         TypeError: q, k or v not tensors of a floating dtype listed above or of different dtypes;
-            cu_seqlens not a tensor; ``causal`` not a bool; ``stats_name`` not a str.
+            cu_seqlens not a tensor; ``causal`` or ``deterministic`` not a bool; ``stats_name`` not a str.
         ValueError: q, k, v not 3-D, mismatched heads / head dim, unsupported head dim, different
             devices, empty q or k; ``cu_seqlens_q`` / ``cu_seqlens_k`` not int32, not of shape
             (batch + 1,), not on q's device, of different lengths, not starting at 0, decreasing, or
@@ -909,7 +926,7 @@ def gproj_attn_varlen_func(
     _check_tensors(q, k, v)
     compute_dtype = _autocast_dtype(q, k, v)
     _check_inputs(q, k, v, compute_dtype, packed=True)
-    softmax_scale = _check_options(fix, ds_format, softmax_scale, stats_name, causal, q.shape[-1])
+    softmax_scale = _check_options(fix, ds_format, softmax_scale, stats_name, causal, deterministic, q.shape[-1])
     dropout_p = _check_dropout(dropout_p)
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.device)
     max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
@@ -921,6 +938,6 @@ def gproj_attn_varlen_func(
             q, k, v, softmax_scale, causal, fix, stats_name or "attention", cu_seqlens_q=cu_seqlens_q.contiguous(),
             cu_seqlens_k=cu_seqlens_k.contiguous(), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
             compute_dtype=compute_dtype, ds_format=ds_format, window_left=window_left, window_right=window_right,
-            softcap=softcap, dropout_p=dropout_p, rng=_draw_rng(dropout_p),
+            softcap=softcap, dropout_p=dropout_p, rng=_draw_rng(dropout_p), deterministic=deterministic,
         )[0]
     return o

@@ -93,6 +93,7 @@ def test_serves_dense_full_or_long_causal(monkeypatch, n, d, causal, hk, env, de
     q = torch.empty(1, n, 4, d, dtype=torch.bfloat16, device="meta")
     k = torch.empty(1, n, hk, d, dtype=torch.bfloat16, device="meta")
     assert OP.serves(q, k, k, q, causal) == served
+    assert not OP.serves(q, k, k, q, causal, deterministic=True)  # the call's own flag (flash-attn's)
 
 
 @pytest.mark.parametrize("kwargs, onepass", [
@@ -110,6 +111,8 @@ def test_serves_dense_full_or_long_causal(monkeypatch, n, d, causal, hk, env, de
     (dict(ds_format="e4m3"), False),
     (dict(o_dtype=torch.float16), False),  # an o the Gluon passes do not read: the tl.dot dQ pass
     (dict(env="0"), False),
+    (dict(deterministic=True), False),  # flash-attn's flag: the bit-reproducible two passes
+    (dict(deterministic=False), True),
 ])
 def test_backward_routes_dense_fix_none_to_the_one_pass(monkeypatch, kwargs, onepass):
     """With on_sm90 forced true (the real predicates otherwise), attention_bwd.backward hands the one pass exactly the

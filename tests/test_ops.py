@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_gproj import RECORDER, gproj_attn_func
+from lightning_gproj import RECORDER, gproj_attn_func, gproj_attn_varlen_func
 from lightning_gproj.kernels import reference
 from _fp64 import attention_fp64
 
@@ -288,7 +288,7 @@ def test_custom_op_pair_passes_opcheck(case):
     elif case in ("dense", "padded"):
         q, k, v = leaf(2, 6, 4, 16), leaf(2, 7, 2, 16), leaf(2, 7, 2, 16)
         if case == "padded":
-            options = dict(seqlens_k=torch.tensor([7, 3], dtype=torch.int32))
+            options = dict(seqlens_k=torch.tensor([7, 3], dtype=torch.int32), deterministic=True)
     else:
         q, k, v = leaf(10, 4, 16), leaf(9, 2, 16), leaf(9, 2, 16)
         options = dict(cu_seqlens_q=torch.tensor([0, 4, 10], dtype=torch.int32),
@@ -467,11 +467,50 @@ def test_bad_options_name_the_argument(kwargs, words):
         gproj_attn_func(q, k, v, **kwargs)
 
 
-@pytest.mark.parametrize("causal, words", [(np.bool_(True), "got numpy.bool"), (1, "got int"), (None, "got NoneType")])
-def test_non_bool_causal_names_its_type(causal, words):
+@pytest.mark.parametrize("arg", ["causal", "deterministic"])
+@pytest.mark.parametrize("value, words", [(np.bool_(True), "got numpy.bool"), (1, "got int"), (None, "got NoneType")])
+def test_non_bool_flags_name_their_type(arg, value, words):
     q, k, v = _qkv(1, 8, 2, 16)
-    with pytest.raises(TypeError, match=r"causal must be a Python bool \(True or False\), " + words):
-        gproj_attn_func(q, k, v, causal=causal)
+    with pytest.raises(TypeError, match=arg + r" must be a Python bool \(True or False\), " + words):
+        gproj_attn_func(q, k, v, **{arg: value})
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match=arg + r" must be a Python bool \(True or False\), " + words):
+        gproj_attn_varlen_func(q[0], k[0], v[0], cu, cu, 8, 8, **{arg: value})
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_reaches_the_triton_backward(monkeypatch, packed, deterministic):
+    """The op's ``deterministic`` rides from the forward call through autograd (and torch.compile's view of the op
+    pair) to the Triton backward, whose one-pass rule reads it (tests/test_onepass_backward.py); the PyTorch reference
+    is deterministic and does not take it. Stand-ins for the Triton kernels run the reference, so the gradients are
+    the reference's, checked against float64."""
+    import lightning_gproj.ops as ops
+    from lightning_gproj.kernels import attention_bwd, attention_fwd
+
+    seen = []
+
+    def backward(*args, deterministic=None, **kwargs):
+        seen.append(deterministic)
+        return reference.backward(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "_use_triton", lambda *a: True)
+    monkeypatch.setattr(attention_fwd, "forward", reference.forward)
+    monkeypatch.setattr(attention_bwd, "backward", backward)
+    q, k, v = (x.double().requires_grad_(True) for x in _qkv(1, 8, 2, 16))
+    do = torch.randn(1, 8, 2, 16, dtype=torch.float64)
+    if packed:  # two sequences, 3 and 5 tokens
+        cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+        o = gproj_attn_varlen_func(q[0], k[0], v[0], cu, cu, 5, 5, causal=True, deterministic=deterministic)[None]
+    else:
+        o = gproj_attn_func(q, k, v, causal=True, deterministic=deterministic)
+    o.backward(do)
+    assert seen == [deterministic]
+    parts = (slice(0, 3), slice(3, 8)) if packed else (slice(0, 8),)
+    for part in parts:
+        want = attention_fp64(*(x.detach()[:, part] for x in (q, k, v, do)), 16 ** -0.5, True)[:4]
+        for got, ref in zip((o, q.grad, k.grad, v.grad), want):
+            assert torch.allclose(got.detach()[:, part], ref, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("scale", [np.float32(0.3), np.float64(0.3), torch.tensor(0.3, dtype=torch.float64)])

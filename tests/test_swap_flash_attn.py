@@ -224,6 +224,7 @@ FALLBACKS = {
     "bad_window": (dict(window_size=(2.5, 0)), "window_size=(2.5, 0)"),
     "alibi": (dict(alibi_slopes=torch.ones(4)), "alibi_slopes=a tensor of shape (4,)"),
     "probs": (dict(return_attn_probs=True), "return_attn_probs=True"),
+    "deterministic_not_bool": (dict(deterministic=1), "deterministic=1"),
 }
 
 
@@ -275,6 +276,32 @@ def test_dropout_is_served(fake_flash, op_spy, monkeypatch):
         warnings.simplefilter("error", GProjFallbackWarning)
         packed(torch.randn(9, 32), torch.tensor([0, 4, 9], dtype=torch.int32), 5)
     assert varlen_spy.calls[0]["dropout_p"] == 0.2
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_deterministic_is_passed_to_the_op(deterministic, fake_flash, op_spy, monkeypatch):
+    """flash_attn_func(deterministic=...) is served and the op gets the flag (True only: False is its default); the
+    varlen function passes it to gproj_attn_varlen_func likewise."""
+    mod = fake_flash(tag=f"det_{deterministic}")
+    torch.manual_seed(0)
+    model = mod.Block(causal=True, deterministic=deterministic)
+    swap_attention(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        model(torch.randn(2, 5, 32))
+    assert len(op_spy.calls) == 1 and op_spy.calls[0].get("deterministic", False) is deterministic
+
+    import lightning_gproj.ops as ops
+
+    varlen_spy = OpSpy(ops.gproj_attn_varlen_func)
+    monkeypatch.setattr(ops, "gproj_attn_varlen_func", varlen_spy)
+    packed = fake_flash("flash_attn", "flash_attn_varlen_func", tag=f"vl_det_{deterministic}", varlen=True
+                        ).PackedAttention(causal=True, deterministic=deterministic)
+    swap_attention(packed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GProjFallbackWarning)
+        packed(torch.randn(9, 32), torch.tensor([0, 4, 9], dtype=torch.int32), 5)
+    assert len(varlen_spy.calls) == 1 and varlen_spy.calls[0].get("deterministic", False) is deterministic
 
 
 def test_version_returning_lse_is_not_served(fake_flash, monkeypatch, op_spy):

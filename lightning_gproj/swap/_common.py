@@ -260,6 +260,7 @@ class Site:
         window_size: tuple = (-1, -1),
         softcap: float = 0.0,
         dropout_p: float = 0.0,
+        deterministic: bool = False,
     ) -> torch.Tensor:
         """Serve one call in the op layout (batch, seqlen, nheads, headdim): :func:`gproj_attn_func`
         with this site's ``fix`` and name (on q, k, v cast to ``compute_dtype`` when that is bf16 or
@@ -269,11 +270,14 @@ class Site:
         key lengths (right padding), passed to the op only when given; ``window_size``, ``softcap`` as the
         op takes them (with an fp32/fp64 ``compute_dtype`` such calls run the op in that dtype with fix "none" and
         dS unrounded: SDPA has no softcap); ``dropout_p`` (attention dropout, passed to the op only when > 0; SDPA's own dropout
-        in the fp32/fp64 path)."""
+        in the fp32/fp64 path); ``deterministic`` (the op's, passed only when True; the fp32/fp64 SDPA path is
+        governed by ``torch.use_deterministic_algorithms`` alone)."""
         dt = self.compute_dtype
         extra = {} if seqlens_k is None else {"seqlens_k": seqlens_k}
         if dropout_p:
             extra["dropout_p"] = dropout_p
+        if deterministic:
+            extra["deterministic"] = True
         featured = tuple(window_size) != (-1, -1) or bool(softcap)
         if featured:
             extra.update(window_size=tuple(window_size), softcap=softcap)
@@ -319,13 +323,17 @@ class Site:
         window_size: tuple = (-1, -1),
         softcap: float = 0.0,
         dropout_p: float = 0.0,
+        deterministic: bool = False,
     ) -> torch.Tensor:
         """Serve one packed-sequence call, q (total_q, nheads, headdim), k, v (total_k, nheads_k,
         headdim): :func:`gproj_attn_varlen_func` with this site's ``fix`` and name, or, with
         ``compute_dtype`` set, :meth:`attention` one sequence at a time (bottom-right causal and window
-        within each), cast back to q's dtype. ``window_size``, ``softcap``, ``dropout_p``: as the op takes them."""
+        within each), cast back to q's dtype. ``window_size``, ``softcap``, ``dropout_p``, ``deterministic``: as
+        :meth:`attention` takes them."""
         if self.compute_dtype is None or (q.dtype == self.compute_dtype and not self.sdpa_arm):
             extra = {"dropout_p": dropout_p} if dropout_p else {}
+            if deterministic:
+                extra["deterministic"] = True
             return gproj_attn_varlen_func()(
                 q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                 max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, fix=self.fix,
@@ -339,7 +347,7 @@ class Site:
                 part = slice(cq[b], cq[b + 1])
                 out[part] = self.attention(q[None, part], k[None, ck[b]:ck[b + 1]], v[None, ck[b]:ck[b + 1]],
                                            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                           softcap=softcap, dropout_p=dropout_p)[0]
+                                           softcap=softcap, dropout_p=dropout_p, deterministic=deterministic)[0]
         return out
 
     def __repr__(self) -> str:

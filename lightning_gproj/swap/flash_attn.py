@@ -34,9 +34,9 @@ bottom-right causal mask, so a served call is a direct op call. Served (``flash_
 CPU generator: the same distribution as flash-attn's, not the same draws), any sliding window (``window_size``, ints >= −1 or None
 for unbounded as FA4 spells it), any ``softcap`` >= 0, no ALiBi / sink / score or mask mods / descales /
 qv, ``return_attn_probs``/``return_lse`` False, head dims the op takes. Performance knobs (``num_splits``, ``pack_gqa``,
-``sm_margin``) do not change the result and are ignored; so is ``deterministic`` — but ``fix="none"``'s one-pass Hopper
-backward (kernels/attention_bwd_onepass.py) adds dq's partials in any order, so for a bit-reproducible dq there turn on
-``torch.use_deterministic_algorithms(True)`` (the op then keeps the two passes). A function whose signature has neither
+``sm_margin``) do not change the result and are ignored; ``deterministic`` (a bool) goes to the op, whose backward is then
+bit-reproducible (it keeps ``fix="none"`` off the one-pass Hopper backward, kernels/attention_bwd_onepass.py, which
+adds dq's partials in any order). A function whose signature has neither
 ``return_attn_probs`` nor ``return_lse`` (FA3/FA4 versions that always return ``(out, lse)``) is
 never served: the op returns no lse.
 """
@@ -62,7 +62,7 @@ FUNCTIONS = ("flash_attn_func", "flash_attn_varlen_func")
 #: The packed-sequence arguments of ``flash_attn_varlen_func`` the op serves.
 _VARLEN_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 #: Parameters that change speed or memory only.
-_IGNORED = ("deterministic", "num_splits", "pack_gqa", "sm_margin")
+_IGNORED = ("num_splits", "pack_gqa", "sm_margin")
 
 #: Stack of the sites whose module is running its forward (innermost last). One per process: modules
 #: run concurrently in several threads of one process (nn.DataParallel) are not told apart.
@@ -140,16 +140,16 @@ class FlashAttnFunc:
             with Guard():
                 return self.original(*args, **kwargs)
         site.served += 1
-        q, k, v, scale, causal, window, softcap, dropout_p, *packed = call
+        q, k, v, scale, causal, window, softcap, dropout_p, deterministic, *packed = call
         with Guard():  # an enclosing SDPAMode must not take the SDPA call of an fp32 remediation
             if self.varlen:
                 return site.attention_varlen(q, k, v, *packed, softmax_scale=scale, causal=causal, window_size=window,
-                                             softcap=softcap, dropout_p=dropout_p)
+                                             softcap=softcap, dropout_p=dropout_p, deterministic=deterministic)
             return site.attention(q, k, v, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
-                                  dropout_p=dropout_p)
+                                  dropout_p=dropout_p, deterministic=deterministic)
 
     def plan(self, args: tuple, kwargs: dict) -> tuple[Optional[str], Any]:
-        """``(reason, (q, k, v, softmax_scale, causal, window_size, softcap, dropout_p))`` (varlen: followed by
+        """``(reason, (q, k, v, softmax_scale, causal, window_size, softcap, dropout_p, deterministic))`` (varlen: followed by
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k); reason None when the op serves the call."""
         try:
             bound = self.__signature__.bind(*args, **kwargs)
@@ -161,7 +161,7 @@ class FlashAttnFunc:
         given = bound.arguments
         names = list(params)
         q, k, v = (given.get(n) for n in names[:3])
-        served = (*names[:3], "softmax_scale", "causal", "window_size", "softcap", "dropout_p",
+        served = (*names[:3], "softmax_scale", "causal", "window_size", "softcap", "dropout_p", "deterministic",
                   *(_VARLEN_ARGS if self.varlen else ()))
         for name, value in given.items():
             # every other parameter (alibi_slopes, qv, descales, sinks,
@@ -210,7 +210,10 @@ class FlashAttnFunc:
         reason = dropout_reason(dropout_p)
         if reason is not None:
             return reason, None
-        return None, (q, k, v, scale, causal, window, float(softcap), float(dropout_p), *packed)
+        deterministic = given.get("deterministic", False)
+        if not isinstance(deterministic, bool):
+            return f"deterministic={_short(deterministic)}", None
+        return None, (q, k, v, scale, causal, window, float(softcap), float(dropout_p), deterministic, *packed)
 
 
 def _is_default(value: Any, default: Any) -> bool:

@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import inspect
+import warnings
 import weakref
 from typing import Any, Optional, Sequence, Union
 
@@ -233,7 +234,10 @@ class GProjFabricPlugin(fabric_precision.Precision):
         **base_kwargs: Any,
     ) -> "GProjFabricPlugin":
         if base is None and cls is cls._gproj_root():
-            base = getattr(cls._gproj_lightning, PRECISIONS[check_precision(precision)])
+            with warnings.catch_warnings():  # __init__ checks it again and lets Lightning's alias warning through
+                warnings.simplefilter("ignore")
+                key = check_precision(precision)
+            base = getattr(cls._gproj_lightning, PRECISIONS[key])
         return super().__new__(cls._gproj_class(base))
 
     def __init__(

@@ -249,9 +249,14 @@ def test_a_misspelt_argument_is_named_with_the_plugins_own_arguments(plugin, pre
 def test_lightning_legacy_precision_aliases_are_accepted(alias, unified):
     """The values Trainer(precision=...) still takes for historical reasons (a new-user pass found them refused,
     breaking configs whose precision moves into the plugin as the README says): converted as Lightning does."""
-    plugin = GProjPlugin(alias)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        plugin = GProjPlugin(alias)
     assert plugin.precision == unified
     assert isinstance(plugin, GProjPlugin(unified).__class__.__mro__[1])
+    # Lightning's own warning for 16 and "bf16", once per construction (the class lookup in __new__ saw it twice)
+    legacy = [w for w in record if "historical reasons" in str(w.message)]
+    assert len(legacy) == (alias in (16, "16", "bf16")), [str(w.message) for w in record]
 
 
 def test_attention_dtype_fp32_runs_swapped_attention_in_fp32_under_bf16_mixed(op_spy, monkeypatch, tmp_path):

@@ -577,6 +577,19 @@ def _shown(x: object) -> str:
     return f"{x!r}"  # not repr(x): Dynamo formats a SymFloat in an f-string, not through repr()
 
 
+def _check_softmax_scale(softmax_scale: object, head_dim: int) -> float:
+    """``softmax_scale`` as a float (None: ``1 / sqrt(head_dim)``), or ValueError naming it."""
+    softmax_scale = _real(softmax_scale)
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not isinstance(softmax_scale, float) or not 0.0 < softmax_scale <= _MAX_SOFTMAX_SCALE:  # NaN too
+        raise ValueError(
+            f"softmax_scale must be a positive float ≤ {_MAX_SOFTMAX_SCALE_TEXT} (τ·log2e finite in fp32) or None, "
+            f"got {_shown(softmax_scale)}"
+        )
+    return softmax_scale
+
+
 def _check_softcap(softcap: object) -> float:
     """``softcap`` as a float >= 0 (0: off), or ValueError naming it."""
     softcap = _real(softcap)
@@ -641,14 +654,7 @@ def _check_options(
     if fix not in FIXES:
         raise ValueError(f"fix must be one of {FIXES}, got {fix!r}")
     reference.check_ds_format(ds_format)
-    softmax_scale = _real(softmax_scale)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    elif not isinstance(softmax_scale, float) or not 0.0 < softmax_scale <= _MAX_SOFTMAX_SCALE:  # NaN too
-        raise ValueError(
-            f"softmax_scale must be a positive float ≤ {_MAX_SOFTMAX_SCALE_TEXT} (τ·log2e finite in fp32) or None, "
-            f"got {_shown(softmax_scale)}"
-        )
+    softmax_scale = _check_softmax_scale(softmax_scale, head_dim)
     if stats_name is not None and not isinstance(stats_name, str):
         raise TypeError(f"stats_name must be a str or None, got {type(stats_name).__name__}")
     for arg, value in (("causal", causal), ("deterministic", deterministic)):

@@ -231,6 +231,29 @@ def test_sdpa_fallback_warns_once_and_matches_original(case, op_spy):
     assert op_spy.calls == []
 
 
+def test_sdpa_one_dimensional_mask_falls_back_to_the_original_error(op_spy):
+    """SDPA refuses a 1-D attn_mask (torch 2.13: IndexError, whatever the values); swapped, the call falls back with
+    one warning and the user sees the original's own error, not a result (a new-user pass found such a mask served
+    as key padding, 2026-12-03)."""
+
+    class OneD(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.tensor([True] * 4 + [False]))
+
+    q = torch.randn(2, 4, 5, 16)
+    with pytest.raises(Exception) as original:
+        OneD()(q, q, q)
+    swapped = OneD()
+    swap_attention(swapped)
+    with warnings.catch_warnings(record=True) as record, pytest.raises(type(original.value)) as served:
+        warnings.simplefilter("always")
+        swapped(q, q, q)
+    assert str(served.value) == str(original.value)
+    messages = _fallback_warnings(record)
+    assert len(messages) == 1 and "attn_mask of shape (5,)" in messages[0], messages
+    assert op_spy.calls == []
+
+
 def _prefix_lm(n, m, d):  # bidirectional over the first 3 positions, causal after them (True above the diagonal)
     i, j = torch.arange(n, device=d)[:, None], torch.arange(m, device=d)[None, :]
     return (j <= i) | (j < 3)

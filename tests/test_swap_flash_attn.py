@@ -20,6 +20,7 @@ import sys
 import types
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -365,6 +366,10 @@ WINDOWS = [
     ("flash_attn.cute", dict(causal=True, window_size=(3, None))),
     ("flash_attn_interface", dict(softcap=2.0)),
     ("flash_attn", dict(causal=True, window_size=(2, -1), softcap=1.5)),
+    # values the op takes besides Python numbers (a new-user pass found them falling back, 2026-12-03)
+    ("flash_attn", dict(causal=True, window_size=(np.int64(2), 0), softcap=np.float32(1.5),
+                        softmax_scale=torch.tensor(0.3))),
+    ("flash_attn_interface", dict(softmax_scale=np.float32(0.3), softcap=torch.tensor(2.0))),
 ]
 
 

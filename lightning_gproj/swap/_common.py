@@ -6,7 +6,6 @@ Nothing here knows about Lightning; :mod:`lightning_gproj.plugin` drives it.
 from __future__ import annotations
 
 import fnmatch
-import math
 import warnings
 from typing import Iterable, NamedTuple, Optional, Sequence
 
@@ -163,16 +162,17 @@ def dropout_reason(dropout_p: object) -> Optional[str]:
 
 def op_reason(head_dim: int, numel_q: int, numel_k: int, scale: object = None) -> Optional[str]:
     """None if the op takes this head dim, non-empty inputs and ``scale``, else why not (the op's own
-    limits: headdim a multiple of 8 in [8, MAX_HEAD_DIM], positive finite scale)."""
+    limits: headdim a multiple of 8 in [8, MAX_HEAD_DIM], ``scale`` as ``ops._check_softmax_scale`` takes it)."""
     max_head_dim = getattr(ops, "MAX_HEAD_DIM", 256)
     if head_dim % 8 != 0 or not 8 <= head_dim <= max_head_dim:
         return f"headdim {head_dim} (the op takes multiples of 8 in [8, {max_head_dim}])"
     if numel_q == 0 or numel_k == 0:
         return "empty inputs"
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
-        math.isfinite(scale) and scale > 0
-    )):
-        return f"scale={scale!r} (the op takes a positive finite float)"
+    if scale is not None:
+        try:
+            ops._check_softmax_scale(scale, head_dim)  # the op's own check: NumPy numbers and 1-element tensors pass
+        except ValueError:
+            return f"scale={scale!r} (the op takes a positive float ≤ {ops._MAX_SOFTMAX_SCALE_TEXT})"
     return None
 
 

@@ -52,6 +52,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from lightning_gproj import ops
+
 from . import sdpa
 from ._common import Guard, Site, dropout_reason, op_reason
 
@@ -197,14 +199,18 @@ class FlashAttnFunc:
         causal = given.get("causal", False)
         if not isinstance(causal, bool):
             return f"causal={causal!r}", None
+        # window_size and softcap as the op's own checks take them (NumPy numbers, a 1-element tensor as softcap)
         window = given.get("window_size", (-1, -1))
         if not isinstance(window, (tuple, list)) or len(window) != 2:
             return f"window_size={_short(window)}", None
-        window = tuple(-1 if x is None else x for x in window)
-        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window):
+        try:
+            window = ops._check_window(tuple(-1 if x is None else x for x in window))
+        except ValueError:
             return f"window_size={_short(window)}", None
         softcap = given.get("softcap", 0.0)
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0:
+        try:
+            softcap = ops._check_softcap(softcap)
+        except ValueError:
             return f"softcap={_short(softcap)}", None
         dropout_p = given.get("dropout_p", 0.0)
         reason = dropout_reason(dropout_p)
@@ -213,7 +219,7 @@ class FlashAttnFunc:
         deterministic = given.get("deterministic", False)
         if not isinstance(deterministic, bool):
             return f"deterministic={_short(deterministic)}", None
-        return None, (q, k, v, scale, causal, window, float(softcap), float(dropout_p), deterministic, *packed)
+        return None, (q, k, v, scale, causal, window, softcap, float(dropout_p), deterministic, *packed)
 
 
 def _is_default(value: Any, default: Any) -> bool:

@@ -215,8 +215,9 @@ def plan(args: tuple, kwargs: dict) -> tuple[Optional[str], bool, Optional[torch
         return None, bool(is_causal), None
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         return f"attn_mask of dtype {getattr(mask, 'dtype', type(mask).__name__)} (only boolean causal / key-padding masks are served)", False, None
-    # broadcast to (batch, heads, Nq, Nk) as SDPA does; (batch, 1, 1, Nk) is a key-padding mask
-    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape) if 1 <= mask.dim() <= 4 else None
+    # broadcast to (batch, heads, Nq, Nk) as SDPA does; (batch, 1, 1, Nk) is a key-padding mask. A 1-D mask falls
+    # back: SDPA itself refuses it (torch 2.13: IndexError), and the original's error is the user's to see.
+    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape) if 2 <= mask.dim() <= 4 else None
     if shape is None or shape[3] != n_k or any(s not in (1, t) for s, t in zip(shape[:3], (b, h_q, n_q))):
         return f"attn_mask of shape {tuple(mask.shape)}", False, None
     if mask.device != q.device:

@@ -111,9 +111,13 @@ class _SeriesStats:
 
 @dataclasses.dataclass
 class _OptimizerState:
+    """One optimizer's series: its gradient norms and (None with ``loss=False``) the loss it stepped on."""
+
     detector: ChangeDetector
     stats: _SeriesStats
     layer_baselines: dict[str, RobustBaseline]
+    loss_detector: Optional[ChangeDetector]
+    loss_stats: _SeriesStats = dataclasses.field(default_factory=_SeriesStats)
     layer_last: dict[str, float] = dataclasses.field(default_factory=dict)
     layer_peak: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -124,7 +128,15 @@ class _OptimizerState:
             "layer_baselines": {k: b.state_dict() for k, b in self.layer_baselines.items()},
             "layer_last": dict(self.layer_last),
             "layer_peak": dict(self.layer_peak),
+            "loss": None if self.loss_detector is None else {
+                "detector": self.loss_detector.state_dict(), "stats": dataclasses.asdict(self.loss_stats),
+            },
         }
+
+    def load_loss(self, state: Optional[dict[str, Any]]) -> None:
+        if self.loss_detector is not None and state is not None:
+            self.loss_detector.load_state_dict(state["detector"])
+            self.loss_stats = _SeriesStats(**state["stats"])
 
 
 #: Default detector of the global gradient norm (per measured step).
@@ -182,8 +194,10 @@ class GradNormMonitor(Monitor):
         detector and actions (``actions=("skip",)`` drops a spiking step instead of raising). Units of
         the loss. A loss <= 0 is logged but kept out of the detector (it works on log(loss)).
 
-    With several optimizers the names get ``opt{i}/`` after the prefix (``{p}/opt1/global``) and each
-    optimizer has its own detector. ``{p}`` is ``prefix``. Values go to ``trainer.loggers`` at the
+    With several optimizers the names get ``opt{i}/`` after the prefix (``{p}/opt1/global``, ``{p}/opt1/loss``) and each
+    optimizer has its own detectors; optimizer i's loss is the loss backpropagated since the optimizer step before
+    its own (in a GAN's manual loop, the discriminator's loss and the generator's: two series, not one that
+    alternates between them). ``{p}`` is ``prefix``. Values go to ``trainer.loggers`` at the
     measured step on global rank zero (see ``callbacks/_base.py`` for why not ``self.log``); with
     ``every_n_steps=1`` that is every step, whatever ``Trainer(log_every_n_steps)`` says.
 
@@ -278,11 +292,10 @@ class GradNormMonitor(Monitor):
             rollback_every_n_steps, rollback_lr_factor,
         )
         self._states: dict[int, _OptimizerState] = {}
-        self._loss_detector = ChangeDetector(self.loss_detector) if self.loss else None
-        self._loss_stats = _SeriesStats()
         self._loss: torch.Tensor | None = None  # sum of this step's backward losses, on the device
         self._loss_nonpositive_warned = False
         self._loss_nonfinite_warned = False
+        # Per fit (on_train_start clears them: a monitor reused on another model must not keep the first one's names)
         self._layer_names: dict[int, str] = {}  # id(param) -> layer
         self._fsdp1: Optional[dict[int, Layout]] = None  # id(param) -> Layout of FSDP1-sharded parameters
 
@@ -300,9 +313,6 @@ class GradNormMonitor(Monitor):
     def state_dict(self) -> dict[str, Any]:
         return {
             "optimizers": {str(i): s.state_dict() for i, s in self._states.items()},
-            "loss": None if self._loss_detector is None else {
-                "detector": self._loss_detector.state_dict(), "stats": dataclasses.asdict(self._loss_stats),
-            },
             "dispatcher": self.dispatcher.state_dict(),
         }
 
@@ -315,21 +325,28 @@ class GradNormMonitor(Monitor):
             for layer, b in s["layer_baselines"].items():
                 state.layer_baselines.setdefault(layer, self._layer_baseline()).load_state_dict(b)
             state.layer_last, state.layer_peak = dict(s["layer_last"]), dict(s["layer_peak"])
+            state.load_loss(s.get("loss"))
             self._states[int(idx)] = state
-        if self._loss_detector is not None and state_dict.get("loss") is not None:
-            self._loss_detector.load_state_dict(state_dict["loss"]["detector"])
-            self._loss_stats = _SeriesStats(**state_dict["loss"]["stats"])
+        if state_dict.get("loss") is not None:  # a checkpoint of 2026-12-03 or before: one loss series, optimizer 0's
+            self._state(0).load_loss(state_dict["loss"])
         self.dispatcher.load_state_dict(state_dict["dispatcher"])
 
     def _new_state(self) -> _OptimizerState:
-        return _OptimizerState(ChangeDetector(self.detector), _SeriesStats(), {})
+        return _OptimizerState(ChangeDetector(self.detector), _SeriesStats(), {},
+                               ChangeDetector(self.loss_detector) if self.loss else None)
+
+    def _state(self, opt_idx: int) -> _OptimizerState:
+        state = self._states.get(opt_idx)
+        if state is None:
+            state = self._states[opt_idx] = self._new_state()
+        return state
 
     def _layer_baseline(self) -> RobustBaseline:
         return RobustBaseline(self.detector.window, self.detector.ema_decay)
 
     def quiet(self) -> bool:
         """No detector of this monitor is in an alert episode."""
-        detectors = [s.detector for s in self._states.values()] + [d for d in [self._loss_detector] if d]
+        detectors = [d for s in self._states.values() for d in (s.detector, s.loss_detector) if d is not None]
         return all(d.level is None for d in detectors)
 
     # ------------------------------------------------------------------ measurement
@@ -407,9 +424,7 @@ class GradNormMonitor(Monitor):
         """Feed one measurement to the detector of optimizer ``opt_idx``: returns the measurement
         against its past, the detector's verdict, and the new alerts (not delivered). Pure bookkeeping:
         the same call replays logged norms offline (``lightning_gproj.evaluate``)."""
-        state = self._states.get(opt_idx)
-        if state is None:
-            state = self._states[opt_idx] = self._new_state()
+        state = self._state(opt_idx)
         base = state.detector.baseline
         m = GradNormStep(
             step=step,
@@ -462,12 +477,14 @@ class GradNormMonitor(Monitor):
             for rise, layer, norm, growth in rises[: self.top_k]
         ]
 
-    def observe_loss(self, step: int, loss: float) -> tuple[Detection, list[Alert]]:
-        """Feed one training loss to the loss detector (``loss_detector`` must be set): its verdict and the
-        new alerts (not delivered). Offline as online (``lightning_gproj.evaluate``)."""
-        if self._loss_detector is None:
+    def observe_loss(self, step: int, loss: float, opt_idx: int = 0, several: bool = False
+                     ) -> tuple[Detection, list[Alert]]:
+        """Feed one training loss to the loss detector of optimizer ``opt_idx`` (``loss`` must be on): its verdict
+        and the new alerts (not delivered). Offline as online (``lightning_gproj.evaluate``)."""
+        if not self.loss:
             raise ValueError("observe_loss needs the loss series (loss=False switched it off)")
-        base = self._loss_detector.baseline
+        state = self._state(opt_idx)
+        base = state.loss_detector.baseline
         median, window = base.median, len(base)
         if math.isfinite(loss) and loss <= 0:
             # The detector works on log(value): a loss that can be zero or negative is not its kind of
@@ -478,7 +495,7 @@ class GradNormMonitor(Monitor):
                                "only follows positive losses; such steps are left out (pass loss=False "
                                "for a loss that can be negative)")
             detection = Detection(step, loss, window, median, base.mad)
-            self._loss_stats.add(step, loss, detection, False)
+            state.loss_stats.add(step, loss, detection, False)
             return detection, []
         if not math.isfinite(loss) and not self._loss_nonfinite_warned:
             # Never an alert (a non-finite value has no log to compare), but never silent either: a NaN or inf
@@ -487,23 +504,24 @@ class GradNormMonitor(Monitor):
             rank_zero_warn(f"GradNormMonitor: the training loss is {loss} at step {step}: the run has diverged or "
                            "overflowed. Non-finite values never alert (docs/monitoring.md); later ones are counted in "
                            "the summary's non-finite column")
-        detection = self._loss_detector.update(step, loss)
+        detection = state.loss_detector.update(step, loss)
         alerts = []
         if detection.new:
+            opt = f" (optimizer {opt_idx})" if several else ""
             alerts.append(Alert(
-                step=step, signal=keys.metric(self.prefix, "loss"), level=detection.level,
+                step=step, signal=keys.metric(self._signal(opt_idx, several), "loss"), level=detection.level,
                 statistic=detection.statistic, value=detection.score, threshold=detection.threshold,
                 signal_value=loss, source=type(self).__name__,
-                detail=f"Training loss {loss:.4g} vs baseline median {median:.4g} (last {window} steps).",
+                detail=f"Training loss{opt} {loss:.4g} vs baseline median {median:.4g} (last {window} steps).",
             ))
-        self._loss_stats.add(step, loss, detection, bool(alerts))
+        state.loss_stats.add(step, loss, detection, bool(alerts))
         return detection, alerts
 
     # ------------------------------------------------------------------ hooks
 
     @guarded
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
-        if self._loss_detector is None:
+        if not self.loss:
             return
         loss = loss.detach()
         # Under 16-mixed Lightning hands the hooks the loss already multiplied by the GradScaler's scale.
@@ -529,10 +547,10 @@ class GradNormMonitor(Monitor):
         if layers:
             m, detection, alerts = self.observe(step, norm, layers, opt_idx, several)
             metrics.update(self._metrics(m, detection, opt_idx, several))
-        if loss_value is not None and self._loss_detector is not None:
-            detection, loss_alerts = self.observe_loss(step, loss_value)
+        if loss_value is not None and self.loss:
+            detection, loss_alerts = self.observe_loss(step, loss_value, opt_idx, several)
             alerts += loss_alerts
-            key = keys.metric(self.prefix, "loss")
+            key = keys.metric(self._signal(opt_idx, several), "loss")
             metrics[key] = loss_value
             for name, value in (("ratio", detection.ratio), ("cusum", detection.cusum)):
                 if value is not None:
@@ -540,6 +558,10 @@ class GradNormMonitor(Monitor):
         log_to_loggers(trainer, metrics, step)
         agreed = self.sync_dist or trainer.world_size == 1
         self.dispatcher.deliver(trainer, alerts, step, agreed=agreed, optimizer=optimizer)
+
+    @guarded
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._layer_names, self._fsdp1 = {}, None  # this fit's model (new-user pass 11: a reused monitor kept them)
 
     @guarded
     def on_train_batch_end(
@@ -577,7 +599,7 @@ class GradNormMonitor(Monitor):
 
     def summary(self, top_layers: int = 5) -> str:
         """Baseline, peak and alerts per optimizer and of the loss, and the layers with the largest peak norms."""
-        if not self._states and not self._loss_stats.steps:
+        if not self._states:
             return "GradNormMonitor: no gradient was measured."
 
         def row(name: str, s: _SeriesStats, base: RobustBaseline) -> list[str]:
@@ -585,9 +607,10 @@ class GradNormMonitor(Monitor):
             return [name, str(s.steps), fmt(base.median), fmt(base.mad), fmt(s.last), peak, str(s.alerts),
                     str(s.steps_above), str(s.nonfinite_steps)]
 
+        several = len(self._states) > 1
         rows = [row(f"grad norm, optimizer {i}", s.stats, s.detector.baseline) for i, s in sorted(self._states.items())]
-        if self._loss_detector is not None and self._loss_stats.steps:
-            rows.append(row("loss", self._loss_stats, self._loss_detector.baseline))
+        rows += [row(f"loss, optimizer {i}" if several else "loss", s.loss_stats, s.loss_detector.baseline)
+                 for i, s in sorted(self._states.items()) if s.loss_detector is not None and s.loss_stats.steps]
         head = ["series", "steps", "median", "MAD", "last", "peak", "alerts (warn + critical)", "steps above", "non-finite"]
         actions = self.dispatcher
         extra = f", {actions.skipped_steps} step(s) skipped" if "skip" in actions.actions else ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 
 import lightning.pytorch as pl
 import numpy as np
@@ -183,7 +184,7 @@ def test_grad_norm_leaves_non_positive_losses_out_of_the_loss_detector(tmp_path)
     trainer, logged = fit(model, [monitor], tmp_path, max_steps=6)
     assert all(v <= 0 for v in logged["grad_norm/loss"].values())
     assert "grad_norm/loss/ratio" not in logged and monitor.alerts == []
-    assert len(monitor._loss_detector.baseline) == 0
+    assert len(monitor._states[0].loss_detector.baseline) == 0
 
 
 def test_grad_norm_warns_once_when_the_loss_turns_non_finite(tmp_path):
@@ -199,7 +200,79 @@ def test_grad_norm_warns_once_when_the_loss_turns_non_finite(tmp_path):
         trainer, logged = fit(GoesNaN(), [monitor], tmp_path, max_steps=6)
     assert sum("the training loss is" in str(w.message) for w in record) == 1
     assert trainer.global_step == 6 and monitor.alerts == []
-    assert monitor._loss_stats.nonfinite_steps == 3
+    assert monitor._states[0].loss_stats.nonfinite_steps == 3
+
+
+class TwoOptimizers(pl.LightningModule):
+    """A GAN-style manual loop: each batch, optimizer 0 steps on net a's loss, then optimizer 1 on 20× net b's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.a, self.b = nn.Linear(E, E), nn.Linear(E, E)
+        self.returned: dict[int, dict[int, float]] = {0: {}, 1: {}}
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        for i, (net, opt, scale) in enumerate(zip((self.a, self.b), self.optimizers(), (1.0, 20.0))):
+            loss = scale * net(batch).pow(2).mean()
+            self.returned[i][batch_idx] = float(loss)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.a.parameters(), lr=1e-2), torch.optim.SGD(self.b.parameters(), lr=1e-2)
+
+    def train_dataloader(self):  # batches near a constant one: a healthy run, no loss spike
+        g = torch.Generator().manual_seed(0)
+        return torch.utils.data.DataLoader([1.0 + 0.05 * torch.randn(B, E, generator=g) for _ in range(32)],
+                                           batch_size=None)
+
+
+def test_grad_norm_with_two_optimizers_keeps_a_loss_series_per_optimizer(tmp_path):
+    """Each optimizer's loss (what was backpropagated since the optimizer step before it) is its own series and
+    detector, as its gradient norms are; one series fed both (1× and 20×, alternating) warned at every step of a
+    healthy run (new-user pass 11)."""
+    model = TwoOptimizers()
+    monitor = GradNormMonitor(loss_detector=DetectorConfig(window=4, warmup=2), print_summary=False)
+    trainer, logged = fit(model, [monitor], tmp_path, max_steps=12)  # 6 batches, 2 optimizer steps each
+    for i in (0, 1):
+        assert logged[f"grad_norm/opt{i}/loss"] == pytest.approx(model.returned[i], rel=1e-6)
+        past = [model.returned[i][s] for s in range(2)]  # the warm-up: the ratio at step 2 is to their median
+        assert logged[f"grad_norm/opt{i}/loss/ratio"][2] == pytest.approx(model.returned[i][2] / float(np.median(past)))
+    assert "grad_norm/loss" not in logged and monitor.alerts == []
+    summary = monitor.summary()
+    assert "loss, optimizer 0" in summary and "loss, optimizer 1" in summary
+
+
+def test_grad_norm_resumes_from_a_checkpoint_with_one_loss_series():
+    """A checkpoint written before the loss series became per optimizer (its loss state at the top level) restores
+    that state as optimizer 0's: the monitor's state then equals the one it was saved from."""
+    config = DetectorConfig(window=4, warmup=2)
+    saved = GradNormMonitor(loss_detector=config)
+    for step, loss in enumerate([1.0, 1.1, 0.9, 1.0, 5.0]):
+        saved.observe(step, 1.0 + 0.1 * step, {"a": 1.0})
+        saved.observe_loss(step, loss)
+    assert [a.signal for a in saved.alerts] == []  # observe does not deliver; the detectors hold the episode
+    state = saved.state_dict()
+    old = {"optimizers": {i: {k: v for k, v in s.items() if k != "loss"} for i, s in state["optimizers"].items()},
+           "loss": state["optimizers"]["0"]["loss"], "dispatcher": state["dispatcher"]}
+    resumed = GradNormMonitor(loss_detector=config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a state it cannot read would warn
+        resumed.load_state_dict(old)
+    assert resumed.state_dict() == state and resumed._states[0].loss_detector.level == "warn"  # 5.0 vs median 1.0
+
+
+def test_grad_norm_reused_on_another_model_names_its_layers(tmp_path):
+    """A monitor passed to a second fit of another model names that model's layers (the name map was built once and
+    kept: every gradient of the second model went to "<unnamed>"; new-user pass 11)."""
+    monitor = GradNormMonitor(print_summary=False)
+    for run in range(2):
+        _, logged = fit(LayeredModel([[1.0] * 4, [2.0] * 4]), [monitor], tmp_path / str(run), max_steps=4)
+        layers = {k.removeprefix("grad_norm/layer/") for k in logged if k.startswith("grad_norm/layer/")}
+        assert layers == {"blocks.0", "blocks.1", "head"}, (run, layers)
 
 
 def test_default_layer_of():

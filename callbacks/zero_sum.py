@@ -324,6 +324,7 @@ class ZeroSumMonitor(Monitor):
         self._capture_step: Optional[int] = None
         self._recording_step: int | None = None  # step whose recording we started, while it runs
         self._previous_enabled = False
+        self._paused: bool | None = None  # the recorder's state while a validation inside a sampled step runs
         self._gather = RankRows()
 
     @property
@@ -385,7 +386,7 @@ class ZeroSumMonitor(Monitor):
     def _stop_recording(self) -> dict[str, dict[str, float]]:
         """Restore the recorder's previous state and return what it holds."""
         self.recorder.enabled = self._previous_enabled
-        self._recording_step = None
+        self._recording_step, self._paused = None, None
         return self.recorder.drain()
 
     def _stop_capture(self) -> None:
@@ -484,6 +485,17 @@ class ZeroSumMonitor(Monitor):
         if sampled and self.key_biases:
             values.update(self._key_bias_values(optimizer, trainer.strategy.root_device))
         self._emit(trainer, pl_module, values, step, optimizer)
+
+    @guarded
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Validation can run inside an accumulated step (val_check_interval in batches): its forwards are not the step's.
+        if self._recording_step is not None:
+            self._paused, self.recorder.enabled = self.recorder.enabled, False
+
+    @guarded
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._paused is not None:
+            self.recorder.enabled, self._paused = self._paused, None
 
     @guarded
     def on_train_batch_end(

@@ -110,7 +110,8 @@ class RecordingAttention(nn.Module):
                     leak_ratio=grad.detach().norm() * 1e-3,
                 )
 
-            o.register_hook(backward_stats)
+            if o.requires_grad:  # not in a validation forward
+                o.register_hook(backward_stats)
         return o
 
 

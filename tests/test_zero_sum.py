@@ -23,6 +23,37 @@ from _monitors import B, E, N, AttnModel, fit, loader
 pytestmark = pytest.mark.usefixtures("recorder_off")
 
 
+class ValidatedAttnModel(AttnModel):
+    """AttnModel with a validation loop; its forwards are marked step −1 in the recording model."""
+
+    validations = 0
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.validations += 1
+        self.core.step = -1
+        self(batch)
+
+    def val_dataloader(self):
+        return loader(2, (B, N, E), seed=1)
+
+
+def test_zero_sum_leaves_validation_forwards_out_of_the_sampled_step(tmp_path):
+    """Validation that runs in the middle of an accumulated step (val_check_interval in batches) does not write into
+    that step's sample: the recorder is off during it (new-user pass 11 found 36 validation values in a sample)."""
+    model = ValidatedAttnModel()
+    monitor = ZeroSumMonitor(every_n_steps=1, print_summary=False)
+    trainer, logged = fit(model, [monitor], tmp_path, max_steps=3, accumulate_grad_batches=4, val_check_interval=2,
+                          num_sanity_val_steps=0)
+    assert model.validations >= 4  # at least twice, 2 batches each, inside the 3 steps
+    assert -1 not in model.core.enabled_at and model.core.enabled_at == [s for s in range(3) for _ in range(4)]
+    for stat in ("mean_key_norm", "mean_query_norm"):
+        for step in range(3):
+            written = [v for s, key, v in model.core.written if s == step and key == stat]
+            assert len(written) == 4
+            assert logged[f"gproj/layer0/{stat}"][step] == pytest.approx(sum(written) / 4, rel=1e-6)
+    assert stats.RECORDER.enabled is False
+
+
 def test_zero_sum_logs_recorder_values_on_sampled_steps(tmp_path):
     model = AttnModel()
     monitor = ZeroSumMonitor(every_n_steps=3, print_summary=False)

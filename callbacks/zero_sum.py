@@ -42,6 +42,7 @@ from .ranks import RankRows, reduce_values
 from ._base import (
     Monitor,
     check_bool,
+    check_float,
     check_int,
     check_prefix,
     finite_max,
@@ -284,15 +285,16 @@ class ZeroSumMonitor(Monitor):
         if unknown:
             raise ValueError(f"`detect` has unknown statistic names {unknown}; accepted: {STATISTICS}")
         self.detect = tuple(detect)
-        if floors is not None and not (
-            isinstance(floors, dict) and all(isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in floors.items())
-        ):
+        if floors is not None and not (isinstance(floors, dict) and all(isinstance(k, str) for k in floors)):
             raise ValueError(f"`floors` must be None or a dict statistic -> number >= 0, got {floors!r}")
         unknown = [k for k in (floors or {}) if k not in STATISTICS]
         if unknown:
             raise ValueError(f"`floors` has unknown statistic names {unknown}; accepted: {STATISTICS}")
+        # each value as DetectorConfig(floor=...) takes it: a finite real number >= 0 (NumPy's too; not a bool)
+        floors = {k: check_float(f"floors[{k!r}]", v, above=-1e-300, accepted="a finite number >= 0")
+                  for k, v in (floors or {}).items()}
         #: Detector floor per statistic (DEFAULT_FLOORS updated with ``floors``).
-        self.floors = {**DEFAULT_FLOORS, **(floors or {})}
+        self.floors = {**DEFAULT_FLOORS, **floors}
         self.detector = as_config("detector", detector, ZERO_SUM_DETECTOR)
         self.sync_dist = check_bool("sync_dist", sync_dist)
         self.prefix = check_prefix("prefix", prefix)

@@ -339,8 +339,10 @@ def test_dispatcher_rejects_bad_arguments():
         GradNormMonitor(actions=("nope",))
     with pytest.raises(ValueError, match="`probe_every_n_steps`"):
         ZeroSumMonitor(probe_every_n_steps=0)
-    with pytest.raises(ValueError, match="`floors`"):
-        ZeroSumMonitor(floors={"c2_residual": -1})
+    for bad in (-1, True, math.inf, math.nan, "0.1"):  # as DetectorConfig(floor=...) refuses them
+        with pytest.raises(ValueError, match=re.escape("`floors['c2_residual']` must be a finite number >= 0")):
+            ZeroSumMonitor(floors={"c2_residual": bad})
+    assert ZeroSumMonitor(floors={"c2_residual": np.float32(0.5)}).floors["c2_residual"] == 0.5  # NumPy, as DetectorConfig
 
 
 # ------------------------------------------------------------------------------------ offline harness

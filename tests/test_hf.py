@@ -206,6 +206,55 @@ def test_attention_sinks_fall_back_to_the_models_eager_attention():
     assert rel_err(out, model(ids).logits) <= 1e-6
 
 
+@pytest.mark.parametrize("case", ["window", "packed", "window_left_padded"])
+def test_head_dim_the_op_does_not_take_falls_back_on_every_path(case, op_spy):
+    """Head dim 12 (not a multiple of 8): the sliding-window and packed paths fall back with the warning as the plain
+    one does, and the logits equal the original's (they reached the op, which raised; new-user pass 12)."""
+    torch.manual_seed(0)
+    if case == "packed":
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                            sliding_window=4)
+        model = transformers.MistralForCausalLM(config)
+    model.eval()
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped)
+    ids = torch.randint(0, VOCAB, (2, 8))
+    kwargs = {}
+    if case == "packed":  # two sequences of 3 and 5 tokens in one row
+        ids, kwargs = ids[:1], dict(position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]))
+    elif case == "window_left_padded":
+        kwargs = dict(attention_mask=torch.tensor([[1] * 8, [0, 0, 0] + [1] * 5]))
+    with pytest.warns(GProjFallbackWarning, match="headdim 12"):
+        out = swapped(ids, **kwargs).logits
+    assert torch.equal(out, model(ids, **kwargs).logits) if case != "packed" else out.shape == (1, 8, VOCAB)
+    assert op_spy.calls == []
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_output_attentions_runs_the_models_eager_attention(implementation, op_spy):
+    """output_attentions=True: the op computes no weights, so each swapped layer runs the model's eager attention
+    with one warning, and the weights are the eager model's (they came back empty, silently; new-user pass 12). From
+    an SDPA model too: transformers' own SDPA path returns none."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(_llama().config, attn_implementation="eager").eval()
+    reference = copy.deepcopy(model)
+    model.set_attn_implementation(implementation)
+    swap_attention(model)
+    ids = _inputs("llama")["input_ids"]
+    with pytest.warns(GProjFallbackWarning, match=r"output_attentions=True \(the op computes no attention weights\)"):
+        got = model(ids, output_attentions=True).attentions
+    want = reference(ids, output_attentions=True).attentions
+    assert len(got) == len(want) == 2 and all(torch.equal(g, w) for g, w in zip(got, want))
+    assert op_spy.calls == []
+    model(ids)  # without weights asked for, served again
+    assert len(op_spy.calls) == 2
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_right_padding_mask_is_served_with_seqlens_k(name, op_spy):
     """A right-padded attention_mask: transformers' sdpa_mask builds causal & padding as a boolean

@@ -30,7 +30,9 @@ logit ``softcap``. Falls back to ``sdpa_attention_forward`` (the model's own ``e
 when the call carries a softcap, which SDPA refuses, or attention sinks, which it ignores; given the
 additive mask eager expects, also in layers left unswapped) with one :class:`GProjFallbackWarning` per module for other mask patterns (holes in the
 padding, left padding of a non-causal or cached call), float masks, ``position_bias``,
-attention sinks (``s_aux``), and head dims the op does not take. Packed sequences (batch 1, several
+attention sinks (``s_aux``), and head dims the op does not take (on every path: plain, padded, windowed,
+packed). A call whose attention weights are asked for (``output_attentions=True``) runs the model's eager
+attention, which returns them — with the warning in a swapped layer, silently in a layer left unswapped. Packed sequences (batch 1, several
 sequences flattened into one row, as ``DataCollatorWithFlattening`` builds them) are served through
 ``gproj_attn_varlen_func``, as transformers' flash-attention integration computes them (not as
 ``sdpa_attention_forward``, which lets packed sequences see each other when no mask was built): from
@@ -53,7 +55,7 @@ import torch
 from torch import nn
 
 from . import sdpa
-from ._common import Guard, Site, dropout_reason
+from ._common import Guard, Site, dropout_reason, op_reason
 
 #: The name registered in ``AttentionInterface`` and ``AttentionMaskInterface``.
 NAME = "gproj"
@@ -103,6 +105,30 @@ def _sdpa_forward(kwargs: Optional[dict] = None):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward
+
+
+def _weights_requested(kwargs: dict) -> bool:
+    """Whether the caller asked for the attention weights: ``output_attentions`` handed to the attention function (as
+    some models do), or transformers' output collector (``capture_outputs``, transformers 5) collecting attention
+    weights now. The op computes none, so such calls run the model's eager attention."""
+    if kwargs.get("output_attentions"):
+        return True
+    collector = getattr(sys.modules.get("transformers.utils.output_capturing"), "_active_collector", None)
+    if collector is None:
+        return False
+    if torch.compiler.is_compiling():  # its ContextVar is not traced; under compile it keeps a plain attribute
+        collected = collector.global_var if getattr(collector, "compiling", False) else None
+    else:
+        collected = collector.get()
+    return isinstance(collected, dict) and any(key.endswith("attentions") for key in collected)
+
+
+def _weights_forward(module, kwargs: dict):
+    """The attention function for a call whose weights were asked for: the model's eager attention where its
+    module defines one (:func:`_eager_forward`), else :func:`_sdpa_forward`'s."""
+    if hasattr(sys.modules.get(type(module).__module__), "eager_attention_forward"):
+        return _eager_forward
+    return _sdpa_forward(kwargs)
 
 
 def _eager_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -257,6 +283,11 @@ def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling,
         return reason, None
     if not all(isinstance(t, torch.Tensor) for t in (query, key, value)) or query.dim() != 4:
         return "query/key/value are not 4-D tensors", None
+    if value.shape[-1] != query.shape[-1]:
+        return f"value headdim {value.shape[-1]} differs from query headdim {query.shape[-1]}", None
+    reason = op_reason(query.shape[-1], query.numel(), key.numel(), scaling)  # every path below serves through the op
+    if reason is not None:
+        return reason, None
     packed = _packed_cu_seqlens(query, key, kwargs)
     if packed is not None:
         reason, call = _plan_packed(module, query, key, value, attention_mask, scaling, is_causal, packed, window,
@@ -334,13 +365,18 @@ def gproj_attention_forward(
     """``transformers`` attention function ``"gproj"``: query (batch, heads, Nq, dim), key/value
     (batch, kv_heads, Nk, dim) -> ``(attn_output (batch, Nq, heads, dim), None)``."""
     site: Optional[Site] = getattr(module, "_gproj_site", None)
+    weights = _weights_requested(kwargs)
+    original = _weights_forward(module, kwargs) if weights else _sdpa_forward(kwargs)
     if site is None or site.keep or Guard.depth > 0:
-        return _sdpa_forward(kwargs)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
-    reason, call = plan(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+        return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    if weights:
+        reason, call = "output_attentions=True (the op computes no attention weights)", None
+    else:
+        reason, call = plan(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
     if reason is not None:
         site.fallback(reason)
         with Guard():
-            return _sdpa_forward(kwargs)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+            return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     site.served += 1
     q, k, v, scale, causal, seqlens_k, window, softcap, packed, unpad = call
     with Guard():  # an enclosing SDPAMode must not take the SDPA call of an fp32 remediation

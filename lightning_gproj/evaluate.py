@@ -33,6 +33,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 import statistics
 import sys
 from typing import Any, Optional, Sequence
@@ -143,6 +145,13 @@ def evaluate(
         )
 
     gn, zs = monitors()
+    for arm, series in (("stressed", stressed), ("healthy", healthy)):
+        # logs without either monitor's series would replay to "no alert, no false alarm": say so instead
+        if not any(k.startswith(f"{gn.prefix}/") or keys.parse_layer_key(zs.prefix, k) is not None for k in series):
+            raise ValueError(
+                f"the {arm} logs hold no GradNormMonitor ('{gn.prefix}/...') or ZeroSumMonitor ('{zs.prefix}/<layer>/"
+                f"...') metrics (found: {sorted(series)[:8] or 'none'}); if the run used other prefixes, give them "
+                f"in --config")
     stressed_alerts = replay(stressed, gn, zs)
     gn_h, zs_h = monitors()
     healthy_alerts = replay(healthy, gn_h, zs_h)
@@ -183,10 +192,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--json", help="also write the result as JSON to this path")
     args = parser.parse_args(argv)
+    if not 0 <= args.baseline[0] <= args.baseline[1]:
+        parser.error(f"--baseline START END must satisfy 0 <= START <= END, got {args.baseline[0]} {args.baseline[1]}")
+    if not (math.isfinite(args.factor) and args.factor > 1):
+        parser.error(f"--factor must be a finite number > 1 (a multiple of the baseline median), got {args.factor}")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json: the folder of {args.json} does not exist")
     config = None
     if args.config:
-        with open(args.config) as f:
-            config = json.load(f)
+        try:
+            with open(args.config) as f:
+                config = json.load(f)
+        except (OSError, ValueError) as exc:  # missing, unreadable, not JSON
+            parser.error(f"--config {args.config}: {exc}")
+        if not isinstance(config, dict):
+            parser.error(f"--config must hold a JSON object {{'GradNormMonitor': {{...}}, 'ZeroSumMonitor': {{...}}}}, "
+                         f"got {type(config).__name__}")
     try:
         result = evaluate(
             load_logs(args.stressed), load_logs(args.healthy), config,

@@ -42,20 +42,28 @@ _LAYER_PANELS = (
 
 
 def _read_csv(path: Path) -> Series:
+    """The metrics of a CSVLogger ``metrics.csv``; ValueError naming the file when it holds no value with a step
+    (empty, the header only, no ``step`` column, not a CSV): every consumer would otherwise read "nothing happened"."""
     out: Series = {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            try:
-                step = int(float(row["step"]))
-            except (KeyError, TypeError, ValueError):
-                continue
-            for key, value in row.items():
-                if key in ("step", "epoch") or value in ("", None):
-                    continue
+    try:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
                 try:
-                    out.setdefault(key, {})[step] = float(value)
-                except ValueError:
+                    step = int(float(row["step"]))
+                except (KeyError, TypeError, ValueError):
                     continue
+                for key, value in row.items():
+                    if key in ("step", "epoch") or value in ("", None):
+                        continue
+                    try:
+                        out.setdefault(key, {})[step] = float(value)
+                    except (TypeError, ValueError):
+                        continue
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise ValueError(f"{path} is not a CSV file ({exc})") from None
+    if not out:
+        raise ValueError(f"{path} holds no metric value with a step (a CSVLogger metrics.csv has a 'step' column and "
+                         f"a row per logged step); is the run logging yet?")
     return out
 
 
@@ -83,7 +91,8 @@ def load_logs(logdir: str | os.PathLike) -> Series:
 
     Raises:
         FileNotFoundError: nothing readable below ``logdir``.
-        ValueError: several ``metrics.csv`` below ``logdir`` (pass the version directory).
+        ValueError: several ``metrics.csv`` below ``logdir`` (pass the version directory); a ``metrics.csv`` with no
+            value with a step, or not a CSV.
         RuntimeError: only event files, and ``tensorboard`` is not installed.
     """
     path = Path(logdir)

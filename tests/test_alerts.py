@@ -382,6 +382,33 @@ def test_harness_measures_lead_time_and_false_alarms_on_synthetic_traces(tmp_pat
     assert (tmp_path / "out.json").exists()
 
 
+def test_evaluate_cli_refuses_what_it_cannot_evaluate(tmp_path, capsys):
+    """Bad arguments and logs without the monitors' series end with an error naming them (exit 2), never a traceback
+    nor "false alarms: 0" for logs with nothing to replay (new-user pass 12)."""
+    stressed = synthetic(0, 300, leak_rise_at=200, blowup_at=None)
+    good = write_csv(tmp_path / "good", stressed)
+    other = write_csv(tmp_path / "other", {"train_loss": {0: 1.0, 1: 0.9}})
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    for argv, words in [
+        ([str(other), str(good)], "the stressed logs hold no GradNormMonitor"),
+        ([str(good), str(other)], "the healthy logs hold no GradNormMonitor"),
+        ([str(good), str(good), "--config", str(tmp_path / "missing.json")], "--config"),
+        ([str(good), str(good), "--config", str(tmp_path / "bad.json")], "--config"),
+        ([str(good), str(good), "--config", str(tmp_path / "list.json")], "JSON object"),
+        ([str(good), str(good), "--baseline", "500", "100"], "--baseline"),
+        ([str(good), str(good), "--factor", "-1"], "--factor"),
+        ([str(good), str(good), "--json", str(tmp_path / "nonexistent" / "out.json")], "--json"),
+    ]:
+        try:
+            code = evaluate_main(argv)
+        except SystemExit as exc:  # argparse's own error exit
+            code = exc.code
+        err = capsys.readouterr().err
+        assert code == 2 and words in err and "Traceback" not in err, (argv, err)
+    assert evaluate_main([str(good), str(good)]) == 0
+
+
 def test_harness_counts_alerts_on_the_healthy_twin_as_false_alarms():
     stressed = synthetic(3, 900, leak_rise_at=300, blowup_at=700)
     healthy = synthetic(3, 900, leak_rise_at=300, blowup_at=None)  # a "healthy" twin whose leak rises too

@@ -144,6 +144,21 @@ def test_clear_errors(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "two" / "version_0" / "dashboard.png").exists()
 
 
+@pytest.mark.parametrize("content", [b"", b"step,loss\n", b"loss,epoch\n1.0,0\n", b"\x89PNG\r\n\x1a\n\x00\xff\xfe"],
+                         ids=["empty", "header_only", "no_step_column", "binary"])
+def test_a_metrics_csv_without_values_is_an_error(tmp_path, content, capsys):
+    """No value with a step (or not a CSV at all) is an error naming the file, not an empty dashboard ("0 metrics")
+    nor an evaluation of nothing (new-user pass 12)."""
+    d = tmp_path / "version_0"
+    d.mkdir()
+    (d / "metrics.csv").write_bytes(content)
+    with pytest.raises(ValueError, match="metrics.csv (holds no metric value with a step|is not a CSV file)"):
+        load_logs(d)
+    assert main([str(d)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "metrics.csv" in err and not (d / "dashboard.png").exists()
+
+
 def test_loss_panel_takes_training_losses_only():
     """The loss panel's series: every training loss however it is grouped, not the loss detector's statistics,
     alert levels, a layer named "loss", validation / test losses or the epoch aggregate of a step-level loss."""

@@ -12,9 +12,9 @@ and PTX instruction counts of each:
 
     python benchmarks/dropout_ptx.py none join split
 """
+import argparse
 import os
 import re
-import sys
 from collections import Counter
 os.environ.pop("TRITON_INTERPRET", None)
 import triton, triton.language as tl
@@ -91,7 +91,9 @@ def make(fn):
     return k_drop
 
 sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*fp32", "bh": "i32", "seed_lo": "i32", "seed_hi": "i32", "drop_off": "i32", "drop_thr": "i32", "N": "i32", "BM": "constexpr", "BN": "constexpr", "D": "constexpr", "APPLY": "constexpr"}
-for name in sys.argv[1:]:
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("variants", nargs="+", choices=sorted(VARIANTS), help="the variants to compile")
+for name in parser.parse_args().variants:
     fn = VARIANTS[name]
     kern = make(fn)
     try:

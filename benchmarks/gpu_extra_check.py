@@ -5,6 +5,7 @@ Usage: GPROJ_TRITON_AUTOTUNE=0 python benchmarks/gpu_extra_check.py
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -20,6 +21,7 @@ def rel(a, b):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.manual_seed(0)
     dev = "cuda"
     for (b, nq, nk, h, hk, d, causal, dt) in [

@@ -9,6 +9,7 @@ rounding noise that differs between two implementations whenever one fp32 ulp fl
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -24,6 +25,7 @@ def rel(a, b):
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.manual_seed(0)
     ok = True
     cases = [  # batch, nq, nk, h, hk, d, causal, lengths

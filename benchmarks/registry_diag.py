@@ -1,10 +1,14 @@
 """Why SDPA calls did not reach GProj in registry mode on the H200 (run 11): dispatcher state and the
-backend SDPA picks while "GProj" is active. Usage: python benchmarks/registry_diag.py"""
-import torch
-import torch.nn.functional as F
-import torch.nn.attention as A
+backend SDPA picks while "GProj" is active. Usage: python benchmarks/registry_diag.py (an sm_90 GPU)"""
+import argparse
 
-import lightning_gproj.sdpa_registry as R
+argparse.ArgumentParser(description=__doc__).parse_args()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import torch.nn.attention as A  # noqa: E402
+
+import lightning_gproj.sdpa_registry as R  # noqa: E402
 
 op = "aten::_scaled_dot_product_flash_attention"
 print("torch", torch.__version__, "impls", A.list_flash_attention_impls(), "missing_api", R.missing_api())

@@ -9,6 +9,7 @@ scale) and validation loss against the step.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -39,7 +40,12 @@ def max_over(series: dict[str, dict[int, float]], keep) -> dict[int, float]:
 
 
 def main(argv: list[str]) -> None:
-    out, root, labels = argv[0], argv[1], argv[2:]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", help="PNG path to write")
+    parser.add_argument("root", help="LOGROOT: the folder holding LABEL-{none,gproj,fp32}/")
+    parser.add_argument("labels", nargs="+", help="stress settings (LABEL), one row each")
+    args = parser.parse_args(argv)
+    out, root, labels = args.out, args.root, args.labels
     fig, axes = plt.subplots(len(labels), len(PANELS), figsize=(4.2 * len(PANELS), 3.2 * len(labels)), squeeze=False)
     for row, label in enumerate(labels):
         data = {arm: load(os.path.join(root, f"{label}-{arm}")) for arm in ARMS}

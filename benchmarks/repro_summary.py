@@ -12,6 +12,7 @@ growth (peak after step 500 over the median of steps 100–500), with each arm's
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import math
@@ -106,7 +107,13 @@ def fmt(x) -> str:
 
 
 def main(argv: list[str]) -> None:
-    out_path, arms = argv[0], dict(a.split("=", 1) for a in argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", help="JSON path to write")
+    parser.add_argument("arms", nargs="+", metavar="ARM=LOGDIR", help="each arm's CSV log directory, e.g. none=logs/x")
+    args = parser.parse_args(argv)
+    if not all("=" in a for a in args.arms):
+        parser.error(f"arms must be ARM=LOGDIR, got {[a for a in args.arms if '=' not in a]}")
+    out_path, arms = args.out, dict(a.split("=", 1) for a in args.arms)
     all_series = {arm: load(d) for arm, d in arms.items()}
     result = {arm: summarize(series) for arm, series in all_series.items()}
     common = at_common_step(all_series)

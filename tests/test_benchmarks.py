@@ -212,3 +212,15 @@ def test_train_step_attention_dropout_reaches_every_arm(tmp_path):
         losses[p] = {r["arm"]: r["loss_first"] for r in rows}
     for arm in ("cudnn", "gproj"):
         assert abs(losses[0.5][arm] - losses[0.0][arm]) > 1e-3, (arm, losses)
+
+
+SCRIPTS = sorted(p.name for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_benchmark_script_prints_its_help_without_starting_work(script, tmp_path):
+    """``python benchmarks/X.py --help`` prints the usage and exits 0 on a machine without a GPU (six scripts
+    started their work, crashed or read --help as an argument; new-user pass 12)."""
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--help"], cwd=str(REPO), capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:"), (proc.stdout[-2000:], proc.stderr[-2000:])

@@ -183,6 +183,9 @@ def test_left_padded_prompt_of_generate_is_served_and_decodes_as_the_original(op
     assert torch.equal(got, ref)
     site = report.sites["model.layers.0.self_attn"]
     assert site.served >= 1 and not any("packed" in reason for reason in site.fallbacks)
+    # the decode steps (one query, cached keys, left padding) fall back, and their reason says so
+    assert site.served == 1 and sum(site.fallbacks.values()) == 3
+    assert all("a cached call with left padding" in reason for reason in site.fallbacks), site.fallbacks
 
 
 def test_attention_sinks_fall_back_to_the_models_eager_attention():

@@ -343,7 +343,10 @@ def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling,
             valid = _padded_keys(attention_mask, tril) if key.shape[2] == n_q else None
             if valid is not None and _is_suffix(valid):
                 return _plan_unpadded(query, key, value, valid, scaling, None, float(softcap))
-            reason = "an attention_mask with another pattern than causal & right or left padding"
+            reason = ("an attention_mask with another pattern than causal & right padding, or causal & left padding "
+                      "without a cache (Nq == Nk; a cached call with left padding, as generate's decode steps, "
+                      "falls back)" if key.shape[2] != n_q else
+                      "an attention_mask with another pattern than causal & right or left padding")
         return reason, None
     return None, (
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling, causal or causal_mask, seqlens_k,

@@ -369,6 +369,29 @@ def test_eager_model_is_switched_and_restored(op_spy):
     assert torch.equal(swapped(ids).logits, model(ids).logits)
 
 
+def test_eager_model_runs_eager_where_gproj_does_not_serve(op_spy):
+    """An eager model's layer left unswapped, and a swapped layer's fallback, run the model's eager attention — what
+    it ran before, bit for bit — not SDPA (the swap report says "left alone"; new-user pass 12)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = _inputs("llama")["input_ids"]
+    swapped = copy.deepcopy(model)
+    swap_attention(swapped, include="model.layers.0*", fix="none")
+    mask = torch.ones_like(ids)
+    mask[0, 3] = 0  # a hole: every layer falls back (layer 0 with a warning)
+    with pytest.warns(GProjFallbackWarning, match="model.layers.0.self_attn"):
+        got = swapped(ids, attention_mask=mask).logits
+    assert torch.equal(got, model(ids, attention_mask=mask).logits) and op_spy.calls == []
+    swapped(ids)  # served in layer 0, left alone (eager) in layer 1
+    assert [c["stats_name"] for c in op_spy.calls] == ["model.layers.0.self_attn"]
+    assert "_gproj_hf_impl" in vars(swapped.model.layers[1].self_attn)
+    unswap_attention(swapped)
+    assert not any("_gproj_hf_impl" in vars(m) for m in swapped.modules())
+
+
 class LitLlama(L.LightningModule):
     def __init__(self):
         super().__init__()

@@ -233,6 +233,7 @@ def swap_attention(
         bindings = flash_attn.call_sites(module, known_flash) if known_flash else []
         if path in hf_reasons:
             implementation = hf_reasons[path][1]
+            module._gproj_hf_impl = implementation  # what its unserved calls run (hf._original_forward)
             original = f"{type(module).__name__}: transformers attention ({implementation!r})"
             reason = reason or hf_reasons[path][0]
             if reason is not None:

@@ -7,8 +7,8 @@ attention function :func:`gproj_attention_forward` and, as mask builder, ``trans
 mask builder (``sdpa_mask``), which returns None for a purely causal (or full) mask and a boolean
 (batch, 1, Nq, Nk) mask otherwise. :func:`swap_model` sets ``"gproj"`` with
 ``model.set_attn_implementation`` (config attribute on versions without it) and gives every attention
-module a :class:`Site` (``module._gproj_site``); unselected modules get none and run
-``sdpa_attention_forward`` silently. ``transformers`` (>= 4.53, for ``AttentionMaskInterface``) is optional: nothing here imports it
+module a :class:`Site` (``module._gproj_site``); unselected modules get none and run, silently, what the model ran
+before (its eager attention for ``"eager"``, else ``sdpa_attention_forward``: :func:`_original_forward`). ``transformers`` (>= 4.53, for ``AttentionMaskInterface``) is optional: nothing here imports it
 unless the model is a ``transformers`` model (it is imported then).
 
 Served, as ``sdpa_attention_forward`` would compute it: mask None (causal from ``is_causal`` /
@@ -26,9 +26,9 @@ op's own Philox mask); sliding-window layers (the
 j > i − W, with the causal mask, i.e. the op's ``window_size=(W − 1, 0)``; the boolean mask
 ``sdpa_mask`` builds for it is checked value by value against that band, or (Nq == Nk) against the band
 & right key padding, served with ``seqlens_k``, or & left key padding, served unpadded), and Gemma 2's
-logit ``softcap``. Falls back to ``sdpa_attention_forward`` (the model's own ``eager_attention_forward``
-when the call carries a softcap, which SDPA refuses, or attention sinks, which it ignores; given the
-additive mask eager expects, also in layers left unswapped) with one :class:`GProjFallbackWarning` per module for other mask patterns (holes in the
+logit ``softcap``. Falls back to ``sdpa_attention_forward`` — or the model's own ``eager_attention_forward``, given
+the additive mask eager expects, where the model ran ``"eager"`` before the swap, or the call carries a softcap,
+which SDPA refuses, or attention sinks, which it ignores (also in layers left unswapped, which run the same) — with one :class:`GProjFallbackWarning` per module for other mask patterns (holes in the
 padding, left padding of a non-causal or cached call), float masks, ``position_bias``,
 attention sinks (``s_aux``), and head dims the op does not take (on every path: plain, padded, windowed,
 packed). A call whose attention weights are asked for (``output_attentions=True``) runs the model's eager
@@ -123,10 +123,13 @@ def _weights_requested(kwargs: dict) -> bool:
     return isinstance(collected, dict) and any(key.endswith("attentions") for key in collected)
 
 
-def _weights_forward(module, kwargs: dict):
-    """The attention function for a call whose weights were asked for: the model's eager attention where its
-    module defines one (:func:`_eager_forward`), else :func:`_sdpa_forward`'s."""
-    if hasattr(sys.modules.get(type(module).__module__), "eager_attention_forward"):
+def _original_forward(module, kwargs: dict, weights: bool = False):
+    """The attention function of a call GProj does not serve (a fallback, or a module left unswapped): the model's
+    eager attention (:func:`_eager_forward`) where the model ran ``"eager"`` before the swap
+    (``module._gproj_hf_impl``, set by the swap) or the call's weights were asked for, and its module defines
+    one; else :func:`_sdpa_forward`'s choice."""
+    eager = hasattr(sys.modules.get(type(module).__module__), "eager_attention_forward")
+    if eager and (weights or module.__dict__.get("_gproj_hf_impl") == "eager"):
         return _eager_forward
     return _sdpa_forward(kwargs)
 
@@ -369,7 +372,7 @@ def gproj_attention_forward(
     (batch, kv_heads, Nk, dim) -> ``(attn_output (batch, Nq, heads, dim), None)``."""
     site: Optional[Site] = getattr(module, "_gproj_site", None)
     weights = _weights_requested(kwargs)
-    original = _weights_forward(module, kwargs) if weights else _sdpa_forward(kwargs)
+    original = _original_forward(module, kwargs, weights)
     if site is None or site.keep or Guard.depth > 0:
         return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     if weights:
@@ -430,6 +433,7 @@ def swap_module(module: nn.Module, name: str, fix: str, site: Optional[Site] = N
 def unswap_module(module: nn.Module) -> bool:
     """Undo :func:`swap_module` or :func:`swap_model` on one module; returns whether it was swapped."""
     count = False
+    module.__dict__.pop("_gproj_hf_impl", None)
     if "_gproj_site" in module.__dict__ and is_attention_module(module):
         del module._gproj_site
         count = True

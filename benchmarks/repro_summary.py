@@ -31,7 +31,11 @@ def load(logdir: str) -> dict[str, dict[int, float]]:
         return load_logs(logdir)
     series: dict[str, dict[int, float]] = {}
     for version in versions:
-        for key, values in load_logs(version).items():
+        try:
+            segment = load_logs(version)
+        except ValueError:  # a segment that logged nothing (a resume cut before its first step): nothing to merge
+            continue
+        for key, values in segment.items():
             series.setdefault(key, {}).update(values)
     return series
 

@@ -689,8 +689,13 @@ def project_key_sum_(
         starts = torch.as_tensor(key_start, device=dk.device, dtype=torch.long).expand(lens.numel())
         valid = (torch.arange(dk.shape[0], device=dk.device) - cu[seq] >= starts[seq])[:, None, None]
         if key_sums is None:
+            # one fp64 reduction per sequence, in a fixed order (an index_add_ on CUDA adds in any order: the gradients
+            # would not be bit-reproducible, which deterministic=True promises)
+            bounds = cu.tolist()
             total = torch.zeros((lens.numel(),) + dk.shape[1:], dtype=torch.float64, device=dk.device)
-            total.index_add_(0, seq, (dk * valid).double())
+            for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+                if b > a:
+                    total[i] = (dk[a:b] * valid[a:b]).sum(0, dtype=torch.float64)
         else:
             total = key_sums.double()
         count = torch.zeros(lens.numel(), dtype=torch.float64, device=dk.device)

@@ -18,7 +18,8 @@ Definitions (issue 4):
 
 * divergence step D = the first step s >= ``baseline_start`` whose global grad norm exceeds ``factor``
   (10) × the median of the global grad norm over steps [``baseline_start``, ``baseline_end``]
-  (100–500); None if no step does;
+  (100–500); None if no step does (with several optimizers, optimizer 0's norm; each optimizer's series are
+  replayed into its own detectors);
 * lead time = D − (step of the first alert of the stressed arm); positive = warned before;
 * false alarms = number of alerts in the healthy twin (all steps).
 
@@ -35,6 +36,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import statistics
 import sys
 from typing import Any, Optional, Sequence
@@ -43,24 +45,39 @@ from lightning_gproj.callbacks import Alert, GradNormMonitor, ZeroSumMonitor, ke
 from lightning_gproj.report import Series, load_logs
 
 
+def optimizer_prefixes(series: Series, prefix: str) -> list[str]:
+    """The GradNormMonitor series heads in ``series``: ``[prefix]`` for one optimizer, ``[prefix/opt0, prefix/opt1,
+    ...]`` where the run had several (the monitor's names then carry ``opt{i}/``)."""
+    pattern = re.compile(re.escape(prefix) + r"/opt(\d+)/(global|loss)$")
+    several = sorted({int(m.group(1)) for k in series if (m := pattern.match(k))})
+    return [keys.metric(prefix, f"opt{i}") for i in several] or [prefix]
+
+
 def replay(series: Series, grad_norm: GradNormMonitor, zero_sum: ZeroSumMonitor) -> list[Alert]:
-    """Feed the logged ``series`` to the monitors' detectors in step order; returns their alerts."""
-    g = grad_norm.prefix
-    glob = series.get(keys.metric(g, "global"), {})
-    loss = series.get(keys.metric(g, "loss"), {}) if grad_norm.loss else {}
-    layer_head = keys.metric(g, "layer", "")
-    layer_keys = {k: k[len(layer_head):] for k in series if k.startswith(layer_head)}
+    """Feed the logged ``series`` to the monitors' detectors in step order (with several optimizers, each one's norms
+    and loss to its own detectors); returns their alerts."""
+    heads = optimizer_prefixes(series, grad_norm.prefix)
+    several = heads != [grad_norm.prefix]
+    per_opt = []
+    for head in heads:
+        layer_head = keys.metric(head, "layer", "")
+        per_opt.append((
+            series.get(keys.metric(head, "global"), {}),
+            series.get(keys.metric(head, "loss"), {}) if grad_norm.loss else {},
+            {k: k[len(layer_head):] for k in series if k.startswith(layer_head)},
+        ))
     zs_keys = [k for k in series if keys.parse_layer_key(zero_sum.prefix, k) is not None]
-    steps = sorted(set(glob) | set(loss) | {s for k in zs_keys for s in series[k]})
+    steps = sorted({s for glob, loss, _ in per_opt for s in (*glob, *loss)} | {s for k in zs_keys for s in series[k]})
     alerts: list[Alert] = []
     for step in steps:
-        if step in glob:
-            layers = {name: series[k][step] for k, name in layer_keys.items() if step in series[k]}
-            _, _, new = grad_norm.observe(step, glob[step], layers)
-            alerts += new
-        if step in loss:
-            _, new = grad_norm.observe_loss(step, loss[step])
-            alerts += new
+        for opt_idx, (glob, loss, layer_keys) in enumerate(per_opt):
+            if step in glob:
+                layers = {name: series[k][step] for k, name in layer_keys.items() if step in series[k]}
+                _, _, new = grad_norm.observe(step, glob[step], layers, opt_idx, several)
+                alerts += new
+            if step in loss:
+                _, new = grad_norm.observe_loss(step, loss[step], opt_idx, several)
+                alerts += new
         metrics = {k: series[k][step] for k in zs_keys if step in series[k]}
         if metrics:
             new, _ = zero_sum.observe(step, metrics)
@@ -138,11 +155,18 @@ def evaluate(
     if unknown:
         raise ValueError(f"`config` keys must be 'GradNormMonitor' and/or 'ZeroSumMonitor', got {sorted(unknown)}")
 
+    for name, section in config.items():
+        if not isinstance(section, dict):
+            raise ValueError(f"`config[{name!r}]` must be a dict of {name}'s keyword arguments, got {section!r}")
+
     def monitors() -> tuple[GradNormMonitor, ZeroSumMonitor]:
-        return (
-            GradNormMonitor(print_summary=False, **config.get("GradNormMonitor", {})),
-            ZeroSumMonitor(print_summary=False, **config.get("ZeroSumMonitor", {})),
-        )
+        built = []
+        for cls in (GradNormMonitor, ZeroSumMonitor):
+            try:
+                built.append(cls(print_summary=False, **config.get(cls.__name__, {})))
+            except TypeError as exc:  # an argument the monitor does not take
+                raise ValueError(f"`config[{cls.__name__!r}]`: {exc}") from None
+        return built[0], built[1]
 
     gn, zs = monitors()
     for arm, series in (("stressed", stressed), ("healthy", healthy)):
@@ -155,9 +179,11 @@ def evaluate(
     stressed_alerts = replay(stressed, gn, zs)
     gn_h, zs_h = monitors()
     healthy_alerts = replay(healthy, gn_h, zs_h)
-    grad_key = f"{gn.prefix}/global"
-    div, median = divergence_step(stressed.get(grad_key, {}), baseline_start, baseline_end, factor)
-    healthy_div, _ = divergence_step(healthy.get(grad_key, {}), baseline_start, baseline_end, factor)
+    # the divergence is read off the (first) optimizer's global norm
+    div, median = divergence_step(stressed.get(keys.metric(optimizer_prefixes(stressed, gn.prefix)[0], "global"), {}),
+                                  baseline_start, baseline_end, factor)
+    healthy_div, _ = divergence_step(healthy.get(keys.metric(optimizer_prefixes(healthy, gn.prefix)[0], "global"), {}),
+                                     baseline_start, baseline_end, factor)
     first = min((a.step for a in stressed_alerts), default=None)
     by_signal: dict[str, int] = {}
     for a in stressed_alerts:

@@ -390,12 +390,16 @@ def test_evaluate_cli_refuses_what_it_cannot_evaluate(tmp_path, capsys):
     other = write_csv(tmp_path / "other", {"train_loss": {0: 1.0, 1: 0.9}})
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "section.json").write_text('{"GradNormMonitor": 3}')
+    (tmp_path / "typo.json").write_text('{"GradNormMonitor": {"windw": 4}}')
     for argv, words in [
         ([str(other), str(good)], "the stressed logs hold no GradNormMonitor"),
         ([str(good), str(other)], "the healthy logs hold no GradNormMonitor"),
         ([str(good), str(good), "--config", str(tmp_path / "missing.json")], "--config"),
         ([str(good), str(good), "--config", str(tmp_path / "bad.json")], "--config"),
         ([str(good), str(good), "--config", str(tmp_path / "list.json")], "JSON object"),
+        ([str(good), str(good), "--config", str(tmp_path / "section.json")], "`config['GradNormMonitor']` must be a dict"),
+        ([str(good), str(good), "--config", str(tmp_path / "typo.json")], "`config['GradNormMonitor']`: "),
         ([str(good), str(good), "--baseline", "500", "100"], "--baseline"),
         ([str(good), str(good), "--factor", "-1"], "--factor"),
         ([str(good), str(good), "--json", str(tmp_path / "nonexistent" / "out.json")], "--json"),
@@ -407,6 +411,28 @@ def test_evaluate_cli_refuses_what_it_cannot_evaluate(tmp_path, capsys):
         err = capsys.readouterr().err
         assert code == 2 and words in err and "Traceback" not in err, (argv, err)
     assert evaluate_main([str(good), str(good)]) == 0
+
+
+def test_evaluate_replays_each_optimizers_series_into_its_own_detectors():
+    """Logs of a run with two optimizers ({p}/opt{i}/global, {p}/opt{i}/loss) replay as the monitor ran online: each
+    optimizer's norms and loss into its own detectors, the divergence read off optimizer 0's norm (they replayed
+    nothing and read 'false alarms: 0'; review of session 27)."""
+    base = synthetic(0, 1600, leak_rise_at=None, blowup_at=1300)["grad_norm/global"]
+    calm = synthetic(1, 1600, leak_rise_at=None, blowup_at=None)["grad_norm/global"]
+    stressed = {"grad_norm/opt0/global": base, "grad_norm/opt0/loss": calm,
+                "grad_norm/opt1/global": calm, "grad_norm/opt1/loss": {s: 20 * v for s, v in calm.items()}}
+    healthy = {k: calm for k in stressed}
+    result = evaluate(stressed, healthy)
+    assert result.divergence_step == divergence_step(base)[0] is not None
+    assert set(result.first_alert_by_signal) == {"grad_norm/opt0/global"} and result.false_alarms == 0
+    # online, the same numbers through observe(..., opt_idx, several=True) raise the same alerts
+    online = GradNormMonitor(print_summary=False)
+    alerts = []
+    for step in sorted(base):
+        for i in (0, 1):
+            alerts += online.observe(step, stressed[f"grad_norm/opt{i}/global"][step], {}, i, True)[2]
+            alerts += online.observe_loss(step, stressed[f"grad_norm/opt{i}/loss"][step], i, True)[1]
+    assert [a.as_dict() for a in alerts] == result.stressed_alerts
 
 
 def test_harness_counts_alerts_on_the_healthy_twin_as_false_alarms():

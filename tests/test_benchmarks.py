@@ -224,3 +224,13 @@ def test_every_benchmark_script_prints_its_help_without_starting_work(script, tm
     proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--help"], cwd=str(REPO), capture_output=True,
                           text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0 and proc.stdout.startswith("usage:"), (proc.stdout[-2000:], proc.stderr[-2000:])
+
+
+def test_repro_summary_merges_the_segments_that_logged_and_skips_an_empty_one(tmp_path):
+    """A resumed run logs each segment to a new version folder; one that logged nothing (the header only) is skipped,
+    the others merged with the later segment winning a step logged twice."""
+    summary = load_script("benchmarks/repro_summary.py", "repro_summary")
+    for version, text in ((0, "step,loss\n0,3.0\n1,2.0\n"), (1, "step,loss\n"), (2, "step,loss\n1,1.5\n2,1.0\n")):
+        (tmp_path / f"version_{version}").mkdir()
+        (tmp_path / f"version_{version}" / "metrics.csv").write_text(text)
+    assert summary.load(str(tmp_path)) == {"loss": {0: 3.0, 1: 1.5, 2: 1.0}}

@@ -18,6 +18,7 @@ import logging
 import warnings
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -234,7 +235,7 @@ def test_head_dim_the_op_does_not_take_falls_back_on_every_path(case, op_spy):
         kwargs = dict(attention_mask=torch.tensor([[1] * 8, [0, 0, 0] + [1] * 5]))
     with pytest.warns(GProjFallbackWarning, match="headdim 12"):
         out = swapped(ids, **kwargs).logits
-    assert torch.equal(out, model(ids, **kwargs).logits) if case != "packed" else out.shape == (1, 8, VOCAB)
+    assert torch.equal(out, model(ids, **kwargs).logits)  # the original attention, with the same arguments
     assert op_spy.calls == []
 
 
@@ -544,3 +545,26 @@ def test_packed_mask_that_is_not_block_diagonal_falls_back(op_spy, monkeypatch):
     with pytest.warns(GProjFallbackWarning, match="not their block-diagonal mask"):
         out = swapped(**kwargs).logits
     assert torch.equal(out, model(**kwargs).logits) and op_spy.calls == []
+
+
+@pytest.mark.parametrize("kwargs, served", [
+    (dict(softcap=float("inf")), False), (dict(softcap=float("nan")), False), (dict(softcap=True), False),
+    (dict(softcap=-1.0), False), (dict(softcap=np.float32(2.0)), True), (dict(softcap=torch.tensor(2.0)), True),
+    (dict(sliding_window=np.int64(4)), True), (dict(sliding_window=True), False), (dict(sliding_window=2.0), False),
+])
+def test_softcap_and_window_values_are_checked_as_the_op_checks_them(kwargs, served):
+    """The values a model hands the attention function are served where the op takes them and fall back (with a
+    reason naming them) where it would raise — an inf softcap reached the op and raised inside the forward, a NumPy
+    one fell back with a false reason (review of session 27)."""
+    from lightning_gproj.swap import hf
+
+    module = nn.Module()
+    module.is_causal = True
+    q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+    reason, call = hf.plan(module, q, k, k, None, 0.0, 0.25, None, kwargs)
+    assert (reason is None) == served, reason
+    if not served:
+        assert reason.startswith(next(iter(kwargs)) + "="), reason
+    else:
+        assert call[7] == pytest.approx(float(kwargs.get("softcap", 0.0)))
+        assert call[6] == ((int(kwargs["sliding_window"]) - 1, 0) if "sliding_window" in kwargs else (-1, -1))

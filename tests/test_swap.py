@@ -14,6 +14,7 @@ import copy
 import functools
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1129,3 +1130,19 @@ def test_strict_swap_raises_instead_of_falling_back(op_spy):
     assert len(op_spy.calls) == 1
     with pytest.raises(TypeError, match="`strict` must be a bool"):
         swap_attention(model, strict="yes")
+
+
+@pytest.mark.parametrize("scale", [torch.tensor([0.3]), torch.tensor(0.3), np.float32(0.3), 0.3])
+def test_fp32_arm_takes_every_scale_the_op_takes(scale):
+    """A site in the fp32 remediation arm runs SDPA itself, which takes a float only: a (1,) tensor scale (the op and
+    the swaps' checks take it) raised a TypeError there (review of session 27). Checked against float64 attention."""
+    from _fp64 import attention_fp64
+    from lightning_gproj.swap._common import Site
+
+    site = Site("m", "Module", "gproj")
+    site.compute_dtype = torch.float32
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 4, 8, generator=g) for _ in range(3))
+    o = site.attention(q, k, v, softmax_scale=scale, causal=True)
+    want = attention_fp64(q.double(), k.double(), v.double(), torch.zeros(2, 5, 4, 8, dtype=torch.float64), 0.3, True)[0]
+    assert torch.allclose(o.double(), want, atol=1e-6)

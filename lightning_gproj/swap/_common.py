@@ -305,7 +305,8 @@ class Site:
             keys = keys.transpose(2, 3)
             mask = keys if mask is None else keys & mask
         with torch.autocast(q.device.type, enabled=False):
-            o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=softmax_scale,
+            scale = None if softmax_scale is None else float(softmax_scale)  # SDPA takes a float only (not a (1,) tensor)
+            o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                                  dropout_p=dropout_p)
         return o.transpose(1, 2).to(q.dtype)
 

@@ -8,7 +8,8 @@ mask builder (``sdpa_mask``), which returns None for a purely causal (or full) m
 (batch, 1, Nq, Nk) mask otherwise. :func:`swap_model` sets ``"gproj"`` with
 ``model.set_attn_implementation`` (config attribute on versions without it) and gives every attention
 module a :class:`Site` (``module._gproj_site``); unselected modules get none and run, silently, what the model ran
-before (its eager attention for ``"eager"``, else ``sdpa_attention_forward``: :func:`_original_forward`). ``transformers`` (>= 4.53, for ``AttentionMaskInterface``) is optional: nothing here imports it
+before (its eager attention for ``"eager"``, else ``sdpa_attention_forward``; the eager one wherever the call's
+attention weights are asked for: :func:`_original_forward`). ``transformers`` (>= 4.53, for ``AttentionMaskInterface``) is optional: nothing here imports it
 unless the model is a ``transformers`` model (it is imported then).
 
 Served, as ``sdpa_attention_forward`` would compute it: mask None (causal from ``is_causal`` /
@@ -48,11 +49,14 @@ value; every layer then treats the row as the same packed sequences.
 
 from __future__ import annotations
 
+import numbers
 import sys
 from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from lightning_gproj import ops
 
 from . import sdpa
 from ._common import Guard, Site, dropout_reason, op_reason
@@ -275,12 +279,15 @@ def plan(module: nn.Module, query, key, value, attention_mask, dropout, scaling,
     for name in _REFUSED:
         if kwargs.get(name) is not None:
             return f"{name} is set", None
-    softcap = kwargs.get("softcap") or 0.0
-    if not isinstance(softcap, (int, float)) or softcap < 0:
-        return f"softcap={softcap!r}", None
+    try:  # as the op takes it (NumPy numbers, a 1-element tensor); inf, NaN, a bool fall back
+        softcap = ops._check_softcap(kwargs.get("softcap") or 0.0)
+    except ValueError:
+        return f"softcap={kwargs.get('softcap')!r}", None
     window = kwargs.get("sliding_window")
-    if window is not None and (not isinstance(window, int) or window < 1):
-        return f"sliding_window={window!r}", None
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1:
+            return f"sliding_window={window!r}", None
+        window = int(window)
     reason = dropout_reason(dropout)
     if reason is not None:
         return reason, None

@@ -101,16 +101,6 @@ def register() -> None:
 _EAGER_ONLY = ("softcap", "s_aux", "sinks", "position_bias")
 
 
-def _sdpa_forward(kwargs: Optional[dict] = None):
-    """``sdpa_attention_forward``, or the model's own eager attention (:func:`_eager_forward`) when the
-    call carries something only eager applies (softcap, attention sinks)."""
-    if kwargs and any(kwargs.get(name) is not None for name in _EAGER_ONLY):
-        return _eager_forward
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward
-
-
 def _weights_requested(kwargs: dict) -> bool:
     """Whether the caller asked for the attention weights: ``output_attentions`` handed to the attention function (as
     some models do), or transformers' output collector (``capture_outputs``, transformers 5) collecting attention
@@ -128,14 +118,18 @@ def _weights_requested(kwargs: dict) -> bool:
 
 
 def _original_forward(module, kwargs: dict, weights: bool = False):
-    """The attention function of a call GProj does not serve (a fallback, or a module left unswapped): the model's
-    eager attention (:func:`_eager_forward`) where the model ran ``"eager"`` before the swap
-    (``module._gproj_hf_impl``, set by the swap) or the call's weights were asked for, and its module defines
-    one; else :func:`_sdpa_forward`'s choice."""
-    eager = hasattr(sys.modules.get(type(module).__module__), "eager_attention_forward")
-    if eager and (weights or module.__dict__.get("_gproj_hf_impl") == "eager"):
+    """The attention function of a call GProj does not serve (a fallback, or a module left unswapped): the model's own
+    eager attention (:func:`_eager_forward`) where the call carries something only eager applies (:data:`_EAGER_ONLY`),
+    or, if the module defines one, where the model ran ``"eager"`` before the swap (``module._gproj_hf_impl``, set by
+    the swap) or the call's weights were asked for; else ``sdpa_attention_forward``."""
+    if any(kwargs.get(name) is not None for name in _EAGER_ONLY):
         return _eager_forward
-    return _sdpa_forward(kwargs)
+    if ((weights or module.__dict__.get("_gproj_hf_impl") == "eager")
+            and hasattr(sys.modules.get(type(module).__module__), "eager_attention_forward")):
+        return _eager_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
 
 
 def _eager_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -379,9 +373,9 @@ def gproj_attention_forward(
     (batch, kv_heads, Nk, dim) -> ``(attn_output (batch, Nq, heads, dim), None)``."""
     site: Optional[Site] = getattr(module, "_gproj_site", None)
     weights = _weights_requested(kwargs)
-    original = _original_forward(module, kwargs, weights)
     if site is None or site.keep or Guard.depth > 0:
-        return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+        return _original_forward(module, kwargs, weights)(module, query, key, value, attention_mask, dropout=dropout,
+                                                          scaling=scaling, is_causal=is_causal, **kwargs)
     if weights:
         reason, call = "output_attentions=True (the op computes no attention weights)", None
     else:
@@ -389,7 +383,9 @@ def gproj_attention_forward(
     if reason is not None:
         site.fallback(reason)
         with Guard():
-            return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+            return _original_forward(module, kwargs, weights)(module, query, key, value, attention_mask,
+                                                              dropout=dropout, scaling=scaling, is_causal=is_causal,
+                                                              **kwargs)
     site.served += 1
     q, k, v, scale, causal, seqlens_k, window, softcap, packed, unpad = call
     with Guard():  # an enclosing SDPAMode must not take the SDPA call of an fp32 remediation

@@ -150,7 +150,10 @@ def evaluate(
     factor: float = 10.0,
 ) -> Evaluation:
     """Replay both runs through fresh monitors built from ``config`` and measure lead and false alarms."""
-    config = config or {}
+    config = {} if config is None else config
+    if not isinstance(config, dict):
+        raise ValueError(f"`config` must be a dict (a JSON object) {{'GradNormMonitor': {{...}}, 'ZeroSumMonitor': "
+                         f"{{...}}}}, got {type(config).__name__}")
     unknown = set(config) - {"GradNormMonitor", "ZeroSumMonitor"}
     if unknown:
         raise ValueError(f"`config` keys must be 'GradNormMonitor' and/or 'ZeroSumMonitor', got {sorted(unknown)}")
@@ -179,11 +182,11 @@ def evaluate(
     stressed_alerts = replay(stressed, gn, zs)
     gn_h, zs_h = monitors()
     healthy_alerts = replay(healthy, gn_h, zs_h)
-    # the divergence is read off the (first) optimizer's global norm
-    div, median = divergence_step(stressed.get(keys.metric(optimizer_prefixes(stressed, gn.prefix)[0], "global"), {}),
-                                  baseline_start, baseline_end, factor)
-    healthy_div, _ = divergence_step(healthy.get(keys.metric(optimizer_prefixes(healthy, gn.prefix)[0], "global"), {}),
-                                     baseline_start, baseline_end, factor)
+    def first_global(series: Series) -> dict[int, float]:  # the divergence is read off optimizer 0's global norm
+        return series.get(keys.metric(optimizer_prefixes(series, gn.prefix)[0], "global"), {})
+
+    div, median = divergence_step(first_global(stressed), baseline_start, baseline_end, factor)
+    healthy_div, _ = divergence_step(first_global(healthy), baseline_start, baseline_end, factor)
     first = min((a.step for a in stressed_alerts), default=None)
     by_signal: dict[str, int] = {}
     for a in stressed_alerts:
@@ -231,9 +234,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 config = json.load(f)
         except (OSError, ValueError) as exc:  # missing, unreadable, not JSON
             parser.error(f"--config {args.config}: {exc}")
-        if not isinstance(config, dict):
-            parser.error(f"--config must hold a JSON object {{'GradNormMonitor': {{...}}, 'ZeroSumMonitor': {{...}}}}, "
-                         f"got {type(config).__name__}")
     try:
         result = evaluate(
             load_logs(args.stressed), load_logs(args.healthy), config,

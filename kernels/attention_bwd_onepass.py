@@ -10,7 +10,7 @@ memory. They meet at an mbarrier, and consumer h computes columns [h·d/2, (h + 
 all 128 keys (dS̃ · K[:, cols], two wgmmas from shared memory) and adds it into an fp32 buffer by one TMA reduce-add of
 a contiguous chunk of 64 · d/2 floats (16 KB at d 128; FlashAttention-3's dQaccum layout: the partial is staged in the
 wgmma accumulator's own thread order, :func:`bulk_bases`, and added as a [d/8, 256] box; chunk ((b·seqlen + row) / 64
-· nheads + h) · 2 + half). Before it, a small kernel computes D = rowsum(dO∘O); after it, another un-permutes the
+· nheads + h) · 2 + half). Before it, a small kernel computes D = rowsum(dO∘O) and zeroes the buffer; after it, another un-permutes the
 chunks into dq = τ dQ, rounded once.
 
 The rounding points are the two passes' (kernels/reference.py, fix "none"): P̃ and dS̃ rounded to the input dtype, every
@@ -262,17 +262,21 @@ if GLUON_ERROR is None:
 
 
 @triton.jit
-def _delta_kernel(O, DO, D, N, H, o_sb, o_sn, o_sh, do_sb, do_sn, do_sh, HEAD: tl.constexpr, BLOCK: tl.constexpr):
+def _delta_kernel(O, DO, D, ACC, N, H, o_sb, o_sn, o_sh, do_sb, do_sn, do_sh, HEAD: tl.constexpr):
     """D[b, h, n] = Σ_d O[b, n, h, d]·dO[b, n, h, d] in fp32 (O, dO: strides (sb, sn, sh, 1); D (batch, nheads, seqlen)
-    contiguous). Grid (seqlen / BLOCK, batch · nheads)."""
+    contiguous), and the fp32 dQ buffer's two chunks of these 64 rows and head zeroed (the one pass adds into them; no
+    fill kernel of its own). Grid (seqlen / 64, batch · nheads)."""
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    rows = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    rows = (tl.program_id(0) * 64 + tl.arange(0, 64)).to(tl.int64)
     cols = tl.arange(0, HEAD)[None, :]
     o = tl.load(O + b.to(tl.int64) * o_sb + h.to(tl.int64) * o_sh + rows[:, None] * o_sn + cols).to(tl.float32)
     do = tl.load(DO + b.to(tl.int64) * do_sb + h.to(tl.int64) * do_sh + rows[:, None] * do_sn + cols).to(tl.float32)
     tl.store(D + bh.to(tl.int64) * N + rows, tl.sum(o * do, axis=1))
+    rb = b.to(tl.int64) * (N // 64) + tl.program_id(0)  # the row block (batch · seqlen) / 64: chunks (rb·H + h)·2 + 0, 1
+    pair = (rb * H + h) * (64 * HEAD)
+    tl.store(ACC + pair + tl.arange(0, 64)[:, None] * HEAD + cols, tl.zeros([64, HEAD], tl.float32))
 
 
 @triton.jit
@@ -341,9 +345,9 @@ def backward(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float
 
     b, n, h, d = q.shape
     hk = k.shape[2]
-    _delta_kernel[(n // 64, b * h)](o, do, delta, n, h, o.stride(0), o.stride(1), o.stride(2), do.stride(0),
-                                    do.stride(1), do.stride(2), HEAD=d, BLOCK=64)
-    acc = torch.zeros((b * n * h * d // 256, 256), device=q.device, dtype=torch.float32)  # the chunks
+    acc = torch.empty((b * n * h * d // 256, 256), device=q.device, dtype=torch.float32)  # the chunks, zeroed by:
+    _delta_kernel[(n // 64, b * h)](o, do, delta, acc, n, h, o.stride(0), o.stride(1), o.stride(2), do.stride(0),
+                                    do.stride(1), do.stride(2), HEAD=d)
     dk = torch.empty((b, n, hk, d), device=q.device, dtype=dk_dtype)
     dv = torch.empty((b, n, hk, d), device=q.device, dtype=dv_dtype)
     descs, where = HB._descriptors(q, do, k, v, shared=descriptors)

@@ -219,7 +219,8 @@ def hopper_bwd_check(dev, softcap=0.0, window=(-1, -1), shapes=None):
             (2, 1024, 8, 2, 128, False, torch.bfloat16), (2, 1024, 8, 2, 128, True, torch.bfloat16),
             (1, 512, 4, 4, 128, True, torch.float16), (2, 1024, 8, 8, 128, True, "bhsd"), (1, 384, 2, 2, 64, False, torch.bfloat16),
             (3, 640, 4, 2, 128, True, torch.bfloat16),  # 5 key blocks: the persistent dK/dV pass's odd causal pairs
-            (1, OP.CAUSAL_MIN_SEQLEN, 4, 4, 128, True, torch.bfloat16)]:  # causal rows long enough for the one pass
+            (1, OP.CAUSAL_MIN_SEQLEN[128], 4, 4, 128, True, torch.bfloat16),  # causal rows long enough for the one pass
+            (1, OP.CAUSAL_MIN_SEQLEN[64], 4, 4, 64, True, torch.bfloat16)]:  # at d 64: its dQ partials split by keys
         odd = dt == "bhsd"  # q, v in (B, H, N, d) memory, do a strided slice (copied for the kernel)
         dt = torch.bfloat16 if odd else dt
         q = torch.randn(b, n, h, d, device=dev, dtype=dt)

@@ -2,7 +2,7 @@
 
 The one pass (kernels/attention_bwd_onepass.py) against the two passes (GPROJ_ONEPASS_BWD=0) and cuDNN's backward, per
 shape and mask — the measurements behind the one pass's serving rule (attention_bwd_onepass.pays: full attention,
-causal at head dim 128 without GQA from CAUSAL_MIN_SEQLEN keys).
+causal without GQA from CAUSAL_MIN_SEQLEN keys, 8192 at head dim 128 and 2048 at 64).
 
 Each call goes through kernels/attention_bwd.backward (fix "none", its m, log2l from the Gluon forward); the one pass is
 timed where that rule would not pick it too (``pays`` patched to True; the rest of ``serves`` still applies, and a

@@ -11,7 +11,9 @@ all 128 keys (dS̃ · K[:, cols], two wgmmas from shared memory) and adds it int
 a contiguous chunk of 64 · d/2 floats (16 KB at d 128; FlashAttention-3's dQaccum layout: the partial is staged in the
 wgmma accumulator's own thread order, :func:`bulk_bases`, and added as a [d/8, 256] box; chunk ((b·seqlen + row) / 64
 · nheads + h) · 2 + half). Before it, a small kernel computes D = rowsum(dO∘O) and zeroes the buffer; after it, another un-permutes the
-chunks into dq = τ dQ, rounded once.
+chunks into dq = τ dQ, rounded once. Causal calls at head dim 64 split the tile's dQ partial by keys instead
+(:func:`keysplit`): each consumer computes dS̃ · K over its own 64 keys and all d columns and adds it into the chunk pair
+by one reduce-add, with no barrier between the consumers.
 
 The rounding points are the two passes' (kernels/reference.py, fix "none"): P̃ and dS̃ rounded to the input dtype, every
 sum in fp32. dv equals the loop-less dK/dV pass's bit for bit (the same tile code and order); dk and dq differ from the
@@ -23,12 +25,14 @@ passes.
 
 Served (:func:`serves`): what the Gluon passes serve (kernels/attention_bwd_hopper.serves) at head dim 128 or 64 and a
 seqlen that is a multiple of 128, dense (no packed sequences, key padding, window, softcap or dropout), without statistics;
-full attention at any such seqlen, causal at head dim 128 without GQA from :data:`CAUSAL_MIN_SEQLEN` on (:func:`pays`). Measured on an H200
-(benchmarks/NOTES.md, run 43, benchmarks/onepass_ab.py): the backward 7–25% faster than the two passes on full attention
-(d 128: 4×16×2048, 1×16×4096, 1×16×8192, 1×8×16384, GQA 8:1; d 64: 4×16×2048, 2×16×4096, GQA 8:1), −7…+5% on causal
-rows of 8192 keys and +10–11% on 16384; slower on shorter causal rows (−2…−5% at 2048 and 4096: the diagonal tiles stall
-one consumer at the dQ barrier) and on causal rows with GQA (−6…−14% at 2048–8192 keys, +0.4% at 16384: the stall comes
-once per query head of the group); causal rows at head dim 64 were measured to 4096 keys only (−2…−5%). ``GPROJ_ONEPASS_BWD=0`` keeps every call on the two passes.
+full attention at any such seqlen, causal without GQA from :data:`CAUSAL_MIN_SEQLEN` keys on (8192 at head dim 128, 2048
+at 64; :func:`pays`). Measured on an H200 (benchmarks/NOTES.md, runs 43 and 44, benchmarks/onepass_ab.py): the backward
+7–25% faster than the two passes on full attention (d 128: 4×16×2048, 1×16×4096, 1×16×8192, 1×8×16384, GQA 8:1; d 64:
+4×16×2048, 2×16×4096, GQA 8:1), −7…+5% on causal rows of 8192 keys and +10–11% on 16384 at head dim 128; slower on
+shorter causal rows there (−2…−5% at 2048 and 4096: the diagonal tiles stall one consumer at the dQ barrier) and on
+causal rows with GQA (−6…−14% at 2048–8192 keys, +0.4% at 16384: the stall comes once per query head of the group). At
+head dim 64 causal calls split the dQ partials by keys (:func:`keysplit`: no barrier): +3% at 2048 keys, +8% at 4096,
+−1% with GQA 8:1. ``GPROJ_ONEPASS_BWD=0`` keeps every call on the two passes.
 """
 
 from __future__ import annotations
@@ -43,13 +47,14 @@ import triton.language as tl
 from lightning_gproj.kernels import attention_bwd_hopper as HB
 from lightning_gproj.kernels.attention_fwd_hopper import GLUON_ERROR, _require_gluon, launch, pointer_type
 
-__all__ = ["serves", "pays", "backward", "compile_sm90", "bulk_bases", "CAUSAL_MIN_SEQLEN", "HEAD_DIMS"]
+__all__ = ["serves", "pays", "keysplit", "backward", "compile_sm90", "bulk_bases", "CAUSAL_MIN_SEQLEN", "HEAD_DIMS"]
 
-#: The head dims the kernel is written for (the two consumers' dQ column halves of 64 or 32).
+#: The head dims the kernel is written for (the two consumers' dQ column halves of 64 or 32; split by keys, 64 columns).
 HEAD_DIMS = (128, 64)
-#: Causal calls at head dim 128 without GQA take the one pass from this seqlen on (benchmarks/NOTES.md, run 43: 2048 and
-#: 4096 lost 2–5%, 8192 −7…+5%, 16384 +10–11%; with GQA 8:1 or 2:1, 8192 lost 6–12%).
-CAUSAL_MIN_SEQLEN = 8192
+#: Causal calls without GQA take the one pass from this seqlen on, per head dim (benchmarks/NOTES.md: d 128, run 43: 2048
+#: and 4096 lost 2–5%, 8192 −7…+5%, 16384 +10–11%, with GQA 8:1 or 2:1 8192 lost 6–12%; d 64 split by keys, run 44:
+#: 2048 +3%, 4096 +8%, GQA 8:1 at 4096 −1%).
+CAUSAL_MIN_SEQLEN = {128: 8192, 64: 2048}
 
 
 def bulk_bases(head_dim: int) -> tuple:
@@ -138,20 +143,36 @@ if GLUON_ERROR is None:
         return dq
 
     @gluon.jit
+    def _dq_gemm_own(ds_out, k):
+        """Key split (:func:`keysplit`): this consumer's dQ partial over its own 64 keys, dS̃ · K (ds_out: its dS̃ᵀ as
+        :func:`_tile` stored it; k: its [64 keys, d] of K), issued once its warps' stores are visible to the tensor
+        cores (returned in flight). No barrier with the other consumer."""
+        HEAD: gl.constexpr = k.shape[1]
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD, 16])
+        fence_async_shared()
+        _cta_sync()
+        zero = gl.zeros([_BLOCK_M, HEAD], gl.float32, layout=dq_layout)
+        return warpgroup_mma(ds_out.permute((1, 0)), k, zero, use_acc=False, is_async=True)
+
+    @gluon.jit
     def _dq_add(dq, stage, dqc_desc, chunk):
         """Add this consumer's [64, d/2] dQ partial into chunk ``chunk`` of the fp32 buffer (viewed as [chunks · d/8,
         256]) by one TMA reduce-add of a [d/8, 256] box without swizzle, staged in ``stage`` (layout bulk_bases(d))
-        once the previous tile's reduce has read it."""
+        once the previous tile's reduce has read it. Split by keys (d 64): a [64, d] partial into the chunk pair
+        ``chunk`` (chunks 2·chunk, 2·chunk + 1: a [d/4, 256] box; layout bulk_bases(2·d), whose top column bit picks
+        the chunk)."""
         BOX: gl.constexpr = dqc_desc.block_type.shape[0]
         tma.store_wait(pendings=0)
         stage.store(dq)
         fence_async_shared()
         tma_reduce_add(dqc_desc, [chunk * BOX, 0], _reinterpret(stage, gl.float32, [BOX, 256], dqc_desc.layout))
 
-    def _consumer_for(half: int, causal: bool):
-        """Consumer ``half`` (its 64 keys of the block) with the causal mask compiled in or out (closure constants
-        survive gl.warp_specialize, constexpr arguments do not)."""
-        HALF, CAUSAL = gl.constexpr(half), gl.constexpr(causal)
+    def _consumer_for(half: int, causal: bool, split: bool):
+        """Consumer ``half`` (its 64 keys of the block) with the causal mask compiled in or out, the dQ partials split
+        by keys or by columns (:func:`keysplit`) (closure constants survive gl.warp_specialize, constexpr arguments do
+        not)."""
+        HALF, CAUSAL, KEYSPLIT = gl.constexpr(half), gl.constexpr(causal), gl.constexpr(split)
 
         @gluon.jit
         def consumer(q_smem, do_smem, k_smem, v_smem, m_smem, l_smem, d_smem, ds_smem, kv_bar, ready, empty, ds_bar,
@@ -162,11 +183,12 @@ if GLUON_ERROR is None:
                                                                instr_shape=[16, 64, 16])
             acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                  instr_shape=[16, HEAD, 16])
-            if DQ_N == 64:
-                STAGE: gl.constexpr = _STAGE_64
+            if KEYSPLIT:  # a [64, 64] partial, both column halves: chunks 2·pair, 2·pair + 1 (bulk_bases(64) + c5)
+                stage = gl.allocate_shared_memory(gl.float32, [_BLOCK_M, HEAD], _STAGE_64)
+            elif DQ_N == 64:
+                stage = gl.allocate_shared_memory(gl.float32, [_BLOCK_M, DQ_N], _STAGE_64)
             else:
-                STAGE: gl.constexpr = _STAGE_32
-            stage = gl.allocate_shared_memory(gl.float32, [_BLOCK_M, DQ_N], STAGE)
+                stage = gl.allocate_shared_memory(gl.float32, [_BLOCK_M, DQ_N], _STAGE_32)
             key0 = start_n + HALF * _HALF_N
             keys = key0 + gl.arange(0, _HALF_N, layout=gl.SliceLayout(1, s_layout))
             dk = gl.zeros([_HALF_N, HEAD], gl.float32, layout=acc_layout)
@@ -180,30 +202,52 @@ if GLUON_ERROR is None:
             if CAUSAL:
                 first_m = key0
             i = 0
-            for g in range(GROUP):
-                chunk_h = (h0 + g) * 2 + HALF  # chunk = (row block · H + head) · 2 + half
-                if CAUSAL:
-                    if HALF == 1:  # the group's first tile (rows start_n … key0 − 1) sees none of these keys: dS̃ᵀ = 0
+            if KEYSPLIT:
+                for g in range(GROUP):
+                    pair = h0 + g  # this head's chunk pair in each row block: (row block · H + head)
+                    if CAUSAL:
+                        if HALF == 1:  # the group's first tile (rows start_n … key0 − 1) sees none of these keys
+                            st = i % 2
+                            mbarrier.wait(ready.index(st), (i // 2) & 1)
+                            mbarrier.arrive(empty.index(st), count=1)
+                            i += 1
+                    for start_m in range(first_m, hi, _BLOCK_M):
                         st = i % 2
+                        rows = start_m + gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(0, s_layout))
                         mbarrier.wait(ready.index(st), (i // 2) & 1)
-                        ds_smem.index(2 * st + 1).store(gl.zeros([_HALF_N, _BLOCK_M], k_smem.dtype, layout=s_layout))
-                        dq = _dq_gemm(ds_smem, kd0, kd1, ds_bar, st, (i // 2) & 1)
-                        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+                        dk, dv = _tile(k, v, q_smem.index(st), do_smem.index(st), dk, dv, keys, key0, rows, start_m,
+                                       c, m_smem.index(st), l_smem.index(st), d_smem.index(st),
+                                       ds_smem.index(2 * st + HALF), CAUSAL)
+                        dq = _dq_gemm_own(ds_smem.index(2 * st + HALF), k)
+                        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
                         mbarrier.arrive(empty.index(st), count=1)
-                        _dq_add(dq, stage, dqc_desc, ((chunk_row0 + start_n) // _BLOCK_M) * 2 * H + chunk_h)
+                        _dq_add(dq, stage, dqc_desc, ((chunk_row0 + start_m) // _BLOCK_M) * H + pair)
                         i += 1
-                for start_m in range(first_m, hi, _BLOCK_M):
-                    st = i % 2
-                    rows = start_m + gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-                    mbarrier.wait(ready.index(st), (i // 2) & 1)
-                    dk, dv = _tile(k, v, q_smem.index(st), do_smem.index(st), dk, dv, keys, key0, rows, start_m, c,
-                                   m_smem.index(st), l_smem.index(st), d_smem.index(st), ds_smem.index(2 * st + HALF),
-                                   CAUSAL)
-                    dq = _dq_gemm(ds_smem, kd0, kd1, ds_bar, st, (i // 2) & 1)
-                    dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-                    mbarrier.arrive(empty.index(st), count=1)
-                    _dq_add(dq, stage, dqc_desc, ((chunk_row0 + start_m) // _BLOCK_M) * 2 * H + chunk_h)
-                    i += 1
+            else:
+                for g in range(GROUP):
+                    chunk_h = (h0 + g) * 2 + HALF  # chunk = (row block · H + head) · 2 + half
+                    if CAUSAL:
+                        if HALF == 1:  # the group's first tile (rows start_n … key0 − 1) sees none of these keys: dS̃ᵀ = 0
+                            st = i % 2
+                            mbarrier.wait(ready.index(st), (i // 2) & 1)
+                            ds_smem.index(2 * st + 1).store(gl.zeros([_HALF_N, _BLOCK_M], k_smem.dtype, layout=s_layout))
+                            dq = _dq_gemm(ds_smem, kd0, kd1, ds_bar, st, (i // 2) & 1)
+                            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+                            mbarrier.arrive(empty.index(st), count=1)
+                            _dq_add(dq, stage, dqc_desc, ((chunk_row0 + start_n) // _BLOCK_M) * 2 * H + chunk_h)
+                            i += 1
+                    for start_m in range(first_m, hi, _BLOCK_M):
+                        st = i % 2
+                        rows = start_m + gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+                        mbarrier.wait(ready.index(st), (i // 2) & 1)
+                        dk, dv = _tile(k, v, q_smem.index(st), do_smem.index(st), dk, dv, keys, key0, rows,
+                                       start_m, c, m_smem.index(st), l_smem.index(st), d_smem.index(st),
+                                       ds_smem.index(2 * st + HALF), CAUSAL)
+                        dq = _dq_gemm(ds_smem, kd0, kd1, ds_bar, st, (i // 2) & 1)
+                        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+                        mbarrier.arrive(empty.index(st), count=1)
+                        _dq_add(dq, stage, dqc_desc, ((chunk_row0 + start_m) // _BLOCK_M) * 2 * H + chunk_h)
+                        i += 1
             dk = dk * tau
             out_rows = (out_row + HALF * _HALF_N
                         + gl.arange(0, _HALF_N, layout=gl.SliceLayout(1, acc_layout))).to(gl.int64)
@@ -216,9 +260,10 @@ if GLUON_ERROR is None:
         return consumer
 
     @functools.lru_cache(maxsize=None)
-    def _kernel_for(causal: bool):
-        """The one-pass kernel, the causal mask compiled in or out."""
-        consumer0, consumer1 = _consumer_for(0, causal), _consumer_for(1, causal)
+    def _kernel_for(causal: bool, split: bool):
+        """The one-pass kernel, the causal mask compiled in or out, the dQ partials split by keys (:func:`keysplit`)
+        or by columns."""
+        consumer0, consumer1 = _consumer_for(0, causal, split), _consumer_for(1, causal, split)
         loader = HB._dkdv_partitions(False, causal, False, False, False)[1]  # the dK/dV pass's loop-less loader
         CAUSAL = gl.constexpr(causal)
 
@@ -302,6 +347,16 @@ def enabled() -> bool:
     return os.environ.get("GPROJ_ONEPASS_BWD", "1") != "0"
 
 
+def keysplit(head_dim: int, causal: bool) -> bool:
+    """Whether :func:`backward` splits the tile's dQ partial by keys (each consumer adds dS̃ · K over its own 64 keys,
+    all d columns, with no barrier between the consumers: twice the reduce-adds' bytes) rather than by columns (both
+    consumers' dS̃ meet in shared memory, each adds d/2 columns over all 128 keys): causal at head dim 64, where the
+    barrier stalled a consumer on every diagonal tile. Measured on an H200 (benchmarks/NOTES.md, run 44,
+    benchmarks/onepass_ab.py): split by keys, the backward +7–10% on causal rows (2×16×4096×64, 4×16×2048×64), −2…+1% on
+    full ones."""
+    return head_dim == 64 and causal
+
+
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool,
            deterministic: bool = False) -> bool:
     """Whether :func:`backward` serves these inputs, given that the Gluon passes serve them
@@ -315,11 +370,11 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, 
 
 
 def pays(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
-    """Where the one pass ran faster than the two passes on an H200 (benchmarks/NOTES.md, run 43; at 8192 causal keys in
-    three of four readings, −7…+5%): full attention, or causal at head dim 128 without GQA from :data:`CAUSAL_MIN_SEQLEN`
-    keys on. (benchmarks/onepass_ab.py lifts this
-    rule to time the one pass everywhere.)"""
-    return not causal or (q.shape[1] >= CAUSAL_MIN_SEQLEN and k.shape[2] == q.shape[2] and q.shape[3] == 128)
+    """Where the one pass ran faster than the two passes on an H200 (benchmarks/NOTES.md, runs 43 and 44; at 8192 causal
+    keys and head dim 128 in three of four readings, −7…+5%): full attention, or causal without GQA from
+    :data:`CAUSAL_MIN_SEQLEN` keys on (head dim 128 or 64). (benchmarks/onepass_ab.py lifts this rule to time the one
+    pass everywhere.)"""
+    return not causal or (k.shape[2] == q.shape[2] and q.shape[1] >= CAUSAL_MIN_SEQLEN.get(q.shape[3], q.shape[1] + 1))
 
 
 def backward(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float, causal: bool, dk_dtype: torch.dtype,
@@ -351,23 +406,29 @@ def backward(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float
     dk = torch.empty((b, n, hk, d), device=q.device, dtype=dk_dtype)
     dv = torch.empty((b, n, hk, d), device=q.device, dtype=dv_dtype)
     descs, where = HB._descriptors(q, do, k, v, shared=descriptors)
-    dqc_desc = TensorDescriptor(acc, list(acc.shape), [256, 1], [d // 8, 256], _chunk_layout())
-    launch(_kernel_for(bool(causal)), (n // HB.BLOCK_N, b * hk), q.device, False, *descs, dqc_desc, dk, dv, m, log2l,
-           delta, float(c), float(softmax_scale), h, h // hk, n, *where)
+    split = keysplit(d, causal)
+    dqc_desc = TensorDescriptor(acc, list(acc.shape), [256, 1], [d // (4 if split else 8), 256], _chunk_layout())
+    launch(_kernel_for(bool(causal), split), (n // HB.BLOCK_N, b * hk), q.device, False, *descs, dqc_desc, dk, dv, m,
+           log2l, delta, float(c), float(softmax_scale), h, h // hk, n, *where)
     _unperm_kernel[(b * n // 64, h)](acc, dq, float(softmax_scale), h, HEAD=d)
     return dk, dv
 
 
 def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, grad_dtype: torch.dtype | None = None,
-                 ones: tuple[str, ...] = (), head_dim: int = HEAD_DIMS[0]):
+                 ones: tuple[str, ...] = (), head_dim: int = HEAD_DIMS[0], split: bool | None = None):
     """Compile the one-pass kernel for sm_90 without a GPU (kernels/attention_fwd_hopper.aot_compile_sm90), as CI does;
     dk, dv in ``grad_dtype`` (default ``dtype``); ``ones`` names integer arguments compiled as the constant 1
-    (``GROUP`` without GQA). Returns the compiled kernel. Raises RuntimeError if Gluon is not importable."""
+    (``GROUP`` without GQA); ``split``: dQ partials split by keys (None: as :func:`backward` runs it, :func:`keysplit`).
+    Returns the compiled kernel. Raises RuntimeError if Gluon is not importable, ValueError for ``split`` at a head dim
+    other than 64."""
+    split = keysplit(head_dim, causal) if split is None else split
+    if split and head_dim != 64:
+        raise ValueError(f"split: the dQ partials split by keys at head dim 64 only, got head_dim={head_dim}")
     _require_gluon()
     t = tensordesc_type(dtype, HB.TILE_ROWS, head_dim, HB._layout(head_dim, dtype))
     g = pointer_type(grad_dtype or dtype)
     sig = {"q_desc": t, "do_desc": t, "k_desc": t, "v_desc": t,
-           "dqc_desc": f"tensordesc<fp32[{head_dim // 8}, 256],{_chunk_layout()!r}>", "DK": g, "DV": g, "M": "*fp32",
-           "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32", "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32",
+           "dqc_desc": f"tensordesc<fp32[{head_dim // (4 if split else 8)}, 256],{_chunk_layout()!r}>", "DK": g,
+           "DV": g, "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32", "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32",
            **{f"{x}_{w}": "i32" for x in ("q", "do", "k", "v") for w in ("rb", "rh", "ch")}}
-    return aot_compile_sm90(_kernel_for(bool(causal)), sig, {arg: 1 for arg in ones})
+    return aot_compile_sm90(_kernel_for(bool(causal), bool(split)), sig, {arg: 1 for arg in ones})

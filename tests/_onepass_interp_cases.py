@@ -28,7 +28,7 @@ def chunk_offsets(bases, cols) -> torch.Tensor:
     return off
 
 
-def case(b, n, h, hk, d, dtype, heads_major, seed, grad_dtype=None):
+def case(b, n, h, hk, d, dtype, heads_major, seed, grad_dtype=None, causal=False):
     gen = torch.Generator().manual_seed(seed)
     q, do = (torch.randn(b, n, h, d, generator=gen).to(dtype) for _ in range(2))
     k, v = (torch.randn(b, n, hk, d, generator=gen).to(dtype) for _ in range(2))
@@ -66,7 +66,7 @@ def case(b, n, h, hk, d, dtype, heads_major, seed, grad_dtype=None):
     # kernel zeroed the chunk buffer
     torch.use_deterministic_algorithms(True)
     try:
-        dk, dv = OP.backward(q, k, v, do, o, m, log2l, delta, dq, 1.25 * 1.4426950408889634, 1.25, False, grad_dtype,
+        dk, dv = OP.backward(q, k, v, do, o, m, log2l, delta, dq, 1.25 * 1.4426950408889634, 1.25, causal, grad_dtype,
                              grad_dtype)
     finally:
         OP.launch = real
@@ -88,5 +88,6 @@ def case(b, n, h, hk, d, dtype, heads_major, seed, grad_dtype=None):
 out = {"bshd": case(2, 256, 4, 2, 128, torch.bfloat16, False, 0),
        "bhsd_fp16": case(1, 384, 2, 1, 128, torch.float16, True, 1),
        "fp32_grads": case(1, 128, 2, 2, 128, torch.bfloat16, False, 2, torch.float32),
-       "d64": case(2, 256, 4, 2, 64, torch.bfloat16, False, 3)}
+       "d64": case(2, 256, 4, 2, 64, torch.bfloat16, False, 3),
+       "d64_causal": case(2, 256, 4, 4, 64, torch.bfloat16, False, 4, causal=True)}  # dQ partials split by keys
 print(json.dumps(out))

@@ -29,20 +29,24 @@ from _hopper import Routed, StubKernel, assert_hopper_kernel
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.mark.parametrize("causal, dtype, grad_dtype, ones, head_dim", [
-    (False, torch.bfloat16, None, (), 128), (True, torch.bfloat16, None, (), 128),
-    (False, torch.float16, None, ("GROUP",), 128), (True, torch.bfloat16, torch.float32, ("GROUP",), 128),
-    (False, torch.bfloat16, None, (), 64), (True, torch.float16, None, ("GROUP",), 64),
-], ids=["full", "causal", "fp16-1group", "causal-fp32grads", "d64-full", "d64-causal-fp16-1group"])
-def test_compiles_for_sm90_with_one_bulk_reduce_per_tile(causal, dtype, grad_dtype, ones, head_dim):
-    kernel = OP.compile_sm90(causal, dtype, grad_dtype, ones, head_dim)
-    # Two consumers × (Sᵀ, dPᵀ, dV, dK and dQ's two 64-key halves) per (Q, dO) tile.
-    assert_hopper_kernel(kernel, 2 * 6)
+@pytest.mark.parametrize("causal, dtype, grad_dtype, ones, head_dim, split", [
+    (False, torch.bfloat16, None, (), 128, None), (True, torch.bfloat16, None, (), 128, None),
+    (False, torch.float16, None, ("GROUP",), 128, None), (True, torch.bfloat16, torch.float32, ("GROUP",), 128, None),
+    (False, torch.bfloat16, None, (), 64, None), (True, torch.float16, None, ("GROUP",), 64, None),
+    (True, torch.bfloat16, None, (), 64, False),
+], ids=["full", "causal", "fp16-1group", "causal-fp32grads", "d64-full", "d64-causal-fp16-1group", "d64-causal-colsplit"])
+def test_compiles_for_sm90_with_one_bulk_reduce_per_tile(causal, dtype, grad_dtype, ones, head_dim, split):
+    kernel = OP.compile_sm90(causal, dtype, grad_dtype, ones, head_dim, split)
+    split = OP.keysplit(head_dim, causal) if split is None else split
+    # Two consumers × (Sᵀ, dPᵀ, dV, dK and dQ: two 64-key halves, or one GEMM over its own keys) per (Q, dO) tile.
+    assert_hopper_kernel(kernel, 2 * (5 if split else 6))
     ptx = kernel.asm["ptx"]
-    # dQ: one 2-D bulk reduce-add a tile and consumer (causal: one more, for the second consumer's empty first tile),
-    # staged by 16-byte stores (thread-major layout); never an element-wise atomic.
-    assert ptx.count("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add") == (3 if causal else 2)
-    assert ptx.count("st.shared.v4.b32") >= head_dim // 16 and not re.search(r"\s(atom|red)\.global", ptx)
+    # dQ: one 2-D bulk reduce-add a tile and consumer (split by columns and causal: one more, for the second
+    # consumer's empty first tile), staged by 16-byte stores (thread-major layout: d / 16 of them for a [64, d / 2]
+    # partial, d / 8 for [64, d]); never an element-wise atomic.
+    assert ptx.count("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add") == (3 if causal and not split else 2)
+    assert ptx.count("st.shared.v4.b32") >= head_dim // (8 if split else 16)
+    assert not re.search(r"\s(atom|red)\.global", ptx)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +58,7 @@ def interp() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["bshd", "bhsd_fp16", "fp32_grads", "d64"])
+@pytest.mark.parametrize("case", ["bshd", "bhsd_fp16", "fp32_grads", "d64", "d64_causal"])
 def test_host_side_and_small_kernels_under_the_interpreter(interp, case):
     """backward() on CPU tensors, the Gluon launch replaced by a stand-in that adds a known dQ into the chunks as
     bulk_bases lays them out: one program per (128 keys, batch · kv head), every kernel parameter one argument, the
@@ -62,14 +66,21 @@ def test_host_side_and_small_kernels_under_the_interpreter(interp, case):
     dq = τ·dQ rounded once (within an ulp: the interpreter's bf16 casts truncate)."""
     got = interp[case]
     b, n, h, hk, d = {"bshd": (2, 256, 4, 2, 128), "bhsd_fp16": (1, 384, 2, 1, 128), "fp32_grads": (1, 128, 2, 2, 128),
-                      "d64": (2, 256, 4, 2, 64)}[case]
+                      "d64": (2, 256, 4, 2, 64), "d64_causal": (2, 256, 4, 4, 64)}[case]
     assert got["grid"] == [n // 128, b * hk] and got["n_args"] == got["n_names"] and not got["keypad"]
-    assert got["acc_zero"] and got["acc_numel"] == b * n * h * d and got["block"] == [d // 8, 256]
+    assert got["acc_zero"] and got["acc_numel"] == b * n * h * d
+    # a [64, d / 2] partial per consumer; causal at d 64, split by keys: [64, d], the chunk pair
+    assert got["block"] == [d // (4 if case == "d64_causal" else 8), 256]
     assert (got["H"], got["GROUP"], got["N_CTX"]) == (h, h // hk, n)
     assert got["tau"] == 1.25 and got["c"] == pytest.approx(1.25 * 1.4426950408889634, rel=1e-12)
     assert got["delta_rel"] < 1e-6
     assert got["dq_ulps"] <= 1.0
     assert all(got["dk_dv"]) and got["offsets_bijective"]
+
+
+def test_split_by_keys_only_at_head_dim_64():
+    with pytest.raises(ValueError, match="split: .*head dim 64 only, got head_dim=128"):
+        OP.compile_sm90(True, head_dim=128, split=True)
 
 
 def _t(b=2, n=256, h=4, d=128, dtype=torch.bfloat16):
@@ -79,13 +90,16 @@ def _t(b=2, n=256, h=4, d=128, dtype=torch.bfloat16):
 @pytest.mark.parametrize("n, d, causal, hk, env, deterministic, served", [
     (256, 128, False, 4, "1", False, True), (384, 128, False, 4, "1", False, True),
     (256, 128, False, 1, "1", False, True),  # GQA, full attention
-    (256, 128, True, 4, "1", False, False), (OP.CAUSAL_MIN_SEQLEN, 128, True, 4, "1", False, True),
-    (OP.CAUSAL_MIN_SEQLEN, 128, True, 2, "1", False, False),  # causal with GQA: the two passes
-    (OP.CAUSAL_MIN_SEQLEN, 64, True, 4, "1", False, False),  # causal at d 64: not measured past 4096 keys
+    (256, 128, True, 4, "1", False, False), (8192, 128, True, 4, "1", False, True),
+    (8192, 128, True, 2, "1", False, False),  # causal with GQA: the two passes
+    (4096, 128, True, 4, "1", False, False),  # causal d 128 below 8192 keys: the two passes
+    (2048, 64, True, 4, "1", False, True), (1024, 64, True, 4, "1", False, False),  # causal d 64 from 2048 keys
+    (4096, 64, True, 1, "1", False, False),  # causal d 64 with GQA: the two passes
     (320, 128, False, 4, "1", False, False), (256, 64, False, 4, "1", False, True),
     (256, 128, False, 4, "0", False, False), (256, 128, False, 4, "1", True, False),
     (256, 96, False, 4, "1", False, False),
-], ids=["full", "full-384", "full-gqa", "causal-short", "causal-long", "causal-long-gqa", "causal-long-d64",
+], ids=["full", "full-384", "full-gqa", "causal-short", "causal-long", "causal-long-gqa", "causal-4096", "causal-d64",
+        "causal-d64-1024", "causal-d64-gqa",
         "seqlen-320", "d64", "env-off", "deterministic", "d96"])
 def test_serves_dense_full_or_long_causal(monkeypatch, n, d, causal, hk, env, deterministic, served):
     monkeypatch.setenv("GPROJ_ONEPASS_BWD", env)
@@ -140,7 +154,7 @@ def test_backward_routes_dense_fix_none_to_the_one_pass(monkeypatch, kwargs, one
     monkeypatch.setattr(B, "_dq_kernel", StubKernel())
     monkeypatch.setattr(B, "_dkdv_kernel", StubKernel(Routed()))  # the second of two passes, either kind
     if kwargs.pop("long_causal", False):
-        monkeypatch.setattr(OP, "CAUSAL_MIN_SEQLEN", 256)
+        monkeypatch.setitem(OP.CAUSAL_MIN_SEQLEN, 128, 256)
     b, n, h, d = 2, 256, 2, 128
     q, k, v, do = (torch.randn(b, n, h, d, dtype=torch.bfloat16) for _ in range(4))
     o = torch.randn(b, n, h, d, dtype=kwargs.pop("o_dtype", torch.bfloat16))

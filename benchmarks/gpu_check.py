@@ -206,7 +206,7 @@ def hopper_bwd_check(dev, softcap=0.0, window=(-1, -1), shapes=None):
     """The sm_90 Gluon backward passes (kernels/attention_bwd_hopper.py) through attention_bwd.backward's dispatch:
     dq, dk, dv against reference.py and against the tl.dot kernels (GPROJ_HOPPER_BWD=0) for fix none, gproj (own
     GEMM and folded dK term) and gproj_uniform; GQA, fp16, heads-major q / v, a do that needs a copy; an fp32 dk (C2: |Σ_j dk_j| relative
-    to Σ_j |dk_j|, expect ~1e-7 for gproj on both paths; with softcap not a law); head dim 64 must not be served;
+    to Σ_j |dk_j|, expect ~1e-7 for gproj on both paths; with softcap not a law); head dim 64 full and causal;
     where the persistent dK/dV kernel can serve a call (fix none and gproj_uniform, no window), its dk, dv, looping on
     4 programs, against one block per program (GPROJ_BWD_PERSISTENT=0), bit for bit; where fix none takes the one pass
     (kernels/attention_bwd_onepass.py), against the two passes (dv bit for bit; dq, dk to the order of fp32 sums: D

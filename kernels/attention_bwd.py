@@ -33,7 +33,7 @@ run as that module's warp-specialized Gluon kernels, with the
 same rounding points: the dQ pass for fix "none" and "gproj" without want_stats, the dK/dV pass for "none",
 "gproj" with the "gemm" schedule and the PyTorch "gproj_uniform" (not the in-kernel uniform one of windows and
 softcap). Fix "none" on dense inputs at head dim 128 and 64 (a seqlen that is a multiple of 128; no window, softcap,
-dropout, key padding or packing, no statistics; full attention, or causal at d 128 without GQA from 8192 keys) instead runs
+dropout, key padding or packing, no statistics; full attention, or causal without GQA from 8192 keys at d 128 and 2048 at d 64) instead runs
 kernels/attention_bwd_onepass.py: one pass, dq added into an fp32 buffer by reduce-adds (not bit-reproducible; not
 under torch.use_deterministic_algorithms or with ``deterministic=True``).
 

@@ -31,8 +31,8 @@ at 64; :func:`pays`). Measured on an H200 (benchmarks/NOTES.md, runs 43 and 44, 
 4×16×2048, 2×16×4096, GQA 8:1), −7…+5% on causal rows of 8192 keys and +10–11% on 16384 at head dim 128; slower on
 shorter causal rows there (−2…−5% at 2048 and 4096: the diagonal tiles stall one consumer at the dQ barrier) and on
 causal rows with GQA (−6…−14% at 2048–8192 keys, +0.4% at 16384: the stall comes once per query head of the group). At
-head dim 64 causal calls split the dQ partials by keys (:func:`keysplit`: no barrier): +3% at 2048 keys, +8% at 4096,
-−1% with GQA 8:1. ``GPROJ_ONEPASS_BWD=0`` keeps every call on the two passes.
+head dim 64 causal calls split the dQ partials by keys (:func:`keysplit`: no barrier): +3% at 2048 keys, +8% at 4096
+(+12% with two staging buffers), −1% with GQA 8:1. ``GPROJ_ONEPASS_BWD=0`` keeps every call on the two passes.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _dq_add_turn(dq, stage0, stage1, dqc_desc, chunk, turn, BUFS: gl.constexpr):
         """:func:`_dq_add` staged in stage0 (BUFS 1), or in stage0 and stage1 by turns (BUFS 2: turn i's reduce waits
-        only for the one of turn i − 2 to have read its buffer)."""
+        only for the one of turn i − 2 to have read its buffer; ``turn`` counts this consumer's reduces)."""
         if BUFS == 2:
             if turn % 2 == 0:
                 _dq_add(dq, stage0, dqc_desc, chunk, 1)
@@ -222,6 +222,7 @@ if GLUON_ERROR is None:
                 first_m = key0
             i = 0
             if KEYSPLIT:
+                j = 0  # reduces issued: the staging buffers' turn (consumer 1 issues none for the tiles it skips)
                 for g in range(GROUP):
                     pair = h0 + g  # this head's chunk pair in each row block: (row block · H + head)
                     if CAUSAL:
@@ -240,9 +241,10 @@ if GLUON_ERROR is None:
                         dq = _dq_gemm_own(ds_smem.index(2 * st + HALF), k)
                         dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
                         mbarrier.arrive(empty.index(st), count=1)
-                        _dq_add_turn(dq, stage, stage1, dqc_desc, ((chunk_row0 + start_m) // _BLOCK_M) * H + pair, i,
+                        _dq_add_turn(dq, stage, stage1, dqc_desc, ((chunk_row0 + start_m) // _BLOCK_M) * H + pair, j,
                                      DQ_BUFS)
                         i += 1
+                        j += 1
             else:
                 for g in range(GROUP):
                     chunk_h = (h0 + g) * 2 + HALF  # chunk = (row block · H + head) · 2 + half
@@ -287,7 +289,7 @@ if GLUON_ERROR is None:
         or by columns."""
         consumer0, consumer1 = _consumer_for(0, causal, split), _consumer_for(1, causal, split)
         loader = HB._dkdv_partitions(False, causal, False, False, False)[1]  # the dK/dV pass's loop-less loader
-        CAUSAL = gl.constexpr(causal)
+        CAUSAL, SPLIT = gl.constexpr(causal), gl.constexpr(split)
 
         @gluon.jit
         def _hopper_onepass_kernel(q_desc, do_desc, k_desc, v_desc, dqc_desc, DK, DV, M, LOG2L, DELTA, c, tau, H,
@@ -309,9 +311,12 @@ if GLUON_ERROR is None:
             ds_smem = gl.allocate_shared_memory(q_desc.dtype, [4, _HALF_N, _BLOCK_M],
                                                 gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                                                      rank=2))
-            ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            for s in gl.static_range(2):
-                mbarrier.init(ds_bar.index(s), count=2)  # both consumers' dS̃ᵀ stored
+            if SPLIT:
+                ds_bar = kv_bar  # not used: split by keys, the consumers do not meet
+            else:
+                ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+                for s in gl.static_range(2):
+                    mbarrier.init(ds_bar.index(s), count=2)  # both consumers' dS̃ᵀ stored
             out_row = b * N_CTX + start_n
             args = (q_smem, do_smem, k_smem, v_smem, m_smem, l_smem, d_smem, ds_smem, kv_bar, ready, empty, ds_bar,
                     dqc_desc, DK, DV, start_n, out_row, hk * HEAD, HK * HEAD, b * N_CTX, H, GROUP, lo, N_CTX, c, tau, h0)

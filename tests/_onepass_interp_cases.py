@@ -51,13 +51,18 @@ def case(b, n, h, hk, d, dtype, heads_major, seed, grad_dtype=None, causal=False
         acc = named["dqc_desc"].base.view(-1)
         seen.update(acc_zero=bool((acc == 0).all()), acc_numel=acc.numel(), block=list(named["dqc_desc"].block_shape),
                     H=named["H"], GROUP=named["GROUP"], N_CTX=named["N_CTX"], tau=named["tau"], c=named["c"])
+        split = seen["block"][0] == d // 4  # dQ split by keys: [64, d] partials staged as bulk_bases(2·d) lays them out
+        off_pair = chunk_offsets(OP.bulk_bases(2 * d), d) if split else None
         for bb in range(b):
             for row0 in range(0, n, 64):
                 for hh in range(h):
+                    pair = (bb * n + row0) // 64 * h + hh
+                    if split:  # the pair of chunks in one box (its top column bit picks the chunk)
+                        acc[pair * 64 * d + off_pair.flatten()] += x[bb, row0:row0 + 64, hh, :].flatten()
+                        continue
                     for half in range(2):
-                        chunk = ((bb * n + row0) // 64 * h + hh) * 2 + half
                         part = x[bb, row0:row0 + 64, hh, half_d * half:half_d * (half + 1)]
-                        acc[chunk * 64 * half_d + off.flatten()] += part.flatten()
+                        acc[(pair * 2 + half) * 64 * half_d + off.flatten()] += part.flatten()
         named["DK"].fill_(1.0)
         named["DV"].fill_(2.0)
 

@@ -7,7 +7,16 @@ Public API::
 See README.md and docs/design.md.
 """
 
+import os as _os
 from importlib.metadata import PackageNotFoundError, version
+
+# In a source tree kernels/ and callbacks/ sit beside this folder (setup.cfg's package_dir installs them as
+# lightning_gproj.kernels / .callbacks). Where this folder is imported from the tree itself — a plain install used from
+# the clone's root, whose folder shadows the installed package — they are found there too.
+_tree = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(__path__[0], "kernels")) and _os.path.isfile(
+        _os.path.join(_tree, "kernels", "__init__.py")):
+    __path__.append(_tree)
 
 from lightning_gproj.callbacks import Alert, GradNormMonitor, ZeroSumMonitor
 from lightning_gproj.fabric import GProjFabricPlugin

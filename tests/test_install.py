@@ -129,6 +129,12 @@ def test_regular_install_imports_mapped_subpackages(tmp_path):
     # (this environment may itself live inside the repo, as .venv/ does: only the source dirs count)
     sources = {REPO, REPO / "kernels", REPO / "callbacks", REPO / "lightning_gproj"}
     assert not sources & {Path(p).resolve() for p in info["path"] if p}, "the source tree is on sys.path"
+    # Run from the clone's root, its lightning_gproj/ folder shadows the installed package (the working directory
+    # comes first on sys.path): the mapped subpackages then come from the same tree, not an ImportError.
+    info = _probe(python, src)
+    assert Path(info["package"]).resolve() == (src / "lightning_gproj" / "__init__.py").resolve()
+    assert Path(info["kernels"]).resolve() == (src / "kernels" / "__init__.py").resolve()
+    assert Path(info["callbacks"]).resolve() == (src / "callbacks" / "__init__.py").resolve()
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="venv layout is POSIX here")

@@ -156,16 +156,14 @@ if GLUON_ERROR is None:
         return warpgroup_mma(ds_out.permute((1, 0)), k, zero, use_acc=False, is_async=True)
 
     @gluon.jit
-    def _dq_add_turn(dq, stage0, stage1, dqc_desc, chunk, turn, BUFS: gl.constexpr):
-        """:func:`_dq_add` staged in stage0 (BUFS 1), or in stage0 and stage1 by turns (BUFS 2: turn i's reduce waits
-        only for the one of turn i − 2 to have read its buffer; ``turn`` counts this consumer's reduces)."""
-        if BUFS == 2:
-            if turn % 2 == 0:
-                _dq_add(dq, stage0, dqc_desc, chunk, 1)
-            else:
-                _dq_add(dq, stage1, dqc_desc, chunk, 1)
+    def _dq_add_turn(dq, stage0, stage1, dqc_desc, chunk, turn):
+        """:func:`_dq_add` staged in stage0 and stage1 by turns (``turn`` counts this consumer's reduces): turn i's
+        reduce waits only for the one of turn i − 2 to have read its buffer. Split by keys (run 44: +3.5% on
+        2×16×4096×64 causal; split by columns two buffers measured 1–2% slower on full attention and are not used)."""
+        if turn % 2 == 0:
+            _dq_add(dq, stage0, dqc_desc, chunk, 1)
         else:
-            _dq_add(dq, stage0, dqc_desc, chunk, 0)
+            _dq_add(dq, stage1, dqc_desc, chunk, 1)
 
     @gluon.jit
     def _dq_add(dq, stage, dqc_desc, chunk, PENDING: gl.constexpr):
@@ -186,9 +184,6 @@ if GLUON_ERROR is None:
         by keys or by columns (:func:`keysplit`) (closure constants survive gl.warp_specialize, constexpr arguments do
         not)."""
         HALF, CAUSAL, KEYSPLIT = gl.constexpr(half), gl.constexpr(causal), gl.constexpr(split)
-        # Split by keys, two staging buffers used in turn (run 44: +3.5% on 2×16×4096×64 causal); split by columns one
-        # (two measured 1–2% slower on full attention at d 64 and 128)
-        DQ_BUFS = gl.constexpr(2 if split else 1)
 
         @gluon.jit
         def consumer(q_smem, do_smem, k_smem, v_smem, m_smem, l_smem, d_smem, ds_smem, kv_bar, ready, empty, ds_bar,
@@ -199,15 +194,13 @@ if GLUON_ERROR is None:
                                                                instr_shape=[16, 64, 16])
             acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                  instr_shape=[16, HEAD, 16])
-            if KEYSPLIT:  # a [64, 64] partial, both column halves: chunks 2·pair, 2·pair + 1 (bulk_bases(64) + c5)
+            if KEYSPLIT:  # [64, 64] partials, both column halves (chunks 2·pair, 2·pair + 1: bulk_bases(64) + c5), in turn
                 stage = gl.allocate_shared_memory(gl.float32, [_BLOCK_M, HEAD], _STAGE_64)
+                stage1 = gl.allocate_shared_memory(gl.float32, [_BLOCK_M, HEAD], _STAGE_64)
             elif DQ_N == 64:
                 stage = gl.allocate_shared_memory(gl.float32, [_BLOCK_M, DQ_N], _STAGE_64)
             else:
                 stage = gl.allocate_shared_memory(gl.float32, [_BLOCK_M, DQ_N], _STAGE_32)
-            stage1 = stage
-            if DQ_BUFS == 2:
-                stage1 = gl.allocate_shared_memory(gl.float32, [_BLOCK_M, HEAD], _STAGE_64)
             key0 = start_n + HALF * _HALF_N
             keys = key0 + gl.arange(0, _HALF_N, layout=gl.SliceLayout(1, s_layout))
             dk = gl.zeros([_HALF_N, HEAD], gl.float32, layout=acc_layout)
@@ -220,58 +213,43 @@ if GLUON_ERROR is None:
             first_m = lo
             if CAUSAL:
                 first_m = key0
-            i = 0
-            if KEYSPLIT:
-                j = 0  # reduces issued: the staging buffers' turn (consumer 1 issues none for the tiles it skips)
-                for g in range(GROUP):
-                    pair = h0 + g  # this head's chunk pair in each row block: (row block · H + head)
-                    if CAUSAL:
-                        if HALF == 1:  # the group's first tile (rows start_n … key0 − 1) sees none of these keys
-                            st = i % 2
-                            mbarrier.wait(ready.index(st), (i // 2) & 1)
-                            mbarrier.arrive(empty.index(st), count=1)
-                            i += 1
-                    for start_m in range(first_m, hi, _BLOCK_M):
+            i = 0  # ring position
+            j = 0  # split by keys: reduces issued, the staging buffers' turn (consumer 1 issues none for a tile it skips)
+            for g in range(GROUP):
+                chunk_h = (h0 + g) * 2 + HALF  # chunk = (row block · H + head) · 2 + half; split by keys, pair h0 + g
+                if CAUSAL:
+                    if HALF == 1:  # the group's first tile (rows start_n … key0 − 1) sees none of these keys: dS̃ᵀ = 0
                         st = i % 2
-                        rows = start_m + gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(0, s_layout))
                         mbarrier.wait(ready.index(st), (i // 2) & 1)
-                        dk, dv = _tile(k, v, q_smem.index(st), do_smem.index(st), dk, dv, keys, key0, rows, start_m,
-                                       c, m_smem.index(st), l_smem.index(st), d_smem.index(st),
-                                       ds_smem.index(2 * st + HALF), CAUSAL)
-                        dq = _dq_gemm_own(ds_smem.index(2 * st + HALF), k)
-                        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-                        mbarrier.arrive(empty.index(st), count=1)
-                        _dq_add_turn(dq, stage, stage1, dqc_desc, ((chunk_row0 + start_m) // _BLOCK_M) * H + pair, j,
-                                     DQ_BUFS)
-                        i += 1
-                        j += 1
-            else:
-                for g in range(GROUP):
-                    chunk_h = (h0 + g) * 2 + HALF  # chunk = (row block · H + head) · 2 + half
-                    if CAUSAL:
-                        if HALF == 1:  # the group's first tile (rows start_n … key0 − 1) sees none of these keys: dS̃ᵀ = 0
-                            st = i % 2
-                            mbarrier.wait(ready.index(st), (i // 2) & 1)
+                        if KEYSPLIT:  # nothing to add
+                            mbarrier.arrive(empty.index(st), count=1)
+                        else:  # consumer 0's dQ columns still need these keys' (zero) dS̃ᵀ
                             ds_smem.index(2 * st + 1).store(gl.zeros([_HALF_N, _BLOCK_M], k_smem.dtype, layout=s_layout))
                             dq = _dq_gemm(ds_smem, kd0, kd1, ds_bar, st, (i // 2) & 1)
                             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
                             mbarrier.arrive(empty.index(st), count=1)
-                            _dq_add_turn(dq, stage, stage1, dqc_desc,
-                                         ((chunk_row0 + start_n) // _BLOCK_M) * 2 * H + chunk_h, i, DQ_BUFS)
-                            i += 1
-                    for start_m in range(first_m, hi, _BLOCK_M):
-                        st = i % 2
-                        rows = start_m + gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-                        mbarrier.wait(ready.index(st), (i // 2) & 1)
-                        dk, dv = _tile(k, v, q_smem.index(st), do_smem.index(st), dk, dv, keys, key0, rows,
-                                       start_m, c, m_smem.index(st), l_smem.index(st), d_smem.index(st),
-                                       ds_smem.index(2 * st + HALF), CAUSAL)
-                        dq = _dq_gemm(ds_smem, kd0, kd1, ds_bar, st, (i // 2) & 1)
-                        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-                        mbarrier.arrive(empty.index(st), count=1)
-                        _dq_add_turn(dq, stage, stage1, dqc_desc,
-                                     ((chunk_row0 + start_m) // _BLOCK_M) * 2 * H + chunk_h, i, DQ_BUFS)
+                            _dq_add(dq, stage, dqc_desc, ((chunk_row0 + start_n) // _BLOCK_M) * 2 * H + chunk_h, 0)
                         i += 1
+                for start_m in range(first_m, hi, _BLOCK_M):
+                    st = i % 2
+                    rows = start_m + gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+                    mbarrier.wait(ready.index(st), (i // 2) & 1)
+                    dk, dv = _tile(k, v, q_smem.index(st), do_smem.index(st), dk, dv, keys, key0, rows, start_m, c,
+                                   m_smem.index(st), l_smem.index(st), d_smem.index(st), ds_smem.index(2 * st + HALF),
+                                   CAUSAL)
+                    if KEYSPLIT:
+                        dq = _dq_gemm_own(ds_smem.index(2 * st + HALF), k)
+                    else:
+                        dq = _dq_gemm(ds_smem, kd0, kd1, ds_bar, st, (i // 2) & 1)
+                    dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+                    mbarrier.arrive(empty.index(st), count=1)
+                    row_block = (chunk_row0 + start_m) // _BLOCK_M
+                    if KEYSPLIT:
+                        _dq_add_turn(dq, stage, stage1, dqc_desc, row_block * H + h0 + g, j)
+                        j += 1
+                    else:
+                        _dq_add(dq, stage, dqc_desc, row_block * 2 * H + chunk_h, 0)
+                    i += 1
             dk = dk * tau
             out_rows = (out_row + HALF * _HALF_N
                         + gl.arange(0, _HALF_N, layout=gl.SliceLayout(1, acc_layout))).to(gl.int64)
@@ -401,7 +379,10 @@ def pays(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
     keys and head dim 128 in three of four readings, −7…+5%): full attention, or causal without GQA from
     :data:`CAUSAL_MIN_SEQLEN` keys on (head dim 128 or 64). (benchmarks/onepass_ab.py lifts this rule to time the one
     pass everywhere.)"""
-    return not causal or (k.shape[2] == q.shape[2] and q.shape[1] >= CAUSAL_MIN_SEQLEN.get(q.shape[3], q.shape[1] + 1))
+    if not causal:
+        return True
+    min_seqlen = CAUSAL_MIN_SEQLEN.get(q.shape[3])
+    return min_seqlen is not None and k.shape[2] == q.shape[2] and q.shape[1] >= min_seqlen
 
 
 def backward(q, k, v, do, o, m, log2l, delta, dq, c: float, softmax_scale: float, causal: bool, dk_dtype: torch.dtype,
@@ -456,6 +437,7 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, grad_dtype: 
     g = pointer_type(grad_dtype or dtype)
     sig = {"q_desc": t, "do_desc": t, "k_desc": t, "v_desc": t,
            "dqc_desc": f"tensordesc<fp32[{head_dim // (4 if split else 8)}, 256],{_chunk_layout()!r}>", "DK": g,
-           "DV": g, "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32", "tau": "fp32", "H": "i32", "GROUP": "i32", "N_CTX": "i32",
+           "DV": g, "M": "*fp32", "LOG2L": "*fp32", "DELTA": "*fp32", "c": "fp32", "tau": "fp32", "H": "i32",
+           "GROUP": "i32", "N_CTX": "i32",
            **{f"{x}_{w}": "i32" for x in ("q", "do", "k", "v") for w in ("rb", "rh", "ch")}}
     return aot_compile_sm90(_kernel_for(bool(causal), bool(split)), sig, {arg: 1 for arg in ones})
